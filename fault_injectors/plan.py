@@ -1,0 +1,96 @@
+"""Pure fault plans: which commands run on which host to apply and to revert a fault.
+
+A plan is data, computed from a `FaultSpec` and a `Topology` without touching anything, so
+`--dry-run` prints exactly what `execute` would run.
+"""
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass, field
+
+from fault_injectors.spec import FaultSpec
+
+
+@dataclass(frozen=True)
+class RankPlace:
+    rank: int
+    node: int
+    pid: int
+
+
+@dataclass(frozen=True)
+class NodePlace:
+    node: int
+    host: str  # name used to reach the host (hostfile entry, or "localhost")
+    address: str  # address the node's ranks and agent listen on
+    agent_pid: int
+    netns: str | None = None  # local sandbox namespace of the node, if any
+    interface: str | None = None  # the node's link to the others (veth in the sandbox)
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where a run's pieces are, as the controller knows it when a fault is planned."""
+
+    run_id: str
+    nodes: tuple[NodePlace, ...]
+    ranks: tuple[RankPlace, ...]
+    controller_address: str = "127.0.0.1"
+    store_port: int = 0
+    ssh_port: int = 22
+    fault_dir: str = "/dev/shm"  # where a rank picks up an emulated in-step fault
+
+    def node(self, node: int) -> NodePlace:
+        for place in self.nodes:
+            if place.node == node:
+                return place
+        raise KeyError(node)
+
+    def rank(self, rank: int) -> RankPlace:
+        for place in self.ranks:
+            if place.rank == rank:
+                return place
+        raise KeyError(rank)
+
+    def ranks_of(self, node: int) -> tuple[RankPlace, ...]:
+        return tuple(r for r in self.ranks if r.node == node)
+
+
+@dataclass(frozen=True)
+class HostCommand:
+    node: int
+    host: str
+    argv: tuple[str, ...]
+    netns: str | None = None
+    allow_fail: bool = False  # e.g. killing a process that already exited
+
+    def __str__(self) -> str:
+        prefix = f"ip netns exec {shlex.quote(self.netns)} " if self.netns else ""
+        return f"[{self.host}] {prefix}{shlex.join(self.argv)}"
+
+
+@dataclass(frozen=True)
+class FaultPlan:
+    """Apply and revert commands for one fault on resolved targets."""
+
+    spec: FaultSpec
+    ranks: tuple[int, ...]
+    nodes: tuple[int, ...]
+    apply: tuple[HostCommand, ...]
+    revert: tuple[HostCommand, ...] = ()
+    emulated: bool = False
+    # Installed on the target host before apply; reverts by itself after duration + grace.
+    deadman: tuple[HostCommand, ...] = ()
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def revertible(self) -> bool:
+        return bool(self.revert)
+
+    def describe(self) -> list[str]:
+        lines = [f"# {self.spec.kind.value} on ranks {list(self.ranks)} nodes {list(self.nodes)}"]
+        lines += [f"apply:  {c}" for c in self.apply]
+        lines += [f"guard:  {c}" for c in self.deadman]
+        lines += [f"revert: {c}" for c in self.revert]
+        lines += [f"note:   {n}" for n in self.notes]
+        return lines

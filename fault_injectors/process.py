@@ -1,0 +1,44 @@
+"""Process faults: kill-rank, term-rank, hang-rank (SIGSTOP / SIGCONT) and crash-rank.
+
+crash-rank (and the emulated GPU faults) act inside the rank's training step: the plan drops the
+fault's name in a file the rank owns and sends SIGUSR1; the rank's step hook raises it.
+"""
+from __future__ import annotations
+
+from fault_injectors.plan import FaultPlan, HostCommand, Topology
+from fault_injectors.spec import FaultKind, FaultSpec
+
+SIGNALS = {FaultKind.KILL_RANK: "KILL", FaultKind.TERM_RANK: "TERM", FaultKind.HANG_RANK: "STOP"}
+
+
+def in_step_fault_path(topo: Topology, rank: int) -> str:
+    return f"{topo.fault_dir}/ffctl-{topo.run_id}-fault-r{rank}"
+
+
+def in_step_command(topo: Topology, rank: int, what: str) -> HostCommand:
+    place = topo.rank(rank)
+    node = topo.node(place.node)
+    # Positional parameters, not string pasting: nothing in the path or name reaches the shell.
+    argv = (
+        "sh", "-c", 'printf %s "$1" > "$2" && kill -USR1 "$3"', "sh",
+        what, in_step_fault_path(topo, rank), str(place.pid),
+    )
+    return HostCommand(node.node, node.host, argv, netns=node.netns)
+
+
+def plan(spec: FaultSpec, topo: Topology, ranks: tuple[int, ...], nodes: tuple[int, ...]) -> FaultPlan:
+    if spec.kind is FaultKind.CRASH_RANK:
+        what = spec.option("signal", "exception") or "exception"
+        apply = tuple(in_step_command(topo, r, f"crash-rank:{what}") for r in ranks)
+        return FaultPlan(spec, ranks, nodes, apply=apply)
+    sig = SIGNALS[spec.kind]
+    apply, revert = [], []
+    for rank in ranks:
+        place = topo.rank(rank)
+        node = topo.node(place.node)
+        apply.append(HostCommand(node.node, node.host, ("kill", f"-{sig}", str(place.pid)), node.netns))
+        if spec.kind is FaultKind.HANG_RANK:
+            revert.append(
+                HostCommand(node.node, node.host, ("kill", "-CONT", str(place.pid)), node.netns, allow_fail=True)
+            )
+    return FaultPlan(spec, ranks, nodes, apply=tuple(apply), revert=tuple(revert))

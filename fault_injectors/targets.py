@@ -1,0 +1,49 @@
+"""Resolve a fault's target (rank, node, host or a seeded mode) against a topology."""
+from __future__ import annotations
+
+import math
+import random
+
+from fault_injectors.plan import Topology
+from fault_injectors.spec import FaultSpec, FaultSpecError, TargetMode
+
+
+def resolve(spec: FaultSpec, topo: Topology) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(ranks, nodes) the fault hits. Rank-level kinds pick ranks; node and network kinds nodes."""
+    target = spec.target
+    all_ranks = sorted(r.rank for r in topo.ranks)
+    all_nodes = sorted(n.node for n in topo.nodes)
+    by_rank = spec.kind.targets_rank
+    if target.mode is TargetMode.RANK:
+        rank = int(target.value)  # type: ignore[arg-type]
+        if rank not in all_ranks:
+            raise FaultSpecError(f"rank {rank} does not exist (world size {len(all_ranks)})")
+        node = topo.rank(rank).node
+        return ((rank,), (node,)) if by_rank else ((), (node,))
+    if target.mode is TargetMode.NODE:
+        node = int(target.value)  # type: ignore[arg-type]
+        if node not in all_nodes:
+            raise FaultSpecError(f"node {node} does not exist (nodes {all_nodes})")
+        return (tuple(r.rank for r in topo.ranks_of(node)) if by_rank else (), (node,))
+    if target.mode is TargetMode.HOST:
+        nodes = tuple(n.node for n in topo.nodes if n.host == target.value)
+        if not nodes:
+            raise FaultSpecError(f"host {target.value!r} is not part of this run")
+        ranks = tuple(r.rank for r in topo.ranks if r.node in nodes)
+        return (ranks if by_rank else (), nodes)
+    pool = all_ranks if by_rank else all_nodes
+    rng = random.Random(spec.seed)
+    if target.mode is TargetMode.ONE:
+        count = 1
+    elif target.mode is TargetMode.ALL:
+        count = len(pool)
+    elif target.mode is TargetMode.FIXED:
+        count = int(target.value)  # type: ignore[arg-type]
+        if count > len(pool):
+            raise FaultSpecError(f"fixed:{count} asks for more targets than the {len(pool)} there are")
+    else:
+        count = max(1, math.floor(len(pool) * int(target.value) / 100))  # type: ignore[arg-type]
+    chosen = tuple(sorted(rng.sample(pool, count)))
+    if by_rank:
+        return chosen, tuple(sorted({topo.rank(r).node for r in chosen}))
+    return (), chosen

@@ -1,0 +1,76 @@
+"""The event schema of a run record: one `Event` per line of `events.jsonl`.
+
+Every fact of a run (fault injected, rank exited, snapshot taken, restore done, step committed)
+is an event with a controller-clock timestamp `t` (seconds since the epoch) and a few fields.
+Kinds are `str` enums so the JSON stays readable and stable.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+
+class EventKind(str, Enum):
+    """What happened. The fields each kind carries are listed beside it."""
+
+    RUN_STARTED = "run_started"  # world_size, strategy, nnodes, nproc_per_node, steps, seed
+    AGENT_STARTED = "agent_started"  # node, host, pid, clock_offset_s
+    SPARES_HELD = "spares_held"  # node, count (warm spares now held on that node)
+    STEP = "step"  # step, loss, step_time_s, gen, rank (the first rank to commit the step)
+    SNAPSHOT_TAKEN = "snapshot_taken"  # step, kind ("memory" | "disk"), ranks
+    FAULT_INJECTED = "fault_injected"  # fault_id, kind, target, ranks, nodes, at_step, emulated
+    FAULT_REVERTED = "fault_reverted"  # fault_id
+    FAULT_FAILED = "fault_failed"  # fault_id, error (the fault could not be applied)
+    RANK_EXITED = "rank_exited"  # node, rank, pid, exitcode, gen
+    NODE_LOST = "node_lost"  # node, reason
+    FAILURE_DETECTED = "failure_detected"  # fault_ids, cause, ranks, nodes, gen
+    RECOVERY_DECIDED = "recovery_decided"  # fault_ids, gen, restore_step, restore_source, strategy
+    RANKS_SPAWNED = "ranks_spawned"  # gen, ranks
+    RENDEZVOUS_DONE = "rendezvous_done"  # gen
+    RESTORE_DONE = "restore_done"  # gen, step, source
+    RECOVERY_FAILED = "recovery_failed"  # fault_ids, reason
+    RUN_FINISHED = "run_finished"  # status, steps_completed, reason
+
+
+class RunStatus(str, Enum):
+    """How a run ended; `running` while no `run_finished` event exists."""
+
+    RUNNING = "running"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    INTERRUPTED = "interrupted"
+
+
+class RestoreSource(str, Enum):
+    """Where a lost rank's state came from."""
+
+    LOCAL_MEMORY = "local-memory"
+    PEER_MEMORY = "peer-memory"
+    REPLICA = "replica"
+    DISK = "disk"
+    NONE = "none"
+
+
+@dataclass(frozen=True)
+class Event:
+    """One line of events.jsonl."""
+
+    kind: EventKind
+    t: float
+    data: dict[str, Any] = field(default_factory=dict)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.data.get(key, default)
+
+    def to_json(self) -> str:
+        # `kind` and `t` first so a human tailing the file reads the essentials.
+        return json.dumps({"kind": self.kind.value, "t": self.t, **self.data}, sort_keys=False)
+
+    @classmethod
+    def from_json(cls, line: str) -> Event:
+        raw = json.loads(line)
+        kind = EventKind(raw.pop("kind"))
+        t = float(raw.pop("t"))
+        return cls(kind=kind, t=t, data=raw)

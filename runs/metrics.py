@@ -1,0 +1,232 @@
+"""Pure metrics: a run's events in, its recovery figures out (DESIGN.md, "Run record and metrics").
+
+Definitions, all on the controller clock:
+- detection_s = detected - injected.
+- recovery_s = resumed - injected; `resumed` is when the job completes step m+1, m being the
+  highest step any rank had completed when the fault hit. Replay of rolled-back steps is included.
+- breakdown: detect, decide, spawn, rendezvous, restore, replay; they add up to recovery_s.
+- lost_steps = m - s, s being the step the job was restored to.
+- lost_gpu_hours = world_size x recovery_s / 3600 (a fault never recovered from counts until the
+  run ended).
+Per run, lost_gpu_hours_total counts the union of the faults' windows, so two overlapping faults
+(a fault during another's replay) do not bill the same idle device-seconds twice.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterable
+
+from runs.events import Event, EventKind, RunStatus
+
+BREAKDOWN_KEYS = ("detect", "decide", "spawn", "rendezvous", "restore", "replay")
+
+
+@dataclass(frozen=True)
+class FaultMetrics:
+    fault_id: str
+    kind: str
+    target: str
+    emulated: bool
+    injected_at: float
+    detected_at: float | None
+    resumed_at: float | None
+    detection_s: float | None
+    recovery_s: float | None
+    breakdown: dict[str, float | None]
+    at_step: int
+    restore_step: int | None
+    lost_steps: int
+    restore_source: str | None
+    lost_gpu_hours: float
+    recovered: bool
+
+
+@dataclass(frozen=True)
+class RunMetrics:
+    run_id: str
+    status: str
+    strategy: str
+    world_size: int
+    steps_completed: int
+    final_loss: float | None
+    loss_by_step: list[list[float]]
+    faults: list[FaultMetrics] = field(default_factory=list)
+    lost_gpu_hours_total: float = 0.0
+    spare_gpu_hours: float = 0.0
+    goodput: float | None = None
+    wall_s: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        # loss_by_step pairs are [int step, float loss]; keep the step an int in JSON.
+        out["loss_by_step"] = [[int(s), loss] for s, loss in self.loss_by_step]
+        return out
+
+
+def _first(events: Iterable[Event], pred: Any) -> Event | None:
+    for ev in events:
+        if pred(ev):
+            return ev
+    return None
+
+
+def final_losses(events: list[Event]) -> dict[int, float]:
+    """Loss of every step as the job finally committed it: a rollback to s forgets steps past s."""
+    losses: dict[int, float] = {}
+    for ev in events:
+        if ev.kind is EventKind.STEP:
+            losses[int(ev.get("step"))] = float(ev.get("loss"))
+        elif ev.kind is EventKind.RECOVERY_DECIDED and ev.get("restore_step") is not None:
+            s = int(ev.get("restore_step"))
+            for step in [k for k in losses if k > s]:
+                del losses[step]
+    return losses
+
+
+def _final_step_times(events: list[Event]) -> dict[int, float]:
+    times: dict[int, float] = {}
+    for ev in events:
+        if ev.kind is EventKind.STEP:
+            times[int(ev.get("step"))] = float(ev.get("step_time_s", 0.0))
+        elif ev.kind is EventKind.RECOVERY_DECIDED and ev.get("restore_step") is not None:
+            s = int(ev.get("restore_step"))
+            for step in [k for k in times if k > s]:
+                del times[step]
+    return times
+
+
+def _fault_metrics(inj: Event, events: list[Event], world_size: int, end_t: float) -> FaultMetrics:
+    fid = str(inj.get("fault_id"))
+    ti = inj.t
+    mentions = lambda ev: fid in (ev.get("fault_ids") or [])  # noqa: E731
+    detected = _first(events, lambda ev: ev.kind is EventKind.FAILURE_DETECTED and mentions(ev))
+    decisions = [ev for ev in events if ev.kind is EventKind.RECOVERY_DECIDED and mentions(ev)]
+    gen_at_fault = inj.get("gen", 0)
+    hit_t = detected.t if detected else ti
+    # m: the highest step completed when the fault hit. Steps the old generation still finished
+    # between injection and detection count too: they were done before the job noticed.
+    m = int(inj.get("at_step", 0))
+    for ev in events:
+        if ev.kind is EventKind.STEP and ev.t <= hit_t and ev.get("gen", 0) == gen_at_fault:
+            m = max(m, int(ev.get("step")))
+    decision = decisions[-1] if decisions else None
+    if decision is not None:
+        gen = decision.get("gen")
+        resumed = _first(
+            events,
+            lambda ev: ev.kind is EventKind.STEP
+            and ev.t >= decision.t
+            and ev.get("gen", 0) >= gen
+            and int(ev.get("step")) >= m + 1,
+        )
+    else:
+        resumed = _first(
+            events, lambda ev: ev.kind is EventKind.STEP and ev.t > ti and int(ev.get("step")) >= m + 1
+        )
+    failed = _first(events, lambda ev: ev.kind is EventKind.RECOVERY_FAILED and mentions(ev))
+    if failed is not None and (resumed is None or failed.t < resumed.t):
+        resumed = None
+    breakdown: dict[str, float | None] = {k: None for k in BREAKDOWN_KEYS}
+    if detected is not None:
+        breakdown["detect"] = detected.t - ti
+    if decision is not None and detected is not None:
+        gen = decision.get("gen")
+        phase = lambda kind: _first(  # noqa: E731
+            events, lambda ev: ev.kind is kind and ev.get("gen") == gen and ev.t >= decision.t
+        )
+        marks = [detected.t, decision.t]
+        for kind in (EventKind.RANKS_SPAWNED, EventKind.RENDEZVOUS_DONE, EventKind.RESTORE_DONE):
+            ev = phase(kind)
+            # A phase the strategy skips (no restore under `none`) takes no time.
+            marks.append(ev.t if ev is not None else marks[-1])
+        if resumed is not None:
+            marks.append(resumed.t)
+        for key, (a, b) in zip(BREAKDOWN_KEYS[1:], zip(marks, marks[1:])):
+            breakdown[key] = max(0.0, b - a)
+    recovery_s = resumed.t - ti if resumed is not None else None
+    window = recovery_s if recovery_s is not None else max(0.0, end_t - ti)
+    restore_step = decision.get("restore_step") if decision is not None else None
+    return FaultMetrics(
+        fault_id=fid,
+        kind=str(inj.get("kind")),
+        target=str(inj.get("target")),
+        emulated=bool(inj.get("emulated", False)),
+        injected_at=ti,
+        detected_at=detected.t if detected else None,
+        resumed_at=resumed.t if resumed else None,
+        detection_s=(detected.t - ti) if detected else None,
+        recovery_s=recovery_s,
+        breakdown=breakdown,
+        at_step=m,
+        restore_step=restore_step,
+        lost_steps=max(0, m - int(restore_step)) if restore_step is not None else 0,
+        restore_source=decision.get("restore_source") if decision is not None else None,
+        lost_gpu_hours=world_size * window / 3600.0,
+        recovered=resumed is not None,
+    )
+
+
+def _union_length(intervals: list[tuple[float, float]]) -> float:
+    total, cur_start, cur_end = 0.0, None, None
+    for a, b in sorted(intervals):
+        if cur_end is None or a > cur_end:
+            if cur_end is not None:
+                total += cur_end - cur_start  # type: ignore[operator]
+            cur_start, cur_end = a, b
+        else:
+            cur_end = max(cur_end, b)
+    if cur_end is not None:
+        total += cur_end - cur_start  # type: ignore[operator]
+    return total
+
+
+def _spare_seconds(events: list[Event], end_t: float) -> float:
+    held: dict[Any, tuple[float, int]] = {}
+    total = 0.0
+    for ev in events:
+        if ev.kind is EventKind.SPARES_HELD:
+            node = ev.get("node")
+            if node in held:
+                since, count = held[node]
+                total += count * (ev.t - since)
+            held[node] = (ev.t, int(ev.get("count", 0)))
+    for since, count in held.values():
+        total += count * max(0.0, end_t - since)
+    return total
+
+
+def compute(run_id: str, events: list[Event]) -> RunMetrics:
+    """Every figure of `ffctl report`, from the events alone."""
+    started = _first(events, lambda ev: ev.kind is EventKind.RUN_STARTED)
+    finished = _first(events, lambda ev: ev.kind is EventKind.RUN_FINISHED)
+    world_size = int(started.get("world_size", 0)) if started else 0
+    strategy = str(started.get("strategy", "")) if started else ""
+    start_t = started.t if started else (events[0].t if events else 0.0)
+    end_t = finished.t if finished else (events[-1].t if events else start_t)
+    status = str(finished.get("status")) if finished else RunStatus.RUNNING.value
+    losses = final_losses(events)
+    faults = [
+        _fault_metrics(ev, events, world_size, end_t)
+        for ev in events
+        if ev.kind is EventKind.FAULT_INJECTED
+    ]
+    windows = [
+        (f.injected_at, f.resumed_at if f.resumed_at is not None else max(end_t, f.injected_at))
+        for f in faults
+    ]
+    wall = end_t - start_t
+    useful = sum(_final_step_times(events).values())
+    return RunMetrics(
+        run_id=run_id,
+        status=status,
+        strategy=strategy,
+        world_size=world_size,
+        steps_completed=max(losses) if losses else 0,
+        final_loss=losses[max(losses)] if losses else None,
+        loss_by_step=[[step, losses[step]] for step in sorted(losses)],
+        faults=faults,
+        lost_gpu_hours_total=world_size * _union_length(windows) / 3600.0,
+        spare_gpu_hours=_spare_seconds(events, end_t) / 3600.0,
+        goodput=(useful / wall) if wall > 0 else None,
+        wall_s=wall,
+    )
