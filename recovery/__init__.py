@@ -1,0 +1,13 @@
+"""The library a training script links to survive its peers' failures.
+
+Register the training state as callables, call `Job.run(step_fn, steps)`, and use `job.allreduce`
+for the collectives that may be interrupted. The library keeps a per-step snapshot in the node
+agent's shared memory, aborts a failed collective, rebuilds the process group for the next
+generation and restores (at most one step back) in one step. It never imports ffctl.
+"""
+from __future__ import annotations
+
+from recovery.errors import PeerFailure, RecoveryError
+from recovery.job import Job, StepContext
+
+__all__ = ["Job", "PeerFailure", "RecoveryError", "StepContext"]

@@ -1,0 +1,99 @@
+"""The reconfigurable process group: one torch process group per generation, abortable waits.
+
+A generation's group is built on a PrefixStore (`pg/<gen>/`) of the controller's store, so a new
+generation never collides with the keys of an old one. Waiting on a collective also watches the
+controller's abort flag for the generation: a survivor blocked on a dead peer (gloo would wait
+for its full timeout) gives up as soon as the controller opens the next generation. The old group
+is then dropped, not destroyed, because its threads may still be blocked on the dead peer.
+"""
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from recovery import control
+from recovery.errors import PeerFailure
+
+
+class AbortWatcher:
+    """Polls the controller's abort flag of one generation on a connection of its own."""
+
+    def __init__(self, host: str, port: int, gen: int, wake: threading.Event, period: float = 0.01) -> None:
+        self.gen = gen
+        self.aborted = threading.Event()
+        self._wake = wake
+        self._stop = threading.Event()
+        self._store = control.connect(host, port, timeout=10.0)
+        self._period = period
+        self._thread = threading.Thread(target=self._run, name=f"ffctl-abort-{gen}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        key = control.gen_abort_key(self.gen)
+        while not self._stop.is_set():
+            try:
+                if self._store.check([key]):
+                    self.aborted.set()
+                    self._wake.set()
+                    return
+            except Exception:
+                # The controller is gone: nothing can complete any more.
+                self.aborted.set()
+                self._wake.set()
+                return
+            self._stop.wait(self._period)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+class Generation:
+    """The process group of one generation and the waits that the controller can interrupt."""
+
+    def __init__(self, store: dist.Store, host: str, port: int, gen: int, rank: int, world_size: int,
+                 timeout: float, backend: str = "gloo") -> None:
+        self.gen = gen
+        self.rank = rank
+        self.world_size = world_size
+        self._wake = threading.Event()
+        self.watcher = AbortWatcher(host, port, gen, self._wake)
+        prefix = dist.PrefixStore(control.pg_prefix(gen), store)
+        td = datetime.timedelta(seconds=timeout)
+        if backend == "nccl":
+            self.pg: Any = dist.ProcessGroupNCCL(prefix, rank, world_size, dist.ProcessGroupNCCL.Options())
+        else:
+            self.pg = dist.ProcessGroupGloo(prefix, rank, world_size, td)
+
+    def wait(self, work: Any, what: str) -> None:
+        done = threading.Event()
+        wake = self._wake
+        work.get_future().add_done_callback(lambda _f: (done.set(), wake.set()))
+        while not done.is_set():
+            if self.watcher.aborted.is_set():
+                raise PeerFailure(self.gen, f"{what} aborted: the controller opened a new generation")
+            wake.wait(0.05)
+            wake.clear()
+        try:
+            work.wait()
+        except Exception as exc:  # gloo reports a dead peer as a RuntimeError
+            raise PeerFailure(self.gen, f"{what} failed: {str(exc).splitlines()[0][:200]}") from None
+
+    def allreduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.wait(self.pg.allreduce([tensor]), "allreduce")
+        return tensor
+
+    def allgather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        outs = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        self.wait(self.pg.allgather([outs], [tensor]), "allgather")
+        return outs
+
+    def barrier(self) -> None:
+        self.allreduce(torch.zeros(1))
+
+    def close(self) -> None:
+        self.watcher.stop()

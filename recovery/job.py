@@ -1,0 +1,233 @@
+"""`Job`: the recovery API a training script links (DESIGN.md, "One-step restoration").
+
+    job = Job.from_env()
+    job.register("model", model.state_dict, model.load_state_dict, replicated=True)
+    job.register("optim", opt.state_dict, opt.load_state_dict, replicated=True)
+    job.run(step_fn, steps)          # step_fn(ctx) -> loss; uses ctx.allreduce(tensor)
+
+Per step the library commits, snapshots into the agent's shared memory (the copy overlaps the
+next step and is fenced before the next collective, so before the next optimizer update), and
+reports progress. When a peer fails, the collective is aborted, the rank waits for the next
+generation's plan, rebuilds its process group and restores the plan's step: survivors from their
+own slot, replacements from the local agent, the ring neighbour or disk.
+"""
+from __future__ import annotations
+
+import random
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from recovery import control, disk
+from recovery.errors import PeerFailure, RecoveryError
+from recovery.faults import InStepFaults
+from recovery.group import Generation
+from recovery.jobenv import JobEnv, Strategy
+from recovery.peer import ChannelError, PeerClient
+from recovery.slots import SlotContent, SlotWriter, read_slot, slot_path
+from recovery.snapshot import StateEntry, assemble, capture, read_meta
+
+PLAN_TIMEOUT = 600.0
+ACK_TIMEOUT = 5.0
+
+
+@dataclass
+class StepContext:
+    """What a step function gets: the step number and the collectives of this generation."""
+
+    step: int
+    job: Job
+
+    @property
+    def rank(self) -> int:
+        return self.job.env.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.job.env.world_size
+
+    def allreduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.job.allreduce(tensor)
+
+
+def _exit_on_term(signum: int, frame: Any) -> None:
+    # SIGTERM from the agent is an orderly shutdown: unwind so the slots are fenced and closed.
+    raise SystemExit(128 + signum)
+
+
+def _rng_state() -> dict[str, Any]:
+    return {"torch": torch.get_rng_state(), "python": random.getstate()}
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+
+
+class Job:
+    def __init__(self, env: JobEnv) -> None:
+        self.env = env
+        self.entries: list[StateEntry] = [StateEntry("rng", _rng_state, _set_rng_state, replicated=False)]
+        self.store = control.connect(env.store_host, env.store_port, timeout=60.0)
+        self.group: Generation | None = None
+        self.writer = SlotWriter(env.shm_dir, env.run_id, env.node, env.rank) if env.memory_snapshots else None
+        self.faults = InStepFaults(env.fault_dir, env.run_id, env.rank)
+        self.last_committed = 0
+        self._ack_degraded = False
+        signal.signal(signal.SIGTERM, _exit_on_term)
+
+    @classmethod
+    def from_env(cls) -> Job:
+        return cls(JobEnv.from_env())
+
+    # -- registration -------------------------------------------------------------------------
+    def register(self, name: str, get: Callable[[], Any], set: Callable[[Any], None], *, replicated: bool = False) -> None:
+        """Hand the library a piece of state as callables. `replicated=True` for state that is the
+        same on every rank (data-parallel parameters, a replicated optimizer): it is snapshotted
+        once per replica group, each rank keeping a 1/W slice."""
+        if any(e.name == name for e in self.entries):
+            raise ValueError(f"state {name!r} registered twice")
+        self.entries.append(StateEntry(name, get, set, replicated))
+
+    # -- collectives --------------------------------------------------------------------------
+    def allreduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum `tensor` over the ranks of the current generation, in place. Fences the previous
+        step's snapshot first: the optimizer update that follows must not race the copy."""
+        self.fence()
+        assert self.group is not None
+        return self.group.allreduce(tensor)
+
+    def fence(self) -> None:
+        if self.writer is None:
+            return
+        self.writer.fence()
+        if self.env.replicate and self.last_committed > 0:
+            self._wait_replicated(self.last_committed)
+
+    def _wait_replicated(self, step: int) -> None:
+        # The ring neighbour must hold step k before this rank can take part in step k+1's
+        # collective; then a node loss never costs more than one step. If the neighbour is gone,
+        # stop waiting (the controller will fall back) and retry once it has caught up.
+        assert self.writer is not None
+        deadline = time.monotonic() + (0.2 if self._ack_degraded else ACK_TIMEOUT)
+        while self.writer.replicated_step(step) < step:
+            if time.monotonic() > deadline:
+                self._ack_degraded = True
+                return
+            time.sleep(0.0005)
+        self._ack_degraded = False
+
+    # -- the loop ----------------------------------------------------------------------------
+    def run(self, step_fn: Callable[[StepContext], float], steps: int) -> None:
+        self.faults.install()
+        gen = self.env.gen
+        try:
+            while True:
+                gen, plan = control.newest_plan(self.store, gen, PLAN_TIMEOUT)
+                try:
+                    start = self._join(gen, plan)
+                    self._train(step_fn, start, steps)
+                    self._send("done", gen=gen, step=self.last_committed)
+                    return
+                except PeerFailure as exc:
+                    if self.env.strategy != Strategy.PEER:
+                        # Restart strategies tear every rank down; exit and let the agent respawn.
+                        raise RecoveryError(str(exc)) from None
+                    if self.writer is not None:
+                        self.writer.fence()
+                    self._send("aborted", gen=gen, step=self.last_committed, reason=exc.reason)
+                    gen += 1
+        finally:
+            if self.group is not None:
+                self.group.close()
+            if self.writer is not None:
+                self.writer.close()
+
+    def _send(self, kind: str, **fields: Any) -> None:
+        control.send(self.store, control.CTL_QUEUE, {"type": kind, "rank": self.env.rank, "node": self.env.node, **fields})
+
+    def _join(self, gen: int, plan: dict[str, Any]) -> int:
+        if self.group is not None:
+            self.group.close()  # the old group is dropped, not destroyed: it may still be blocked
+        self.group = Generation(self.store, self.env.store_host, self.env.store_port, gen, self.env.rank,
+                                int(plan["world_size"]), self.env.pg_timeout, self.env.backend)
+        self.group.barrier()
+        self._send("joined", gen=gen)
+        step = int(plan.get("restore_step") or 0)
+        if step > 0:
+            source = plan["sources"][str(self.env.rank)]
+            self._restore(gen, step, source)
+            self._send("restored", gen=gen, step=step, source=source["kind"])
+        self.last_committed = step
+        return step
+
+    def _fetch(self, step: int, source: dict[str, Any]) -> SlotContent | None:
+        kind = source["kind"]
+        if kind == "disk":
+            return disk.load(self.env.ckpt_dir, step, self.env.rank)
+        if source.get("address"):
+            try:
+                client = PeerClient(source["address"], int(source["port"]), self.env.token)
+                try:
+                    return client.get(self.env.rank, step, source.get("where", "replica"))
+                finally:
+                    client.close()
+            except ChannelError:
+                return None
+        node = int(source.get("node", self.env.node))
+        return read_slot(slot_path(self.env.shm_dir, self.env.run_id, node, self.env.rank, step % 2))
+
+    def _restore(self, gen: int, step: int, source: dict[str, Any]) -> None:
+        content = self._fetch(step, source)
+        ok = content is not None and content.step == step and content.verify()
+        # Every rank must learn whether all shards are usable before anyone assembles state.
+        assert self.group is not None
+        flags = self.group.allreduce(torch.tensor([0.0 if ok else 1.0]))
+        if flags.item() > 0:
+            why = "missing" if content is None else "checksum mismatch"
+            if not ok:
+                self._send("restore_failed", gen=gen, step=step, source=source["kind"], reason=why)
+            raise PeerFailure(gen, f"state for step {step} unusable on some rank ({why if not ok else 'peer'})")
+        assert content is not None
+        meta = read_meta(content.meta)
+        chunk = meta["layout"].chunk
+        mine = torch.zeros(chunk, dtype=torch.uint8)
+        if content.shard:
+            mine[: len(content.shard)] = torch.frombuffer(bytearray(content.shard), dtype=torch.uint8)
+        parts = self.group.allgather(mine)
+        whole = torch.cat(parts)[: meta["layout"].total]
+        states = assemble(meta, whole)
+        for entry in self.entries:
+            if entry.name not in states:
+                raise RecoveryError(f"snapshot of step {step} has no state {entry.name!r}")
+            entry.set(states[entry.name])
+
+    def _train(self, step_fn: Callable[[StepContext], float], start: int, steps: int) -> None:
+        for step in range(start + 1, steps + 1):
+            t0 = time.perf_counter()
+            self.faults.check()
+            loss = float(step_fn(StepContext(step, self)))
+            dt = time.perf_counter() - t0
+            self._commit(step, loss, dt)
+
+    def _commit(self, step: int, loss: float, dt: float) -> None:
+        self.last_committed = step
+        self._send("step", gen=self.group.gen if self.group else 0, step=step, loss=loss, dt=dt)
+        needs_disk = self.env.ckpt_every > 0 and step % self.env.ckpt_every == 0 and self.env.ckpt_dir
+        if self.writer is None and not needs_disk:
+            return
+        world = self.group.world_size if self.group else self.env.world_size
+        cap = capture(self.entries, step, self.env.rank, world)
+        if self.writer is not None:
+            self.writer.begin(cap)
+        if needs_disk:
+            disk.save(self.env.ckpt_dir, cap)
+            self._send("ckpt", step=step)
+
+
+def ckpt_dir_of(run_dir: Path) -> Path:
+    return run_dir / "checkpoints"

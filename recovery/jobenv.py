@@ -1,0 +1,87 @@
+"""What a rank learns from its environment: torchrun's variables plus ffctl's own.
+
+The agent sets these for every rank it spawns (`to_env`); the library reads them back
+(`JobEnv.from_env`). torchrun's names are honoured so unchanged torchrun scripts run too.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, fields
+from typing import Mapping
+
+
+class Strategy:
+    """Recovery strategies (DESIGN.md): values of `--recovery`."""
+
+    PEER = "peer"
+    RESTART_MEMORY = "restart-memory"
+    RESTART_DISK = "restart-disk"
+    NONE = "none"
+    ALL = (PEER, RESTART_MEMORY, RESTART_DISK, NONE)
+
+
+@dataclass(frozen=True)
+class JobEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node: int
+    run_id: str
+    store_host: str
+    store_port: int
+    gen: int
+    strategy: str = Strategy.PEER
+    shm_dir: str = "/dev/shm"
+    ckpt_dir: str = ""
+    ckpt_every: int = 0
+    replicate: bool = False  # wait for the ring neighbour's copy before the next update
+    token: str = ""
+    pg_timeout: float = 60.0
+    backend: str = "gloo"
+    fault_dir: str = "/dev/shm"
+
+    @property
+    def memory_snapshots(self) -> bool:
+        return self.strategy in (Strategy.PEER, Strategy.RESTART_MEMORY)
+
+    def to_env(self) -> dict[str, str]:
+        env = {f"FFCTL_{k.upper()}": str(int(v) if isinstance(v, bool) else v) for k, v in asdict(self).items()}
+        env.update(
+            RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK=str(self.local_rank),
+            LOCAL_WORLD_SIZE=str(self.local_world_size), GROUP_RANK=str(self.node),
+            ROLE_RANK=str(self.rank), ROLE_WORLD_SIZE=str(self.world_size),
+            MASTER_ADDR=self.store_host, MASTER_PORT=str(self.store_port),
+            TORCHELASTIC_RUN_ID=self.run_id, TORCHELASTIC_RESTART_COUNT=str(self.gen),
+            # torch's env:// rendezvous then joins the controller's store as a client, under a
+            # prefix per restart, exactly as it does under torchrun's agent.
+            TORCHELASTIC_USE_AGENT_STORE="True",
+        )
+        return env
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> JobEnv:
+        env = os.environ if environ is None else environ
+        values: dict[str, object] = {}
+        for f in fields(cls):
+            raw = env.get(f"FFCTL_{f.name.upper()}")
+            if raw is None:
+                continue
+            if f.type in ("int", int):
+                values[f.name] = int(raw)
+            elif f.type in ("float", float):
+                values[f.name] = float(raw)
+            elif f.type in ("bool", bool):
+                values[f.name] = raw not in ("0", "", "false", "False")
+            else:
+                values[f.name] = raw
+        missing = [n for n in ("rank", "world_size", "run_id", "store_host", "store_port") if n not in values]
+        if missing:
+            raise RuntimeError(
+                "not started by ffctl: missing " + ", ".join(f"FFCTL_{m.upper()}" for m in missing)
+            )
+        values.setdefault("local_rank", int(env.get("LOCAL_RANK", 0)))
+        values.setdefault("local_world_size", int(env.get("LOCAL_WORLD_SIZE", 1)))
+        values.setdefault("node", int(env.get("GROUP_RANK", 0)))
+        values.setdefault("gen", int(env.get("TORCHELASTIC_RESTART_COUNT", 0)))
+        return cls(**values)  # type: ignore[arg-type]

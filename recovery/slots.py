@@ -1,0 +1,172 @@
+"""Shared-memory snapshot slots: two per rank (`step % 2`), files in /dev/shm owned by the node agent.
+
+A slot is a file mapped by the rank that writes it and by the agent that streams and serves it.
+A crash of the rank loses nothing already committed. Layout: a 4 KiB header, then the pickled
+meta, then the rank's shard of the replicated state. The header is written last (after a crc32 of
+everything behind it), so a rank killed mid-copy leaves a slot marked `writing`, never a valid
+slot with torn content; the other slot still holds the step before.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import threading
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from recovery.snapshot import Capture
+
+MAGIC = b"FFS1"
+HEADER = struct.Struct("<4sIqQQIQ")  # magic, state, step, meta_len, shard_len, crc, seq
+ACK = struct.Struct("<q")  # replicated step, written by the agent only
+ACK_OFFSET = 64
+DATA_OFFSET = 4096
+EMPTY, WRITING, VALID = 0, 1, 2
+
+
+def slot_path(shm_dir: str, run_id: str, node: int, rank: int, slot: int) -> Path:
+    return Path(shm_dir) / f"ffctl-{run_id}-n{node}-r{rank}-s{slot}"
+
+
+@dataclass(frozen=True)
+class SlotHeader:
+    state: int
+    step: int
+    meta_len: int
+    shard_len: int
+    crc: int
+    seq: int
+    replicated_step: int
+
+    @property
+    def valid(self) -> bool:
+        return self.state == VALID
+
+
+@dataclass(frozen=True)
+class SlotContent:
+    step: int
+    meta: bytes
+    shard: bytes
+    crc: int
+
+    def verify(self) -> bool:
+        return zlib.crc32(self.shard, zlib.crc32(self.meta)) == self.crc
+
+
+def read_header(path: Path) -> SlotHeader | None:
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read(ACK_OFFSET + ACK.size)
+    except FileNotFoundError:
+        return None
+    if len(raw) < ACK_OFFSET + ACK.size:
+        return None
+    magic, state, step, meta_len, shard_len, crc, seq = HEADER.unpack_from(raw, 0)
+    if magic != MAGIC:
+        return None
+    (rep,) = ACK.unpack_from(raw, ACK_OFFSET)
+    return SlotHeader(state, step, meta_len, shard_len, crc, seq, rep)
+
+
+def read_slot(path: Path) -> SlotContent | None:
+    """A consistent copy of a valid slot, or None (empty, being written, or changed while read)."""
+    before = read_header(path)
+    if before is None or not before.valid:
+        return None
+    with open(path, "rb") as fh:
+        fh.seek(DATA_OFFSET)
+        meta = fh.read(before.meta_len)
+        shard = fh.read(before.shard_len)
+    after = read_header(path)
+    # Seqlock: the writer bumps seq before touching data, so equal seqs mean an untorn read.
+    if after is None or after.seq != before.seq or not after.valid:
+        return None
+    return SlotContent(before.step, meta, shard, before.crc)
+
+
+def write_ack(path: Path, step: int) -> None:
+    with open(path, "r+b") as fh:
+        fh.seek(ACK_OFFSET)
+        fh.write(ACK.pack(step))
+
+
+class SlotWriter:
+    """Writes one rank's captures into its two slots in a background thread.
+
+    `begin` returns at once; the copy overlaps the next step's forward and backward. `fence`
+    waits for it and must be called before the optimizer mutates the captured tensors.
+    """
+
+    def __init__(self, shm_dir: str, run_id: str, node: int, rank: int) -> None:
+        self.paths = [slot_path(shm_dir, run_id, node, rank, s) for s in (0, 1)]
+        self._maps: list[tuple[int, mmap.mmap] | None] = [None, None]
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._seq = 0
+        self.last_written = -1
+
+    def _map(self, slot: int, size: int) -> mmap.mmap:
+        current = self._maps[slot]
+        if current is not None and current[0] >= size:
+            return current[1]
+        if current is not None:
+            current[1].close()
+        fd = os.open(self.paths[slot], os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            if os.fstat(fd).st_size < size:
+                os.ftruncate(fd, size)
+            mm = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self._maps[slot] = (size, mm)
+        return mm
+
+    def _copy(self, cap: Capture, mm: mmap.mmap) -> None:
+        self._seq += 1
+        HEADER.pack_into(mm, 0, MAGIC, WRITING, cap.step, 0, 0, 0, self._seq)
+        mm[DATA_OFFSET : DATA_OFFSET + len(cap.meta)] = cap.meta
+        base = DATA_OFFSET + len(cap.meta)
+        dst = torch.frombuffer(mm, dtype=torch.uint8, count=cap.shard_len, offset=base) if cap.shard_len else None
+        for off, src in cap.shard_pieces():
+            dst[off : off + src.numel()].copy_(src)  # type: ignore[index]
+        del dst  # release the buffer export so the map can be closed later
+        crc = zlib.crc32(memoryview(mm)[base : base + cap.shard_len], zlib.crc32(cap.meta))
+        HEADER.pack_into(mm, 0, MAGIC, VALID, cap.step, len(cap.meta), cap.shard_len, crc, self._seq)
+        self.last_written = cap.step
+
+    def begin(self, cap: Capture) -> None:
+        self.fence()
+        mm = self._map(cap.step % 2, DATA_OFFSET + len(cap.meta) + cap.shard_len)
+
+        def run() -> None:
+            try:
+                self._copy(cap, mm)
+            except BaseException as exc:  # surfaced by fence()
+                self._error = exc
+
+        self._thread = threading.Thread(target=run, name="ffctl-snapshot", daemon=True)
+        self._thread.start()
+
+    def fence(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
+
+    def replicated_step(self, step: int) -> int:
+        header = read_header(self.paths[step % 2])
+        return header.replicated_step if header else -1
+
+    def close(self) -> None:
+        self.fence()
+        for entry in self._maps:
+            if entry is not None:
+                entry[1].close()
+        self._maps = [None, None]

@@ -1,0 +1,152 @@
+"""Snapshot format: a rank's training state as (meta, shard bytes).
+
+Replicated state (the same on every data-parallel rank: parameters, a replicated optimizer) is
+laid out as one byte string of all its tensors, and each rank keeps only its 1/W slice, so a
+replica group holds the replicated state once in total. Unique state (RNG, a sharded optimizer's
+own shard, anything registered `replicated=False`) is kept whole by its rank. Restoring gathers
+the slices back (`assemble`). Every tensor is copied byte for byte: a restored run is bit-exact.
+"""
+from __future__ import annotations
+
+import io
+import pickle
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+
+@dataclass(frozen=True)
+class StateEntry:
+    name: str
+    get: Callable[[], Any]
+    set: Callable[[Any], None]
+    replicated: bool
+
+
+class _TensorRef:
+    """Placeholder left in a state's structure where tensor number `index` was."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def __reduce__(self) -> tuple[Any, tuple[int]]:
+        return (_TensorRef, (self.index,))
+
+
+def _flatten(obj: Any, out: list[torch.Tensor]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+        return _TensorRef(len(out) - 1)
+    if isinstance(obj, dict):
+        return {k: _flatten(v, out) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_flatten(v, out) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_flatten(v, out) for v in obj)
+    return obj
+
+
+def _unflatten(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    if isinstance(obj, _TensorRef):
+        return tensors[obj.index]
+    if isinstance(obj, dict):
+        return {k: _unflatten(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_unflatten(v, tensors) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_unflatten(v, tensors) for v in obj)
+    return obj
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a tensor's storage (no copy for contiguous tensors)."""
+    t = t.detach()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where each replicated tensor lies in the replicated byte string, and this rank's slice."""
+
+    specs: tuple[tuple[str, tuple[int, ...], int], ...]  # (dtype, shape, nbytes)
+    total: int
+    chunk: int
+
+    def shard(self, rank: int) -> tuple[int, int]:
+        start = min(self.total, rank * self.chunk)
+        return start, min(self.total, start + self.chunk)
+
+
+@dataclass(frozen=True)
+class Capture:
+    """One step's state, captured by reference (tensors still live) until copied into a slot."""
+
+    step: int
+    rank: int
+    world_size: int
+    layout: Layout
+    tensors: tuple[torch.Tensor, ...]
+    meta: bytes  # pickled: step, rank, world size, layout, skeletons, unique state
+
+    def shard_pieces(self) -> list[tuple[int, torch.Tensor]]:
+        """(offset within the shard, uint8 source) for every tensor byte range in this rank's slice."""
+        lo, hi = self.layout.shard(self.rank)
+        pieces, pos = [], 0
+        for t, (_, _, nbytes) in zip(self.tensors, self.layout.specs):
+            a, b = max(lo, pos), min(hi, pos + nbytes)
+            if a < b:
+                pieces.append((a - lo, as_bytes(t)[a - pos : b - pos]))
+            pos += nbytes
+        return pieces
+
+    @property
+    def shard_len(self) -> int:
+        lo, hi = self.layout.shard(self.rank)
+        return hi - lo
+
+
+def capture(entries: list[StateEntry], step: int, rank: int, world_size: int) -> Capture:
+    tensors: list[torch.Tensor] = []
+    skeletons: dict[str, Any] = {}
+    unique: dict[str, Any] = {}
+    for entry in entries:
+        if entry.replicated:
+            skeletons[entry.name] = _flatten(entry.get(), tensors)
+        else:
+            unique[entry.name] = entry.get()
+    specs = tuple((str(t.dtype).removeprefix("torch."), tuple(t.shape), t.numel() * t.element_size()) for t in tensors)
+    total = sum(s[2] for s in specs)
+    layout = Layout(specs=specs, total=total, chunk=-(-total // world_size) if world_size else total)
+    buf = io.BytesIO()
+    # Unique state is small (RNG, counters, a sharded optimizer's part); torch.save clones it now,
+    # so later in-place updates cannot tear it.
+    torch.save(unique, buf)
+    meta = pickle.dumps(
+        {"step": step, "rank": rank, "world_size": world_size, "layout": layout,
+         "skeletons": skeletons, "unique": buf.getvalue()},
+        protocol=pickle.HIGHEST_PROTOCOL,
+    )
+    return Capture(step, rank, world_size, layout, tuple(tensors), meta)
+
+
+def read_meta(meta: bytes) -> dict[str, Any]:
+    return pickle.loads(meta)
+
+
+def assemble(meta: dict[str, Any], replicated: bytes | torch.Tensor) -> dict[str, Any]:
+    """Every entry's state from the meta of any rank and the whole replicated byte string."""
+    layout: Layout = meta["layout"]
+    raw = replicated if isinstance(replicated, torch.Tensor) else torch.frombuffer(bytearray(replicated), dtype=torch.uint8)
+    tensors, pos = [], 0
+    for dtype, shape, nbytes in layout.specs:
+        piece = raw[pos : pos + nbytes].clone()
+        tensors.append(piece.view(getattr(torch, dtype)).reshape(shape))
+        pos += nbytes
+    states = {name: _unflatten(sk, tensors) for name, sk in meta["skeletons"].items()}
+    states.update(torch.load(io.BytesIO(meta["unique"]), weights_only=False))
+    return states
