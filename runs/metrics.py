@@ -14,6 +14,7 @@ Per run, lost_gpu_hours_total counts the union of the faults' windows, so two ov
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from enum import Enum
 from typing import Any, Iterable
 
 from runs.events import Event, EventKind, RunStatus
@@ -63,6 +64,25 @@ class RunMetrics:
         return out
 
 
+def _text(value: Any) -> str:
+    """A field as plain text: a `str` enum gives its value (`str()` of one gives `Class.MEMBER`)."""
+    return str(value.value) if isinstance(value, Enum) else str(value)
+
+
+def _gen_at(inj: Event, events: list[Event]) -> int:
+    """The generation running when `inj` was written: its own `gen`, else the newest one named
+    by an earlier event (a fault after a recovery hits the new generation, not generation 0)."""
+    if inj.get("gen") is not None:
+        return int(inj.get("gen"))
+    gen = 0
+    for ev in events:
+        if ev is inj:
+            break
+        if ev.get("gen") is not None:
+            gen = max(gen, int(ev.get("gen")))
+    return gen
+
+
 def _first(events: Iterable[Event], pred: Any) -> Event | None:
     for ev in events:
         if pred(ev):
@@ -101,7 +121,7 @@ def _fault_metrics(inj: Event, events: list[Event], world_size: int, end_t: floa
     mentions = lambda ev: fid in (ev.get("fault_ids") or [])  # noqa: E731
     detected = _first(events, lambda ev: ev.kind is EventKind.FAILURE_DETECTED and mentions(ev))
     decisions = [ev for ev in events if ev.kind is EventKind.RECOVERY_DECIDED and mentions(ev)]
-    gen_at_fault = inj.get("gen", 0)
+    gen_at_fault = _gen_at(inj, events)
     hit_t = detected.t if detected else ti
     # m: the highest step completed when the fault hit. Steps the old generation still finished
     # between injection and detection count too: they were done before the job noticed.
@@ -148,8 +168,8 @@ def _fault_metrics(inj: Event, events: list[Event], world_size: int, end_t: floa
     restore_step = decision.get("restore_step") if decision is not None else None
     return FaultMetrics(
         fault_id=fid,
-        kind=str(inj.get("kind")),
-        target=str(inj.get("target")),
+        kind=_text(inj.get("kind")),
+        target=_text(inj.get("target")),
         emulated=bool(inj.get("emulated", False)),
         injected_at=ti,
         detected_at=detected.t if detected else None,
@@ -160,7 +180,11 @@ def _fault_metrics(inj: Event, events: list[Event], world_size: int, end_t: floa
         at_step=m,
         restore_step=restore_step,
         lost_steps=max(0, m - int(restore_step)) if restore_step is not None else 0,
-        restore_source=decision.get("restore_source") if decision is not None else None,
+        restore_source=(
+            _text(decision.get("restore_source"))
+            if decision is not None and decision.get("restore_source") is not None
+            else None
+        ),
         lost_gpu_hours=world_size * window / 3600.0,
         recovered=resumed is not None,
     )
@@ -200,10 +224,10 @@ def compute(run_id: str, events: list[Event]) -> RunMetrics:
     started = _first(events, lambda ev: ev.kind is EventKind.RUN_STARTED)
     finished = _first(events, lambda ev: ev.kind is EventKind.RUN_FINISHED)
     world_size = int(started.get("world_size", 0)) if started else 0
-    strategy = str(started.get("strategy", "")) if started else ""
+    strategy = _text(started.get("strategy", "")) if started else ""
     start_t = started.t if started else (events[0].t if events else 0.0)
     end_t = finished.t if finished else (events[-1].t if events else start_t)
-    status = str(finished.get("status")) if finished else RunStatus.RUNNING.value
+    status = _text(finished.get("status")) if finished else RunStatus.RUNNING.value
     losses = final_losses(events)
     faults = [
         _fault_metrics(ev, events, world_size, end_t)
