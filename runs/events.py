@@ -65,12 +65,13 @@ class Event:
         return self.data.get(key, default)
 
     def to_json(self) -> str:
-        # `kind` and `t` first so a human tailing the file reads the essentials.
-        return json.dumps({"kind": self.kind.value, "t": self.t, **self.data}, sort_keys=False)
+        # `event` and `t` first so a human tailing the file reads the essentials. The event's own
+        # kind is `event`, so a fault's or snapshot's `kind` field never collides with it.
+        return json.dumps({"event": self.kind.value, "t": self.t, **self.data}, sort_keys=False)
 
     @classmethod
     def from_json(cls, line: str) -> Event:
         raw = json.loads(line)
-        kind = EventKind(raw.pop("kind"))
+        kind = EventKind(raw.pop("event"))
         t = float(raw.pop("t"))
         return cls(kind=kind, t=t, data=raw)

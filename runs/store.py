@@ -117,12 +117,15 @@ class RunStore:
         info.update(fields)
         self.write_json("run.json", info)
 
-    def append(self, kind: EventKind, t: float | None = None, **data: Any) -> Event:
+    def append(self, kind: EventKind, /, t: float | None = None, **data: Any) -> Event:
         event = Event(kind=kind, t=time.time() if t is None else t, data=data)
         line = event.to_json() + "\n"
         with self._lock:
             if self._fh is None:
                 self._fh = open(self.events_path, "a", buffering=1)
+                # A record reopened after a kill may end in a torn line: start on a fresh one.
+                if self._fh.tell() > 0 and not _ends_with_newline(self.events_path):
+                    self._fh.write("\n")
             self._fh.write(line)
             self._fh.flush()
             os.fsync(self._fh.fileno())
@@ -157,6 +160,12 @@ def iter_events(path: Path) -> Iterator[Event]:
             except (ValueError, KeyError):
                 # A line torn by a kill mid-write: every complete line before it still counts.
                 continue
+
+
+def _ends_with_newline(path: Path) -> bool:
+    with open(path, "rb") as fh:
+        fh.seek(-1, os.SEEK_END)
+        return fh.read(1) == b"\n"
 
 
 def open_run(runs_dir: Path, run_id: str) -> RunStore:
