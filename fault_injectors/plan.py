@@ -39,6 +39,7 @@ class Topology:
     store_port: int = 0
     ssh_port: int = 22
     fault_dir: str = "/dev/shm"  # where a rank picks up an emulated in-step fault
+    has_gpu: bool = False  # False: GPU faults run emulated inside the step
 
     def node(self, node: int) -> NodePlace:
         for place in self.nodes:
