@@ -1,0 +1,213 @@
+"""The dead man's switch: a revert that runs on the target host by itself if ffctl cannot.
+
+For each revertible fault with a duration, a small detached `sh -c` process on the target host
+(inside the node's network namespace, if any) sleeps duration + grace, then runs the fault's
+revert commands. It is started with `Transport.spawn_detached` before the fault is applied, so it
+outlives a SIGKILLed ffctl and a cut SSH connection. It needs nothing but a POSIX shell there.
+
+Its argv carries the owner tag `ffctl-deadman:<run_id>:<fault_id>` (as the script's `$0`), so it
+is found again with `pgrep -f`:
+- SIGTERM cancels it (after a normal revert), killing its sleep too;
+- SIGUSR1 makes it revert now (what `ffctl inject revert --all` does);
+- SIGHUP is ignored, so a closing SSH session does not take it down.
+
+Revert commands reach the script as counted positional words (`N word1 .. wordN`) and are run
+through an `eval` of parameter references only, so no host name, path or interface name is ever
+parsed by the shell.
+
+This module also owns the fault's identity on a host: `fault_id(spec)` and the owner tags the
+network faults put on their iptables rules and links.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+from collections import OrderedDict
+from dataclasses import replace
+from typing import Callable
+
+from fault_injectors.plan import FaultPlan, HostCommand
+from fault_injectors.planner import PlanError, run_commands
+from fault_injectors.spec import FaultSpec
+from fault_injectors.transport import CommandResult, Transport
+
+DEADMAN_PREFIX = "ffctl-deadman"
+DEFAULT_GRACE_S = 5.0
+# A revertible fault always ends: without duration= it ends after this many seconds.
+DEFAULT_DURATION_S = 30.0
+ID_OPTION = "id"  # FaultSpec option the controller sets to its fault id (see with_fault_id)
+
+TransportFor = Callable[[HostCommand], Transport]
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
+
+# $0 is the owner tag, $1 the delay, then counted revert commands.
+DEADMAN_SCRIPT = r"""trap '' HUP
+p= f=
+trap '[ -z "$p" ] || kill "$p" 2>/dev/null; exit 0' TERM INT
+trap 'f=1; [ -z "$p" ] || kill "$p" 2>/dev/null' USR1
+sleep "$1" & p=$!
+[ -z "$f" ] || kill "$p" 2>/dev/null
+wait "$p"
+trap '' TERM INT USR1
+shift
+while [ "$#" -gt 0 ]; do
+  n=$1; shift
+  c=; i=1
+  while [ "$i" -le "$n" ]; do c="$c \"\${$i}\""; i=$((i + 1)); done
+  eval "$c" >/dev/null 2>&1 </dev/null || :
+  shift "$n"
+done
+"""
+
+# pkill's own command line holds the pattern too; `[f]fctl` matches the tag but not itself.
+CANCEL_SCRIPT = r"""pkill -"$1" -f -- "$2"; r=$?; [ "$r" -le 1 ]"""
+
+
+def safe_id(text: str) -> str:
+    """`text` with only [A-Za-z0-9._-]: owner tags are split on ':' and matched as patterns."""
+    return _UNSAFE.sub("_", text) or "_"
+
+
+def fault_id(spec: FaultSpec) -> str:
+    """The fault's id: the one the controller gave (`with_fault_id`), else a digest of the spec.
+
+    The digest keeps plans pure and `--dry-run` stable; two identical ad hoc faults of one run
+    would share it, which is why the controller should always set its own id.
+    """
+    given = spec.option(ID_OPTION)
+    if given:
+        return safe_id(given)
+    text = repr((spec.kind.value, str(spec.target), str(spec.trigger), spec.duration, spec.seed, spec.options))
+    return "s" + hashlib.sha1(text.encode()).hexdigest()[:10]
+
+
+def with_fault_id(spec: FaultSpec, fid: str) -> FaultSpec:
+    """`spec` carrying the controller's fault id, so rules and guards are tagged with it."""
+    options = tuple((k, v) for k, v in spec.options if k != ID_OPTION) + ((ID_OPTION, fid),)
+    return replace(spec, options=options)
+
+
+def owner_tag(run_id: str, fid: str) -> str:
+    """Comment put on everything a fault installs: `ffctl:<run_id>:<fault_id>`."""
+    return f"ffctl:{safe_id(run_id)}:{safe_id(fid)}"
+
+
+def deadman_tag(run_id: str, fid: str) -> str:
+    return f"{DEADMAN_PREFIX}:{safe_id(run_id)}:{safe_id(fid)}"
+
+
+def duration_of(spec: FaultSpec) -> float:
+    return spec.duration if spec.duration is not None else DEFAULT_DURATION_S
+
+
+def _ere(text: str) -> str:
+    return re.sub(r"([.\[\]()*+?{}|^$\\])", r"\\\1", text)
+
+
+def pattern(run_id: str | None = None, fid: str | None = None) -> str:
+    """pgrep/pkill pattern for the switches of a fault, a run, or (both None) every run."""
+    if run_id is None:
+        return f"[f]{DEADMAN_PREFIX[1:]}:"
+    tag = f"{DEADMAN_PREFIX[1:]}:{_ere(safe_id(run_id))}:"
+    return f"[f]{tag}" if fid is None else f"[f]{tag}{_ere(safe_id(fid))}( |$)"
+
+
+def deadman_command(
+    run_id: str, fid: str, reverts: tuple[HostCommand, ...], delay_s: float
+) -> HostCommand:
+    """One switch for reverts that all run on the same node, host and namespace."""
+    first = reverts[0]
+    words: list[str] = []
+    for cmd in reverts:
+        words += [str(len(cmd.argv)), *cmd.argv]
+    # Whole seconds: POSIX sleep takes no fractions. Rounded up, never early.
+    argv = ("sh", "-c", DEADMAN_SCRIPT, deadman_tag(run_id, fid), str(max(1, math.ceil(delay_s))), *words)
+    return HostCommand(first.node, first.host, argv, netns=first.netns)
+
+
+def guard(plan: FaultPlan, run_id: str, grace: float = DEFAULT_GRACE_S) -> FaultPlan:
+    """`plan` with a dead man's switch per (node, host, namespace) of its revert commands.
+
+    Works for any revertible plan (network faults, hang-rank); a plan that already has switches
+    or nothing to revert comes back unchanged.
+    """
+    if plan.deadman or not plan.revert:
+        return plan
+    groups: OrderedDict[tuple[int, str, str | None], list[HostCommand]] = OrderedDict()
+    for cmd in plan.revert:
+        groups.setdefault((cmd.node, cmd.host, cmd.netns), []).append(cmd)
+    fid = fault_id(plan.spec)
+    delay = duration_of(plan.spec) + grace
+    deadman = tuple(deadman_command(run_id, fid, tuple(cmds), delay) for cmds in groups.values())
+    return replace(plan, deadman=deadman)
+
+
+def tag_of(cmd: HostCommand) -> str | None:
+    """The owner tag of a switch command (its `$0`), None for any other command."""
+    if len(cmd.argv) > 3 and cmd.argv[:2] == ("sh", "-c") and cmd.argv[3].startswith(DEADMAN_PREFIX + ":"):
+        return cmd.argv[3]
+    return None
+
+
+def signal_command(node: int, host: str, pat: str, signal: str) -> HostCommand:
+    """pkill -SIGNAL the switches matching `pat` on a host (none found is fine).
+
+    Runs outside any namespace: processes are seen from every network namespace, and the
+    fault's namespace may already be gone.
+    """
+    return HostCommand(node, host, ("sh", "-c", CANCEL_SCRIPT, "sh", signal, pat))
+
+
+def cancel_commands(plan: FaultPlan) -> tuple[HostCommand, ...]:
+    """Commands that stop the plan's switches without reverting (after a normal revert)."""
+    out = []
+    for cmd in plan.deadman:
+        tag = tag_of(cmd)
+        if tag is None:
+            continue
+        _, run_id, fid = tag.split(":", 2)
+        out.append(signal_command(cmd.node, cmd.host, pattern(run_id, fid), "TERM"))
+    return tuple(dict.fromkeys(out))
+
+
+def arm(plan: FaultPlan, transport_for: TransportFor, timeout: float = 30.0) -> None:
+    """Start the plan's switches on their hosts (before applying the fault)."""
+    for cmd in plan.deadman:
+        transport_for(cmd).spawn_detached(cmd.argv, timeout=timeout)
+
+
+def disarm(plan: FaultPlan, transport_for: TransportFor, timeout: float = 30.0) -> list[CommandResult]:
+    return run_commands(cancel_commands(plan), transport_for, timeout)
+
+
+def apply_guarded(plan: FaultPlan, transport_for: TransportFor, timeout: float = 30.0) -> list[CommandResult]:
+    """Arm the switches, then apply. If applying fails half way, revert and disarm, then raise.
+
+    Call the family's preflight first (`network.preflight`): it is what fails before anything
+    is touched.
+    """
+    arm(plan, transport_for, timeout)
+    try:
+        return run_commands(plan.apply, transport_for, timeout)
+    except Exception:
+        try:
+            revert_guarded(plan, transport_for, timeout)
+        except Exception:  # noqa: BLE001 - the switch stays armed and reverts later
+            pass
+        raise
+
+
+def revert_guarded(plan: FaultPlan, transport_for: TransportFor, timeout: float = 30.0) -> list[CommandResult]:
+    """Revert, then cancel the switches. A failed revert leaves them armed as the fallback."""
+    results = run_commands(plan.revert, transport_for, timeout)
+    results += disarm(plan, transport_for, timeout)
+    return results
+
+
+__all__ = [
+    "DEADMAN_PREFIX", "DEFAULT_DURATION_S", "DEFAULT_GRACE_S", "PlanError", "apply_guarded", "arm",
+    "cancel_commands", "deadman_command", "deadman_tag", "disarm", "duration_of", "fault_id", "guard",
+    "owner_tag", "pattern", "revert_guarded", "safe_id", "signal_command", "tag_of", "with_fault_id",
+]
