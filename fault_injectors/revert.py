@@ -1,0 +1,131 @@
+"""`ffctl inject revert --all`: remove everything ffctl left on a host, whatever the record says.
+
+Found by owner tag, never by stored state:
+1. dead man's switches (`ffctl-deadman:<run>:<fault>` in their argv) are told to revert now
+   (SIGUSR1), which also resumes ranks a guarded hang-rank stopped; then waited for;
+2. iptables/ip6tables: every jump to a `FFCTL-*` chain, then the chains;
+3. tc: every root qdisc with the reserved handle `ffc1:`, on every interface;
+4. links whose alias starts with `ffctl-down:` are brought up and get their old alias back.
+
+Each step is a script that succeeds when there is nothing to remove, so the whole thing is
+idempotent. Run it once per host and once per sandbox namespace (`netns=`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from fault_injectors import deadman, network
+from fault_injectors.plan import HostCommand
+from fault_injectors.transport import CommandResult, Transport
+
+HOST_NODE = -1  # HostCommand.node for commands that belong to a host, not to a node of a run
+
+# $1 pkill pattern of the switches. Fire them, then give them up to 10 s to finish reverting.
+FIRE_DEADMEN = r"""pkill -USR1 -f -- "$1"; r=$?; [ "$r" -le 1 ] || exit "$r"
+i=0
+while pgrep -f -- "$1" >/dev/null 2>&1; do
+  i=$((i + 1)); [ "$i" -le 100 ] || { echo "dead man's switches still running after 10s"; exit 1; }
+  sleep 0.1 2>/dev/null || sleep 1
+done
+"""
+
+# $1 chain prefix. Jumps are deleted by line number (read back from iptables, never eval'd).
+IPTABLES_SWEEP = r"""p=$1 rc=0
+for ipt in iptables ip6tables; do
+  command -v "$ipt" >/dev/null 2>&1 || continue
+  "$ipt" -w -S >/dev/null 2>&1 || continue
+  for base in $("$ipt" -w -S | awk '$1 == "-P" || $1 == "-N" { print $2 }'); do
+    for n in $("$ipt" -w -n -L "$base" --line-numbers 2>/dev/null |
+               awk -v p="$p" 'NR > 2 && index($2, p) == 1 { print $1 }' | sort -rn); do
+      "$ipt" -w -D "$base" "$n" || rc=1
+    done
+  done
+  for c in $("$ipt" -w -S | awk -v p="$p" '$1 == "-N" && index($2, p) == 1 { print $2 }'); do
+    "$ipt" -w -F "$c" && "$ipt" -w -X "$c" || rc=1
+  done
+done
+exit "$rc"
+"""
+
+# $1 reserved handle (`ffc1:`). `tc qdisc show` lines: qdisc KIND HANDLE dev IF root ...
+TC_SWEEP = r"""command -v tc >/dev/null 2>&1 || exit 0
+for dev in $(tc qdisc show | awk -v h="$1" '$3 == h && $4 == "dev" && $6 == "root" { print $5 }'); do
+  tc qdisc del dev "$dev" root handle "$1"
+done
+! tc qdisc show | awk -v h="$1" '$3 == h && $6 == "root" { found = 1 } END { exit !found }'
+"""
+
+# $1 alias prefix (`ffctl-down`). The alias is `ffctl-down:<run>:<fault>:<old alias>`.
+LINK_SWEEP = r"""rc=0
+for f in /sys/class/net/*/ifalias; do
+  a=$(cat "$f" 2>/dev/null) || continue
+  case $a in "$1":*) ;; *) continue ;; esac
+  d=${f%/ifalias}; d=${d##*/}
+  old=${a#"$1":*:*:}
+  ip link set dev "$d" up && ip link set dev "$d" alias "$old" || rc=1
+done
+exit "$rc"
+"""
+
+
+STEP_NAMES = {
+    FIRE_DEADMEN: "dead man's switches",
+    IPTABLES_SWEEP: "iptables chains",
+    TC_SWEEP: "tc qdiscs",
+    LINK_SWEEP: "downed links",
+}
+
+
+class RevertError(RuntimeError):
+    """Something ffctl left could not be removed; the message names the host and the command."""
+
+
+def revert_all_plan(host: str, netns: str | None = None, run_id: str | None = None) -> list[HostCommand]:
+    """Commands that remove every ffctl leftover on `host` (inside `netns` if given).
+
+    `run_id` narrows which dead man's switches are fired to one run's; chains, qdiscs and
+    downed links are removed whatever run they belong to.
+    """
+    def cmd(script: str, *args: str, where: str | None = netns) -> HostCommand:
+        return HostCommand(HOST_NODE, host, ("sh", "-c", script, "sh", *args), netns=where)
+
+    return [
+        # Processes are seen from every namespace: the switches are fired from the host's own.
+        cmd(FIRE_DEADMEN, deadman.pattern(run_id), where=None),
+        cmd(IPTABLES_SWEEP, network.CHAIN_PREFIX),
+        cmd(TC_SWEEP, network.QDISC_HANDLE),
+        cmd(LINK_SWEEP, network.LINK_TAG_PREFIX),
+    ]
+
+
+@dataclass(frozen=True)
+class RevertOutcome:
+    results: tuple[CommandResult, ...]
+
+    @property
+    def ok(self) -> bool:
+        return all(r.ok for r in self.results)
+
+
+def revert_all(
+    host: str,
+    transport_for: Callable[[HostCommand], Transport],
+    netns: str | None = None,
+    run_id: str | None = None,
+    timeout: float = 60.0,
+) -> RevertOutcome:
+    """Run `revert_all_plan`; every step runs even if one fails, then `RevertError` if any did."""
+    results = []
+    failed = []
+    where = host + (f" (netns {netns})" if netns else "")
+    for command in revert_all_plan(host, netns, run_id):
+        result = transport_for(command).run(command.argv, timeout=timeout)
+        results.append(result)
+        if not result.ok:
+            lines = (result.stderr or result.stdout).strip().splitlines()
+            detail = lines[-1] if lines else f"exit {result.returncode}"
+            failed.append(f"on {where}: removing {STEP_NAMES[command.argv[2]]} failed: {detail}")
+    if failed:
+        raise RevertError(failed[0] + (f" (and {len(failed) - 1} more)" if len(failed) > 1 else ""))
+    return RevertOutcome(tuple(results))
