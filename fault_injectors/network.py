@@ -227,6 +227,11 @@ def _chain_commands(
     if _tool(ctrl) == tool:
         exempt += [("-s", str(ctrl)), ("-d", str(ctrl))]
     exempt += [("-p", "tcp", "--dport", str(ssh_port)), ("-p", "tcp", "--sport", str(ssh_port))]
+    if any(verdict[-1] == "REJECT" for _, verdict in blocks):
+        # The chain also sees the ICMP error REJECT answers with, on its way out to the peer;
+        # without this it would be rejected in turn and the peer would only see a timeout.
+        exempt.append(("-p", "icmp", "--icmp-type", "destination-unreachable") if tool == "iptables"
+                      else ("-p", "ipv6-icmp", "--icmpv6-type", "destination-unreachable"))
     apply = [ipt("-N", chain)]
     # Exemptions first: the controller and SSH must keep working whatever follows.
     apply += [ipt("-A", chain, *match, *comment, *accept) for match in exempt]

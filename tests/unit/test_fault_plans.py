@@ -133,6 +133,9 @@ def test_partition_rules_carry_the_owner_tag_and_run_in_the_nodes_namespace() ->
 def test_partition_reject_and_bad_action() -> None:
     rules = iptables_rules(plan_of("net-partition:node=1,action=reject"))
     assert any(r[-1] == "REJECT" for r in rules) and not any(r[-1] == "DROP" for r in rules)
+    # REJECT's own ICMP answer must get out, or the peer sees a timeout instead of a refusal.
+    assert index_of(rules, "icmp", "destination-unreachable", "ACCEPT") < index_of(rules, "REJECT")
+    assert not any("icmp" in r for r in iptables_rules(plan_of("net-partition:node=1")))
     with pytest.raises(FaultSpecError, match=r"action='explode'"):
         plan_of("net-partition:node=1,action=explode")
 
