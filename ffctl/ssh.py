@@ -24,6 +24,7 @@ import collections
 import errno
 import getpass
 import hashlib
+import math
 import os
 import re
 import select
@@ -284,8 +285,8 @@ class OutputLine:
 # The wrapper for long-running remote processes, run as `sh -c WRAPPER ffctl-remote GRACE CWD
 # ARGV...` with the environment sent as K=V lines on stdin (ended by an empty line) so secrets
 # never appear in a remote `ps`. Once the command is started it writes a marker line with the
-# command's pid to stderr; `RemoteProcess` consumes that line. The command runs under `setsid`, so it leads its own process group and everything it starts
-# stays in that group. A watcher holds the channel's stdin: when the channel closes or the
+# command's pid to stderr; `RemoteProcess` consumes that line. The command runs under `setsid`,
+# so it leads its own process group and everything it starts stays in that group. A watcher holds the channel's stdin: when the channel closes or the
 # connection is lost, stdin ends and the watcher sends TERM to the group, then KILL after GRACE
 # tenths of a second. The wrapper itself is outside that group, so it survives to reap the
 # command and report its real exit status (143 after a TERM).
@@ -452,6 +453,17 @@ class RemoteProcess:
         self.terminate()
 
 
+# Closing a channel does not stop a command that runs without a pty, so a command that outlives
+# run()'s timeout would linger on the host. coreutils/busybox `timeout` (where the host has it)
+# stops it a little after the caller has given up; exit statuses, 127 included, pass through.
+_RUN_WRAPPER = 'if command -v timeout >/dev/null 2>&1; then exec timeout -k 2 "$@"; fi; shift; exec "$@"'
+
+
+def _with_remote_timeout(argv: Sequence[str], timeout: float) -> str:
+    seconds = str(max(1, math.ceil(timeout)) + 1)
+    return shlex.join(["sh", "-c", _RUN_WRAPPER, "ffctl-run", seconds, *argv])
+
+
 # --------------------------------------------------------------------------------------------
 # the transport
 
@@ -483,6 +495,7 @@ class SSHTransport:
 
     @property
     def connected(self) -> bool:
+        """Whether the SSH connection is open now (it is opened on demand)."""
         client = self._client
         transport = client.get_transport() if client is not None else None
         return transport is not None and transport.is_active()
@@ -537,6 +550,8 @@ class SSHTransport:
         except BaseException as exc:
             client.close()
             sock.close()
+            if not isinstance(exc, Exception):
+                raise  # KeyboardInterrupt and friends pass through untouched
             raise self._connect_error(exc) from None
         transport = client.get_transport()
         if transport is not None and self.keepalive_s > 0:
@@ -560,7 +575,7 @@ class SSHTransport:
             reason = exc.strerror or errno.errorcode.get(exc.errno or 0, str(exc))
             raise HostUnreachable(s.label, f"cannot connect to {where}: {reason}") from None
 
-    def _connect_error(self, exc: BaseException) -> BaseException:
+    def _connect_error(self, exc: Exception) -> Exception:
         label = self.settings.label
         if isinstance(exc, SSHError):
             return exc  # raised by our host key policy
@@ -606,7 +621,10 @@ class SSHTransport:
         try:
             return transport.open_session(timeout=timeout)
         except (paramiko.SSHException, EOFError, OSError) as exc:
-            raise HostUnreachable(self.settings.label, f"cannot open an SSH channel: {exc}") from None
+            if not transport.is_active():
+                raise HostUnreachable(self.settings.label, f"connection lost: {exc}") from None
+            # The server said no: usually sshd's MaxSessions (10 channels per connection).
+            raise SSHError(self.settings.label, f"sshd refused a new channel: {exc}") from None
 
     # -- Transport protocol ------------------------------------------------------------------
 
@@ -619,7 +637,7 @@ class SSHTransport:
         err: list[bytes] = []
         try:
             chan.settimeout(timeout)
-            chan.exec_command(shlex.join(argv))
+            chan.exec_command(_with_remote_timeout(argv, timeout))
             if input is not None:
                 chan.sendall(input.encode())
             # Always send EOF: a command that reads stdin must not wait for us forever.

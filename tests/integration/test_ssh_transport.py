@@ -126,12 +126,14 @@ def test_large_output_on_both_streams(node0: SSHTransport) -> None:
 
 
 @needs_root
-def test_run_timeout_is_a_value(node0: SSHTransport) -> None:
+def test_run_timeout_is_a_value_and_stops_the_command(node0: SSHTransport, cluster: SSHCluster) -> None:
+    token = f"ffctl-slow-{secrets.token_hex(4)}"
     started = time.monotonic()
-    result = node0.run(["sleep", "30"], timeout=0.5)
+    result = node0.run(["sh", "-c", "sleep 30", token], timeout=0.5)
     assert result.returncode == 124
     assert "timed out" in result.stderr
     assert time.monotonic() - started < 5
+    assert _eventually(lambda: _pgrep(cluster, token) == [], timeout=10)
 
 
 @needs_root
@@ -444,3 +446,43 @@ def test_get_and_put_file(node0: SSHTransport, cluster: SSHCluster, tmp_path: Pa
     with pytest.raises(SSHError, match=r"^node0: cannot copy /no/such/file: No such file"):
         node0.get_file("/no/such/file", tmp_path / "x")
 
+
+
+# -- settings (no sshd needed) ---------------------------------------------------------------------
+
+
+def test_settings_follow_ssh_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    config = tmp_path / "config"
+    config.write_text(
+        "Host gpu*\n"
+        "    HostName %h.cluster.example\n"
+        "    User trainer\n"
+        "    Port 2200\n"
+        "    IdentityFile ~/.ssh/cluster_key\n"
+        "    IdentitiesOnly yes\n"
+        "    UserKnownHostsFile ~/.ssh/cluster_known_hosts ~/.ssh/other_known_hosts\n"
+    )
+    s = resolve_settings(HostEntry("gpu1"), ssh_config=config)
+    assert (s.hostname, s.port, s.user) == ("gpu1.cluster.example", 2200, "trainer")
+    assert s.identity_files == (str(tmp_path / ".ssh" / "cluster_key"),)
+    assert s.identities_only
+    assert s.known_hosts == tmp_path / ".ssh" / "cluster_known_hosts"  # new keys go to the first
+    assert s.label == "gpu1 (gpu1.cluster.example:2200)"
+
+    # user@host:port from the hostfile wins over the config, as on ssh's command line
+    s = resolve_settings(HostEntry("gpu1", user="alice", port=22), ssh_config=config)
+    assert (s.user, s.port) == ("alice", 22)
+
+    # a host the config does not mention: defaults, and known_hosts in ~/.ssh
+    s = resolve_settings(HostEntry("plain"), ssh_config=config, known_hosts=tmp_path / "kh")
+    assert (s.hostname, s.port, s.identity_files, s.identities_only) == ("plain", 22, (), False)
+    assert s.known_hosts == tmp_path / "kh"
+    assert s.label == "plain"
+
+
+def test_bad_port_in_config_is_one_line(tmp_path: Path) -> None:
+    config = tmp_path / "config"
+    config.write_text("Host n\n    Port many\n")
+    with pytest.raises(SSHError, match=r"^n: bad Port 'many' in .*config$"):
+        resolve_settings(HostEntry("n"), ssh_config=config)
