@@ -28,7 +28,7 @@ from dataclasses import replace
 from typing import Callable
 
 from fault_injectors.plan import FaultPlan, HostCommand
-from fault_injectors.planner import PlanError, run_commands
+from fault_injectors.planner import run_commands
 from fault_injectors.spec import FaultSpec
 from fault_injectors.transport import CommandResult, Transport
 
@@ -207,7 +207,7 @@ def revert_guarded(plan: FaultPlan, transport_for: TransportFor, timeout: float 
 
 
 __all__ = [
-    "DEADMAN_PREFIX", "DEFAULT_DURATION_S", "DEFAULT_GRACE_S", "PlanError", "apply_guarded", "arm",
+    "DEADMAN_PREFIX", "DEFAULT_DURATION_S", "DEFAULT_GRACE_S", "apply_guarded", "arm",
     "cancel_commands", "deadman_command", "deadman_tag", "disarm", "duration_of", "fault_id", "guard",
     "owner_tag", "pattern", "revert_guarded", "safe_id", "signal_command", "tag_of", "with_fault_id",
 ]

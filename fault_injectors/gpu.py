@@ -43,13 +43,13 @@ def _oom_mb(spec: FaultSpec) -> int | None:
 
 def fault_text(spec: FaultSpec, pid: int) -> str:
     """What the rank's fault file says for this kind (the rank hook's contract, see module doc)."""
-    kind = spec.kind
-    if kind is FaultKind.GPU_OOM:
+    name: str = spec.kind.value
+    if spec.kind is FaultKind.GPU_OOM:
         mb = _oom_mb(spec)
-        return kind.value if mb is None else f"{kind.value}:{mb}"
-    if kind is FaultKind.GPU_XID:
-        return f"{kind.value}:{xid_line(pid)}"
-    return kind.value
+        return name if mb is None else f"{name}:{mb}"
+    if spec.kind is FaultKind.GPU_XID:
+        return f"{name}:{xid_line(pid)}"
+    return name
 
 
 def kmsg_command(topo: Topology, rank: int) -> HostCommand:

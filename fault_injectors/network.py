@@ -188,9 +188,10 @@ def leaf_qdisc(spec: FaultSpec) -> tuple[str, ...]:
 # --- names and tags ---
 
 
-def chain_name(run_id: str, fid: str) -> str:
-    """`FFCTL-<fault>-<hash of run and fault>`: readable, unique per run, within iptables' 28."""
-    digest = hashlib.sha1(f"{run_id}\0{fid}".encode()).hexdigest()[:8]
+def chain_name(run_id: str, fid: str, node: int) -> str:
+    """`FFCTL-<fault>-<hash of run, fault and node>`: readable, unique even when two target nodes
+    share a host and namespace, within iptables' 28 characters."""
+    digest = hashlib.sha1(f"{run_id}\0{fid}\0{node}".encode()).hexdigest()[:8]
     return f"{CHAIN_PREFIX}{safe_id(fid)[:12]}-{digest}"
 
 
@@ -283,7 +284,7 @@ def _partition(spec: FaultSpec, topo: Topology, nodes: tuple[int, ...], fid: str
             peers.setdefault(addr, other.node)
         if not peers:
             raise FaultUnsupported(f"net-partition of node {n} leaves no peer to cut off")
-        chain = chain_name(topo.run_id, fid)
+        chain = chain_name(topo.run_id, fid, n)
         for tool in sorted({_tool(a) for a in peers}):
             blocks = [((flag, str(a)), verdict) for a in peers if _tool(a) == tool for flag in ("-s", "-d")]
             steps = _chain_commands(place, tool, chain, tag, ctrl, topo.ssh_port, blocks)
@@ -303,7 +304,7 @@ def _port_block(spec: FaultSpec, topo: Topology, nodes: tuple[int, ...], fid: st
     for n in nodes:
         place = topo.node(n)
         tool = _tool(_ip(place.address, f"address of node {n}"))
-        steps = _chain_commands(place, tool, chain_name(topo.run_id, fid), tag, ctrl, topo.ssh_port, blocks)
+        steps = _chain_commands(place, tool, chain_name(topo.run_id, fid, n), tag, ctrl, topo.ssh_port, blocks)
         apply += steps.apply
         revert += steps.revert
     notes = (f"traffic with the controller ({ctrl}) is exempt, also on the blocked ports",)
@@ -337,8 +338,8 @@ def _shaping(spec: FaultSpec, topo: Topology, nodes: tuple[int, ...]) -> _Steps:
         place = topo.node(n)
         dev = _ifname(place, spec.kind)
 
-        def tc(*words: str) -> HostCommand:
-            return HostCommand(place.node, place.host, ("tc", *words), netns=place.netns)
+        def tc(*words: str, at: NodePlace = place) -> HostCommand:
+            return HostCommand(at.node, at.host, ("tc", *words), netns=at.netns)
 
         apply += [
             tc("qdisc", "add", "dev", dev, "root", "handle", QDISC_HANDLE, "htb", "default", "2"),
@@ -364,8 +365,10 @@ def _link_down(spec: FaultSpec, topo: Topology, nodes: tuple[int, ...], fid: str
         dev = _ifname(place, spec.kind)
         apply.append(HostCommand(n, place.host, ("sh", "-c", LINK_DOWN_APPLY, "sh", dev, tag), netns=place.netns))
         revert.append(HostCommand(n, place.host, ("sh", "-c", LINK_DOWN_REVERT, "sh", dev, tag), netns=place.netns))
-    notes = ("link-down takes the whole link down: the controller address and SSH port cannot be exempt "
-             "on it; the dead man's switch brings it back",)
+    notes = (
+        "link-down takes the whole link down: the controller address and SSH port cannot be exempt "
+        "on it; the dead man's switch brings it back",
+    )
     return _Steps(tuple(apply), tuple(revert), notes)
 
 
@@ -442,7 +445,7 @@ def preflight(plan: FaultPlan, transport_for: TransportFor, timeout: float = 30.
         seen.add((cmd.host, cmd.netns))
         where = _where(cmd)
         tools = {c.argv[0] for c in plan.apply if (c.host, c.netns) == (cmd.host, cmd.netns)} - {"sh"}
-        tools |= {"tc", "grep"} if kind in TC_KINDS else {"ip", "cat"} if kind is FaultKind.LINK_DOWN else set()
+        tools |= {"tc", "ip", "grep"} if kind in TC_KINDS else {"ip", "cat"} if kind is FaultKind.LINK_DOWN else set()
         rc, out = _probe(transport_for, cmd, ("sh", "-c", _MISSING_TOOL, "sh", *sorted(tools)), timeout)
         if rc == 3:
             raise FaultUnsupported(f"{kind.value} cannot run on {where}: the {_last_line(out)!r} command is missing")
@@ -469,9 +472,7 @@ def _interfaces(plan: FaultPlan, host: str, netns: str | None) -> list[str]:
     for c in plan.apply:
         if (c.host, c.netns) != (host, netns):
             continue
-        if c.argv[:4] == ("tc", "qdisc", "add", "dev"):
-            out.add(c.argv[4])
-        elif c.argv[:3] == ("sh", "-c", LINK_DOWN_APPLY):
+        if c.argv[:4] == ("tc", "qdisc", "add", "dev") or c.argv[:3] == ("sh", "-c", LINK_DOWN_APPLY):
             out.add(c.argv[4])
     return sorted(out)
 

@@ -72,7 +72,7 @@ def parse_chaos(text: str) -> ChaosSpec:
     seed_text = fields.get("seed", "0")
     if not seed_text.isdigit():
         raise FaultSpecError(f"seed={seed_text!r} is not a non-negative integer")
-    kinds = DEFAULT_KINDS
+    kinds: tuple[FaultKind, ...] = DEFAULT_KINDS
     if "kinds" in fields:
         names = [k.strip() for k in fields["kinds"].split("|")]
         if not all(names):

@@ -123,7 +123,8 @@ def connect(netns: str | None, targets: Sequence[tuple[str, int]], timeout: floa
     proc = sh(netns, sys.executable, "-c", _CLIENT, str(timeout), json.dumps([list(t) for t in targets]),
               timeout=30 + timeout * len(targets))
     assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout)
+    answers: list[str] = json.loads(proc.stdout)
+    return answers
 
 
 def ffctl_chains(netns: str | None) -> list[str]:

@@ -322,7 +322,7 @@ def test_deadman_survives_and_is_cancelled_without_reverting_twice(sb: NetnsSand
     disarm(plan, transport_for)
     assert wait_for(lambda: not deadman_pids(run_id), 10)
     # Its sleep went with it: no process of the switch is left.
-    assert not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read().split()[2]
+    assert not os.path.exists(f"/proc/{pid}") or _state(pid) == "Z"
     assert ffctl_chains(n1.netns) == []
 
 

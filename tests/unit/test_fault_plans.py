@@ -11,10 +11,10 @@ from typing import Sequence
 
 import pytest
 
-from fault_injectors import deadman, gpu, network, make_plan, parse_spec
+from fault_injectors import deadman, make_plan, network, parse_spec
 from fault_injectors.deadman import fault_id, guard, with_fault_id
 from fault_injectors.network import FaultUnsupported, preflight
-from fault_injectors.plan import FaultPlan, HostCommand, NodePlace, RankPlace, Topology
+from fault_injectors.plan import FaultPlan, NodePlace, RankPlace, Topology
 from fault_injectors.process import in_step_fault_path
 from fault_injectors.revert import revert_all_plan
 from fault_injectors.schedule import ChaosSpec, fault_seed, iter_mtbf, mtbf_schedule, parse_chaos
@@ -102,7 +102,7 @@ def test_gpu_all_mode_hits_every_rank() -> None:
 def test_partition_exempts_controller_and_ssh_before_the_drop() -> None:
     plan = plan_of("net-partition:node=1,duration=5")
     rules = iptables_rules(plan)
-    chain = network.chain_name("run1", "f1")
+    chain = network.chain_name("run1", "f1", 1)
     assert rules[0] == ("iptables", "-w", "-N", chain)
     drops = [i for i, r in enumerate(rules) if r[-1] == "DROP"]
     assert drops, rules
@@ -125,9 +125,16 @@ def test_partition_rules_carry_the_owner_tag_and_run_in_the_nodes_namespace() ->
         assert cmd.netns == "ffctl-t-n2" and cmd.node == 2
         if cmd.argv[2] != "-N":
             assert ("--comment", tag) == cmd.argv[cmd.argv.index("--comment"):cmd.argv.index("--comment") + 2]
-    chain = network.chain_name("run1", "f1")
+    chain = network.chain_name("run1", "f1", 2)
     assert chain.startswith("FFCTL-f1-") and len(chain) <= 28
-    assert network.chain_name("run2", "f1") != chain
+    assert network.chain_name("run2", "f1", 2) != chain != network.chain_name("run1", "f1", 1)
+    assert len(network.chain_name("r" * 200, "f" * 200, 99999)) <= 28
+
+
+def test_partition_of_several_nodes_on_one_host_uses_a_chain_each() -> None:
+    plan = plan_of("net-partition:mode=all", topo(netns=False))
+    chains = {c.argv[3] for c in plan.apply if c.argv[2] == "-N"}
+    assert len(chains) == 3 and len(plan.revert) == 3
 
 
 def test_partition_reject_and_bad_action() -> None:
