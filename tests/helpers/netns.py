@@ -117,7 +117,7 @@ def tcp_server(netns: str | None, address: str, ports: Sequence[int]) -> Iterato
         proc.wait(timeout=30)
 
 
-def connect(netns: str | None, targets: Sequence[tuple[str, int]], timeout: float = 1.5) -> list[str]:
+def connect(netns: str | None, targets: Sequence[tuple[str, int]], timeout: float = 2.5) -> list[str]:
     """Connect from `netns` (None: the root namespace, the controller's) to each (address, port):
     "ok", "timeout", "refused" or the error."""
     proc = sh(netns, sys.executable, "-c", _CLIENT, str(timeout), json.dumps([list(t) for t in targets]),
