@@ -19,8 +19,10 @@ CTL_QUEUE = "ctl/q"
 GEN_KEY = "gen/current"
 
 
-def agent_queue(node: int) -> str:
-    return f"agent/{node}/q"
+def agent_queue(node: int, incarnation: int = 0) -> str:
+    # One queue per agent incarnation: a restarted agent must not wait on messages its
+    # predecessor already consumed.
+    return f"agent/{node}/{incarnation}/q"
 
 
 def gen_plan_key(gen: int) -> str:
@@ -52,18 +54,31 @@ def send(store: dist.Store, queue: str, msg: dict[str, Any]) -> None:
 
 
 class Receiver:
-    """The single consumer of a queue."""
+    """The single consumer of a queue. Never blocks: a message whose producer reserved an index
+    and then died (SIGKILL between `add` and `set`) is skipped after `gap_timeout` seconds."""
 
-    def __init__(self, store: dist.Store, queue: str) -> None:
+    def __init__(self, store: dist.Store, queue: str, gap_timeout: float = 2.0) -> None:
         self.store = store
         self.queue = queue
         self.seen = 0
+        self.gap_timeout = gap_timeout
+        self._gap_since: float | None = None
 
     def poll(self, max_items: int = 1000) -> list[dict[str, Any]]:
         produced = self.store.add(f"{self.queue}/n", 0)
         out: list[dict[str, Any]] = []
         while self.seen < produced and len(out) < max_items:
             key = f"{self.queue}/{self.seen + 1}"
+            if not self.store.check([key]):
+                now = time.monotonic()
+                if self._gap_since is None:
+                    self._gap_since = now
+                if now - self._gap_since < self.gap_timeout:
+                    break  # still in flight; keep order and look again next poll
+                self.seen += 1  # its producer died between reserving and writing
+                self._gap_since = None
+                continue
+            self._gap_since = None
             out.append(json.loads(self.store.get(key)))
             self.store.delete_key(key)
             self.seen += 1

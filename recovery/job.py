@@ -13,6 +13,7 @@ own slot, replacements from the local agent, the ring neighbour or disk.
 """
 from __future__ import annotations
 
+import os
 import random
 import signal
 import time
@@ -32,7 +33,7 @@ from recovery.slots import SlotContent, SlotWriter, read_slot, slot_path
 from recovery.snapshot import StateEntry, assemble, capture, read_meta
 
 PLAN_TIMEOUT = 600.0
-ACK_TIMEOUT = 5.0
+ACK_TIMEOUT = 2.0
 
 
 @dataclass
@@ -77,8 +78,10 @@ class Job:
         self.writer = SlotWriter(env.shm_dir, env.run_id, env.node, env.rank) if env.memory_snapshots else None
         self.faults = InStepFaults(env.fault_dir, env.run_id, env.rank)
         self.last_committed = 0
+        self._awaiting_copy: int | None = None  # step of our own snapshot not yet known off-node
         self._ack_degraded = False
         signal.signal(signal.SIGTERM, _exit_on_term)
+        self._send("started", gen=env.gen, pid=os.getpid())
 
     @classmethod
     def from_env(cls) -> Job:
@@ -105,8 +108,9 @@ class Job:
         if self.writer is None:
             return
         self.writer.fence()
-        if self.env.replicate and self.last_committed > 0:
-            self._wait_replicated(self.last_committed)
+        if self.env.replicate and self._awaiting_copy is not None:
+            self._wait_replicated(self._awaiting_copy)
+            self._awaiting_copy = None
 
     def _wait_replicated(self, step: int) -> None:
         # The ring neighbour must hold step k before this rank can take part in step k+1's
@@ -115,6 +119,8 @@ class Job:
         assert self.writer is not None
         deadline = time.monotonic() + (0.2 if self._ack_degraded else ACK_TIMEOUT)
         while self.writer.replicated_step(step) < step:
+            if self.group is not None and self.group.watcher.aborted.is_set():
+                raise PeerFailure(self.group.gen, "aborted while waiting for the neighbour's copy")
             if time.monotonic() > deadline:
                 self._ack_degraded = True
                 return
@@ -163,6 +169,7 @@ class Job:
             self._restore(gen, step, source)
             self._send("restored", gen=gen, step=step, source=source["kind"])
         self.last_committed = step
+        self._awaiting_copy = None  # a restored step's copies are already where the plan found them
         return step
 
     def _fetch(self, step: int, source: dict[str, Any]) -> SlotContent | None:
@@ -224,6 +231,7 @@ class Job:
         cap = capture(self.entries, step, self.env.rank, world)
         if self.writer is not None:
             self.writer.begin(cap)
+            self._awaiting_copy = step
         if needs_disk:
             disk.save(self.env.ckpt_dir, cap)
             self._send("ckpt", step=step)

@@ -1,0 +1,297 @@
+"""The node agent (`ffctl agent`): one per node, started by the controller.
+
+It spawns the node's ranks (from warm spares when it has them) with torchrun's environment,
+sees a rank exit within one poll period (20 ms), heartbeats to the controller, holds the node's
+snapshot store (shared-memory slots of its ranks, replicas of its ring neighbour's slots) and
+streams its slots to the neighbour. It outlives every worker and takes them all down with it:
+on `stop`, on SIGTERM, when its stdin closes (the controller or the SSH session is gone) or when
+the controller's store stops answering. Shutdown is SIGTERM, a deadline, then SIGKILL.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from ffctl.replicator import Replicator
+from recovery import control
+from recovery.peer import PeerStore
+from recovery.slots import read_header, slot_path
+
+POLL_S = 0.02
+HEARTBEAT_S = 0.2
+STORE_GRACE_S = 5.0
+TERM_GRACE_S = 5.0
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    run_id: str
+    node: int
+    nnodes: int
+    store_host: str
+    store_port: int
+    address: str  # where this node's snapshot store listens (never all interfaces)
+    token: str
+    log_dir: str
+    worker_argv: tuple[str, ...]  # ("-m", "ffctl.workload.train", ...) or (script, args...)
+    worker_env: dict[str, str] = field(default_factory=dict)
+    python: str = sys.executable
+    cwd: str = ""
+    shm_dir: str = "/dev/shm"
+    spares: int = 0
+    incarnation: int = 0
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> AgentConfig:
+        raw = json.loads(text)
+        raw["worker_argv"] = tuple(raw["worker_argv"])
+        return cls(**raw)
+
+
+@dataclass
+class Worker:
+    rank: int
+    gen: int
+    proc: subprocess.Popen[bytes]
+    expected_exit: bool = False
+
+
+def kill_tree(procs: list[psutil.Process], grace: float) -> None:
+    """SIGTERM every process and its descendants, wait `grace`, SIGKILL what is left."""
+    everyone: list[psutil.Process] = []
+    for proc in procs:
+        try:
+            everyone += [proc, *proc.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            continue
+    for proc in everyone:
+        try:
+            proc.send_signal(signal.SIGCONT)  # a stopped process cannot act on SIGTERM
+            proc.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(everyone, timeout=grace)
+    for proc in alive:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=grace)
+
+
+class Agent:
+    def __init__(self, cfg: AgentConfig) -> None:
+        self.cfg = cfg
+        self.store = control.connect(cfg.store_host, cfg.store_port, timeout=10.0)
+        self.inbox = control.Receiver(self.store, control.agent_queue(cfg.node, cfg.incarnation))
+        self.workers: dict[int, Worker] = {}
+        self.spares: list[subprocess.Popen[bytes]] = []
+        self.warm: set[subprocess.Popen[bytes]] = set()
+        self.reported_spares = -1
+        self.stopping = threading.Event()
+        self.lock = threading.Lock()
+        self._wipe_slots()  # a (re)started node is an empty node
+        self.peer = PeerStore(cfg.address, cfg.token, self.slot).start()
+        self.replicator = Replicator(self, cfg.token)
+        Path(cfg.log_dir).mkdir(parents=True, exist_ok=True)
+
+    # -- slots --------------------------------------------------------------------------------
+    def slot(self, rank: int, index: int) -> Path:
+        return slot_path(self.cfg.shm_dir, self.cfg.run_id, self.cfg.node, rank, index)
+
+    def _slot_files(self) -> list[Path]:
+        return sorted(Path(self.cfg.shm_dir).glob(f"ffctl-{self.cfg.run_id}-n{self.cfg.node}-r*-s*"))
+
+    def _wipe_slots(self) -> None:
+        for path in self._slot_files():
+            path.unlink(missing_ok=True)
+
+    def inventory(self) -> dict[str, Any]:
+        local: dict[str, list[int]] = {}
+        for path in self._slot_files():
+            rank = int(path.name.rsplit("-r", 1)[1].split("-s")[0])
+            header = read_header(path)
+            if header is not None and header.valid:
+                local.setdefault(str(rank), []).append(header.step)
+        return {"local": local, "replica": self.peer.inventory()["replica"]}
+
+    # -- workers -------------------------------------------------------------------------------
+    def _start_spare(self) -> subprocess.Popen[bytes]:
+        log = open(Path(self.cfg.log_dir) / "spares.log", "ab")
+        try:
+            proc = subprocess.Popen(
+                [self.cfg.python, "-m", "ffctl.spare"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                stderr=log, cwd=self.cfg.cwd or None, env={**os.environ, **self.cfg.worker_env},
+            )
+        finally:
+            log.close()
+        assert proc.stdout is not None
+        os.set_blocking(proc.stdout.fileno(), False)
+        return proc
+
+    def _spare_ready(self, proc: subprocess.Popen[bytes]) -> bool:
+        if proc in self.warm:
+            return True
+        assert proc.stdout is not None
+        try:
+            if proc.stdout.read(6):
+                self.warm.add(proc)
+                return True
+        except (BlockingIOError, OSError, ValueError):
+            pass
+        return False
+
+    def _top_up_spares(self) -> None:
+        self.spares = [p for p in self.spares if p.poll() is None]
+        while len(self.spares) < self.cfg.spares and not self.stopping.is_set():
+            self.spares.append(self._start_spare())
+        ready = sum(1 for p in self.spares if self._spare_ready(p))
+        if ready != self.reported_spares:
+            self.reported_spares = ready
+            self._report("spares", count=ready)
+
+    def spawn(self, gen: int, ranks: list[dict[str, Any]]) -> None:
+        pids = {}
+        for spec in ranks:
+            rank = int(spec["rank"])
+            # A warm spare if one is ready, else the oldest (it is the furthest along).
+            ready = [p for p in self.spares if self._spare_ready(p)]
+            proc = ready[0] if ready else (self.spares[0] if self.spares else self._start_spare())
+            if proc in self.spares:
+                self.spares.remove(proc)
+            assignment = {
+                "env": {**self.cfg.worker_env, **spec["env"]},
+                "argv": list(self.cfg.worker_argv),
+                "log": str(Path(self.cfg.log_dir) / f"{rank}.log"),
+                "cwd": self.cfg.cwd,
+            }
+            assert proc.stdin is not None
+            proc.stdin.write((json.dumps(assignment) + "\n").encode())
+            proc.stdin.close()
+            with self.lock:
+                self.workers[rank] = Worker(rank, gen, proc)
+            pids[str(rank)] = proc.pid
+        self._report("spawned", gen=gen, pids=pids)
+
+    def kill(self, ranks: list[int], grace: float) -> None:
+        with self.lock:
+            targets = [self.workers[r] for r in ranks if r in self.workers]
+            for w in targets:
+                w.expected_exit = True
+        procs = []
+        for w in targets:
+            try:
+                procs.append(psutil.Process(w.proc.pid))
+            except psutil.NoSuchProcess:
+                pass
+        threading.Thread(target=kill_tree, args=(procs, grace), daemon=True).start()
+
+    def _reap(self) -> None:
+        with self.lock:
+            for rank, w in list(self.workers.items()):
+                code = w.proc.poll()
+                if code is None:
+                    continue
+                del self.workers[rank]
+                self._report("rank_exited", rank=rank, gen=w.gen, pid=w.proc.pid, exitcode=code,
+                             expected=w.expected_exit)
+
+    # -- control -------------------------------------------------------------------------------
+    def _report(self, kind: str, **fields: Any) -> None:
+        control.send(self.store, control.CTL_QUEUE, {"type": kind, "node": self.cfg.node, **fields})
+
+    def handle(self, msg: dict[str, Any]) -> None:
+        kind = msg["type"]
+        if kind == "spawn":
+            self.spawn(int(msg["gen"]), msg["ranks"])
+        elif kind == "kill":
+            self.kill([int(r) for r in msg["ranks"]], float(msg.get("grace", TERM_GRACE_S)))
+        elif kind == "neighbor":
+            self.replicator.set_target(msg.get("address"), msg.get("port"))
+        elif kind == "inventory":
+            self._report("inventory", req=msg["req"], **self.inventory())
+        elif kind == "stop":
+            self.stopping.set()
+        else:
+            self._report("agent_error", error=f"unknown command {kind!r}")
+
+    def _watch_stdin(self) -> None:
+        # The controller holds our stdin open; EOF means it (or its SSH session) is gone.
+        try:
+            while sys.stdin.buffer.read(4096):
+                pass
+        except (OSError, ValueError):
+            pass
+        self.stopping.set()
+
+    def run(self) -> int:
+        threading.Thread(target=self._watch_stdin, name="ffctl-stdin", daemon=True).start()
+        signal.signal(signal.SIGTERM, lambda *_: self.stopping.set())
+        signal.signal(signal.SIGINT, lambda *_: self.stopping.set())
+        self._report("agent_up", pid=os.getpid(), host=socket.gethostname(), time=time.time(),
+                     peer_address=self.peer.address, peer_port=self.peer.port)
+        self.replicator.start()
+        if self.cfg.spares:
+            self._top_up_spares()
+        last_beat, last_ok = 0.0, time.monotonic()
+        try:
+            while not self.stopping.is_set():
+                try:
+                    for msg in self.inbox.poll():
+                        self.handle(msg)
+                    now = time.monotonic()
+                    if now - last_beat >= HEARTBEAT_S:
+                        self.store.add(control.heartbeat_key(self.cfg.node), 1)
+                        last_beat = now
+                    self._reap()
+                    if self.cfg.spares:
+                        self._top_up_spares()
+                    last_ok = now
+                except Exception:
+                    if time.monotonic() - last_ok > STORE_GRACE_S:
+                        break  # the controller is gone: take everything down
+                self.stopping.wait(POLL_S)
+        finally:
+            self.shutdown()
+        return 0
+
+    def shutdown(self) -> None:
+        self.replicator.stop()
+        procs = []
+        for p in [w.proc for w in self.workers.values()] + self.spares:
+            try:
+                procs.append(psutil.Process(p.pid))
+            except psutil.NoSuchProcess:
+                pass
+        kill_tree(procs, TERM_GRACE_S)
+        for p in [w.proc for w in self.workers.values()] + self.spares:
+            p.poll()
+        try:
+            self._reap()
+        except Exception:
+            pass
+        self.peer.stop()
+        self._wipe_slots()
+
+
+def main() -> int:
+    cfg = AgentConfig.from_json(sys.stdin.readline())
+    return Agent(cfg).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+"""`ffctl inject KIND --run ID ...`: break a running job now; `ffctl inject revert --all`."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from fault_injectors import FaultSpecError
+from fault_injectors.spec import parse_kind
+from ffctl import inject_client
+from ffctl.render import make_console
+from ffctl.errors import EXIT_INFRA, EXIT_OK, BadInput
+from ffctl.render.report import render_plan
+from runs.store import RunStoreError, open_run
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("inject")
+    def inject(
+        kind: Annotated[str, typer.Argument(help="Fault kind (see DESIGN's fault table), or `revert`.")],
+        run: Annotated[Optional[str], typer.Option("--run", help="Run id of the running job.")] = None,
+        rank: Annotated[Optional[int], typer.Option(help="Target rank.")] = None,
+        node: Annotated[Optional[int], typer.Option(help="Target node.")] = None,
+        host: Annotated[Optional[str], typer.Option(help="Target host.")] = None,
+        duration: Annotated[Optional[float], typer.Option(help="Seconds until the fault is reverted.")] = None,
+        option: Annotated[Optional[list[str]], typer.Option("--option", "-o", help="Kind-specific key=value (rate=1mbit, delay=100ms).")] = None,
+        all_: Annotated[bool, typer.Option("--all", help="With `revert`: remove everything ffctl left.")] = False,
+        hosts: Annotated[Optional[Path], typer.Option("--hosts", help="Hostfile (with `revert --all`).")] = None,
+        runs_dir: Annotated[Path, typer.Option("--runs-dir", envvar="FFCTL_RUNS_DIR")] = Path("ffctl-runs"),
+        dry_run: Annotated[bool, typer.Option("--dry-run", help="Print each host's commands, change nothing.")] = False,
+    ) -> int:
+        """Inject a fault into a running job (the job's controller applies and records it)."""
+        console = make_console()
+        if kind == "revert":
+            from ffctl.revert_cmd import revert_everything
+
+            if not all_:
+                raise BadInput("inject revert: say --all (remove everything ffctl left on the hosts)")
+            lines = revert_everything(hosts, dry_run=dry_run)
+            render_plan(lines, console)
+            return EXIT_OK
+        try:
+            parse_kind(kind)
+        except FaultSpecError as exc:
+            raise BadInput(str(exc)) from None
+        if run is None:
+            raise BadInput(f"inject {kind}: --run ID is required")
+        targets = [f"{k}={v}" for k, v in (("rank", rank), ("node", node), ("host", host)) if v is not None]
+        if len(targets) > 1:
+            raise BadInput(f"inject {kind}: give one of --rank, --node, --host (got {', '.join(targets)})")
+        fields = targets + ([f"duration={duration:g}"] if duration is not None else []) + list(option or [])
+        spec_text = kind + (":" + ",".join(fields) if fields else "")
+        try:
+            record = open_run(runs_dir, run)
+        except RunStoreError as exc:
+            raise BadInput(str(exc)) from None
+        reply = inject_client.request(record, spec_text, dry_run)
+        if dry_run:
+            render_plan(list(reply.get("plan", [])), console)
+            return EXIT_OK
+        if not reply.get("ok"):
+            typer.echo(f"ffctl: error: {reply.get('error')}", err=True)
+            return EXIT_INFRA
+        console.print(f"injected {kind} as {reply['fault_id']} into run {run}", markup=False, highlight=False)
+        return EXIT_OK

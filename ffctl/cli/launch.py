@@ -1,0 +1,64 @@
+"""`ffctl launch`: start instrumented training, inject scheduled faults, recover, record."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from fault_injectors import FaultSpecError, parse_spec
+from ffctl.render import make_console
+from ffctl.errors import EXIT_EXPECTATION, EXIT_INTERRUPTED, EXIT_OK, BadInput
+from ffctl.launching import execute, plan_launch
+from ffctl.launchspec import LaunchSpec
+from ffctl.render.live import LiveView
+from ffctl.render.report import render_plan, render_report
+from runs.events import RunStatus
+from runs.metrics import compute
+
+
+def register(app: typer.Typer) -> None:
+    @app.command(
+        "launch",
+        context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True},
+    )
+    def launch(
+        script: Annotated[Optional[list[str]], typer.Argument(help="Training script and its arguments (default: built-in GPT).")] = None,
+        nnodes: Annotated[int, typer.Option("--nnodes", help="Nodes (local agents without --hosts).")] = 2,
+        nproc_per_node: Annotated[int, typer.Option("--nproc-per-node", "--nproc_per_node", help="Ranks per node.")] = 2,
+        steps: Annotated[int, typer.Option(help="Training steps of the built-in workload.")] = 60,
+        seed: Annotated[int, typer.Option(help="Seed: same seed, same losses.")] = 0,
+        model: Annotated[str, typer.Option(help="Built-in GPT size: tiny, small or base.")] = "tiny",
+        recovery: Annotated[str, typer.Option(help="peer | restart-memory | restart-disk | none")] = "peer",
+        ckpt_every: Annotated[int, typer.Option("--ckpt-every", help="Disk checkpoint every N steps (0: never).")] = 0,
+        spares: Annotated[int, typer.Option(help="Warm spare workers per node.")] = 0,
+        inject: Annotated[Optional[list[str]], typer.Option("--inject", help="Scheduled fault KIND:key=value,...")] = None,
+        run_id: Annotated[Optional[str], typer.Option("--run-id", help="Run id (default: time-based).")] = None,
+        runs_dir: Annotated[Path, typer.Option("--runs-dir", envvar="FFCTL_RUNS_DIR", help="Where run records go.")] = Path("ffctl-runs"),
+        heartbeat_timeout: Annotated[float, typer.Option("--heartbeat-timeout", help="Node loss after this many seconds without heartbeat.")] = 1.0,
+        dry_run: Annotated[bool, typer.Option("--dry-run", help="Print what would run and start nothing.")] = False,
+    ) -> int:
+        """Train on local nodes (the built-in GPT, or SCRIPT), inject faults, recover, and record it."""
+        if model not in ("tiny", "small", "base"):
+            raise BadInput(f"--model {model!r}: use tiny, small or base")
+        try:
+            faults = tuple(parse_spec(s) for s in inject or [])
+        except FaultSpecError as exc:
+            raise BadInput(f"--inject: {exc}") from None
+        spec = LaunchSpec(
+            nnodes=nnodes, nproc_per_node=nproc_per_node, steps=steps, seed=seed, model=model,
+            recovery=recovery, ckpt_every=ckpt_every, spares=spares, injects=faults, run_id=run_id,
+            runs_dir=runs_dir, script=tuple(script or ()), heartbeat_timeout=heartbeat_timeout,
+        )
+        plan = plan_launch(spec)
+        console = make_console()
+        if dry_run:
+            render_plan(list(plan.lines), console)
+            return EXIT_OK
+        with LiveView(console) as view:
+            status, record = execute(plan, view)
+        render_report(compute(record.run_id, record.events()).to_dict(), console)
+        console.print(f"run {record.run_id}: {status.value} (record in {record.path})", markup=False, highlight=False)
+        if status is RunStatus.COMPLETED:
+            return EXIT_OK
+        return EXIT_INTERRUPTED if status is RunStatus.INTERRUPTED else EXIT_EXPECTATION

@@ -1,0 +1,607 @@
+"""The controller: the `ffctl launch` process.
+
+It hosts torch's TCPStore (the control plane), starts one agent per node, opens generations,
+detects failures (a rank's exit, a lost node, a hang, an error raised in a step), coordinates
+recovery with the selected strategy, fires scheduled faults, shows live progress and is the
+only writer of the run record.
+"""
+from __future__ import annotations
+
+import datetime
+import signal
+import socket
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch.distributed as dist
+
+from fault_injectors import FaultSpec, LocalTransport, NodePlace, RankPlace, Topology
+from fault_injectors.plan import HostCommand
+from ffctl.agent import AgentConfig
+from ffctl.decide import Decision, Inventory, decide, ring_holder
+from ffctl.injector import Injector
+from ffctl.launchspec import LaunchSpec
+from ffctl.nodes import NodeLauncher, NodeProcess
+from recovery import control, disk
+from recovery.jobenv import JobEnv, Strategy
+from runs.events import EventKind, RunStatus
+from runs.metrics import compute
+from runs.store import RunStore
+
+AGENT_START_TIMEOUT = 60.0
+ABORT_ACK_TIMEOUT = 5.0
+PHASE_TIMEOUT = 120.0
+STARTUP_HANG_S = 120.0
+
+
+class RecoveryAbandoned(Exception):
+    """A new failure arrived while recovering: start the recovery over."""
+
+
+class FatalRun(Exception):
+    """The run cannot go on (recovery none, no usable state, infrastructure gone)."""
+
+
+@dataclass
+class Failure:
+    cause: str
+    ranks: set[int] = field(default_factory=set)
+    nodes: set[int] = field(default_factory=set)
+    t: float = field(default_factory=time.time)
+    detail: str = ""
+
+    def merge(self, other: Failure) -> None:
+        self.ranks |= other.ranks
+        self.nodes |= other.nodes
+        if other.cause not in self.cause.split("+"):
+            self.cause += "+" + other.cause
+
+
+@dataclass
+class NodeState:
+    node: int
+    proc: NodeProcess
+    pid: int = 0
+    peer: tuple[str, int] | None = None
+    up: bool = False
+    hb_value: int = -1
+    hb_seen: float = field(default_factory=time.monotonic)
+    spares: int = -1
+
+
+class Controller:
+    def __init__(self, spec: LaunchSpec, record: RunStore, nodes: NodeLauncher,
+                 view: Callable[[dict[str, Any]], None] | None = None,
+                 transport_for: Callable[[HostCommand], Any] | None = None) -> None:
+        self.spec = spec
+        self.rec = record
+        self.launcher = nodes
+        self.view = view or (lambda state: None)
+        self.token = record.token()
+        self.gen = 0
+        self.members: dict[int, int] = {r: r // spec.nproc_per_node for r in range(spec.world_size)}
+        self.pids: dict[int, int | None] = {r: None for r in self.members}
+        self.nodes: dict[int, NodeState] = {}
+        self.committed_step = 0
+        self.recorded_step: dict[int, int] = {}  # gen -> highest STEP event written
+        self.step_times: list[float] = []
+        self.last_loss: float | None = None
+        self.last_progress = time.monotonic()
+        self.gen_msgs: dict[tuple[str, int], set[int]] = {}  # (kind, gen) -> ranks
+        self.aborted_at: dict[int, int] = {}
+        self.ckpt_reports: dict[int, set[int]] = {}
+        self.disk_step: int | None = None
+        self.inventories: dict[tuple[int, int], dict[str, Any]] = {}
+        self.pending: Failure | None = None
+        self.phase = "starting"
+        self.started = time.time()
+        self._req = 0
+        self._incarnation: dict[int, int] = {}
+        self._view_at = 0.0
+        self.injector = Injector(self, transport_for or self._local_transport,
+                                 scheduled=[s for s in spec.injects])
+        self.store: dist.TCPStore | None = None
+        self._sock: socket.socket | None = None
+        self.inbox: control.Receiver | None = None
+
+    # -- record & view ------------------------------------------------------------------------
+    def record(self, kind: EventKind, /, t: float | None = None, **data: Any) -> None:
+        self.rec.append(kind, t=t, **data)
+
+    def _show(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._view_at < 0.1:
+            return
+        self._view_at = now
+        recent = self.step_times[-20:]
+        self.view({
+            "run_id": self.rec.run_id, "phase": self.phase, "gen": self.gen, "step": self.committed_step,
+            "steps": self.spec.steps, "loss": self.last_loss,
+            "steps_per_s": (1.0 / statistics.median(recent)) if recent else None,
+            "fault": self.injector.describe_current(), "strategy": self.spec.recovery,
+        })
+
+    # -- plumbing -----------------------------------------------------------------------------
+    def _local_transport(self, cmd: HostCommand) -> LocalTransport:
+        return LocalTransport(cmd.host, cmd.netns)
+
+    def _start_store(self) -> None:
+        # Bind the listening socket ourselves: torch's TCPStore would listen on every interface.
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.spec.address, 0))
+        sock.listen(1024)
+        self._sock = sock
+        self.store = dist.TCPStore(
+            self.spec.address, sock.getsockname()[1], is_master=True, wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=30), master_listen_fd=sock.fileno(),
+        )
+        self.inbox = control.Receiver(self.store, control.CTL_QUEUE)
+        self.rec.update_run_info(controller={"address": self.spec.address, "port": self.store.port})
+
+    @property
+    def port(self) -> int:
+        assert self.store is not None
+        return self.store.port
+
+    def topology(self) -> Topology:
+        nodes = tuple(
+            NodePlace(n, self.launcher.host(n), self.launcher.address(n), st.pid,
+                      self.launcher.netns(n), self.launcher.interface(n))
+            for n, st in sorted(self.nodes.items())
+        )
+        ranks = tuple(RankPlace(r, self.members[r], pid) for r, pid in sorted(self.pids.items()) if pid)
+        return Topology(self.rec.run_id, nodes, ranks, controller_address=self.spec.address,
+                        store_port=self.port)
+
+    def _agent_config(self, node: int) -> AgentConfig:
+        argv = tuple(self.spec.script) if self.spec.script else (
+            "-m", "ffctl.workload.train", "--model", self.spec.model, "--steps", str(self.spec.steps),
+            "--seed", str(self.spec.seed))
+        env = {"GLOO_SOCKET_IFNAME": self.launcher.interface(node) or "lo", **dict(self.spec.extra_env)}
+        return AgentConfig(
+            run_id=self.rec.run_id, node=node, nnodes=self.spec.nnodes, store_host=self.spec.address,
+            store_port=self.port, address=self.launcher.address(node), token=self.token,
+            log_dir=str(self.rec.path / "logs" / str(node)), worker_argv=argv, worker_env=env,
+            cwd=str(Path.cwd()), spares=self.spec.spares, incarnation=self._incarnation.get(node, 0),
+        )
+
+    def _rank_env(self, rank: int, gen: int) -> dict[str, str]:
+        node = self.members[rank]
+        local = sorted(r for r, n in self.members.items() if n == node)
+        memory = self.spec.recovery in (Strategy.PEER, Strategy.RESTART_MEMORY)
+        env = JobEnv(
+            rank=rank, world_size=self.spec.world_size, local_rank=local.index(rank),
+            local_world_size=len(local), node=node, run_id=self.rec.run_id,
+            store_host=self.spec.address, store_port=self.port, gen=gen, strategy=self.spec.recovery,
+            ckpt_dir=str(self.rec.path / "checkpoints"), ckpt_every=self.spec.ckpt_every,
+            replicate=memory and self.spec.nnodes > 1, token=self.token, pg_timeout=self.spec.pg_timeout,
+        )
+        return env.to_env()
+
+    def _send(self, node: int, msg: dict[str, Any]) -> None:
+        assert self.store is not None
+        control.send(self.store, control.agent_queue(node, self._incarnation.get(node, 0)), msg)
+
+    # -- messages -----------------------------------------------------------------------------
+    def _fail(self, failure: Failure) -> None:
+        if self.pending is None:
+            self.pending = failure
+        else:
+            self.pending.merge(failure)
+
+    def pump(self) -> None:
+        assert self.inbox is not None
+        for msg in self.inbox.poll():
+            self._handle(msg)
+        self._check_nodes()
+
+    def _handle(self, msg: dict[str, Any]) -> None:
+        kind = msg["type"]
+        now = time.time()
+        rank = msg.get("rank")
+        if kind == "step":
+            gen, step = int(msg["gen"]), int(msg["step"])
+            if gen != self.gen:
+                return
+            self.last_progress = time.monotonic()
+            if step > self.recorded_step.get(gen, -1):
+                self.recorded_step[gen] = step
+                self.committed_step = step
+                self.last_loss = float(msg["loss"])
+                self.step_times.append(float(msg["dt"]))
+                self.record(EventKind.STEP, t=now, step=step, loss=float(msg["loss"]),
+                            step_time_s=float(msg["dt"]), gen=gen, rank=rank)
+        elif kind == "agent_up":
+            st = self.nodes[int(msg["node"])]
+            st.pid, st.peer, st.up = int(msg["pid"]), (msg["peer_address"], int(msg["peer_port"])), True
+            self.record(EventKind.AGENT_STARTED, t=now, node=st.node, host=msg["host"], pid=st.pid,
+                        clock_offset_s=float(msg["time"]) - now)
+            st.hb_seen = time.monotonic()
+            if self.phase != "starting":
+                self._wire_ring()  # a node came back: it holds replicas again
+        elif kind == "spares":
+            st = self.nodes[int(msg["node"])]
+            if int(msg["count"]) != st.spares:
+                st.spares = int(msg["count"])
+                self.record(EventKind.SPARES_HELD, t=now, node=st.node, count=st.spares)
+        elif kind == "spawned":
+            for r, pid in msg["pids"].items():
+                self.pids[int(r)] = int(pid)
+            self.gen_msgs.setdefault(("spawned", int(msg["gen"])), set()).update(int(r) for r in msg["pids"])
+        elif kind == "rank_exited":
+            self._on_exit(msg, now)
+        elif kind == "error":
+            self.record(EventKind.RANK_EXITED, t=now, node=msg["node"], rank=rank, error=msg.get("error"),
+                        gen=msg.get("gen"), reason="error-in-step")
+            if self.pids.get(int(rank)):
+                self._fail(Failure("step-error", {int(rank)}, t=now, detail=str(msg.get("error"))))
+        elif kind in ("started", "joined", "restored", "done"):
+            self.gen_msgs.setdefault((kind, int(msg["gen"])), set()).add(int(rank))
+        elif kind == "aborted":
+            self.aborted_at[int(rank)] = int(msg["step"])
+            self.gen_msgs.setdefault(("aborted", int(msg["gen"])), set()).add(int(rank))
+        elif kind == "restore_failed":
+            self.gen_msgs.setdefault(("restore_failed", int(msg["gen"])), set()).add(int(rank))
+            self._fail(Failure("restore-failed", {int(rank)}, t=now, detail=str(msg.get("reason"))))
+        elif kind == "ckpt":
+            step = int(msg["step"])
+            got = self.ckpt_reports.setdefault(step, set())
+            got.add(int(rank))
+            if len(got) == self.spec.world_size:
+                disk.mark_complete(self.rec.path / "checkpoints", step)
+                self.disk_step = max(self.disk_step or 0, step)
+                self.record(EventKind.SNAPSHOT_TAKEN, t=now, step=step, kind="disk", ranks=sorted(got))
+        elif kind == "replicated":
+            self.record(EventKind.SNAPSHOT_TAKEN, t=now, step=int(msg["step"]), kind="memory",
+                        node=msg["node"], ranks=msg["ranks"])
+        elif kind == "inventory":
+            self.inventories[(int(msg["node"]), int(msg["req"]))] = msg
+        elif kind == "inject_request":
+            self._adhoc_inject(msg)
+
+    def _on_exit(self, msg: dict[str, Any], now: float) -> None:
+        rank, pid, code = int(msg["rank"]), int(msg["pid"]), int(msg["exitcode"])
+        self.record(EventKind.RANK_EXITED, t=now, node=msg["node"], rank=rank, pid=pid, exitcode=code,
+                    gen=msg.get("gen"), expected=bool(msg.get("expected")))
+        if self.pids.get(rank) != pid:
+            return  # a process of an earlier generation, already replaced
+        self.pids[rank] = None
+        if msg.get("expected") or (code == 0 and rank in self.gen_msgs.get(("done", self.gen), set())):
+            return
+        self._fail(Failure("process-exit", {rank}, t=now, detail=f"exit code {code}"))
+
+    def _check_nodes(self) -> None:
+        assert self.store is not None
+        now = time.monotonic()
+        for n, st in self.nodes.items():
+            if not st.up:
+                continue
+            if st.proc.poll() is not None:
+                st.up = False
+                self.record(EventKind.NODE_LOST, node=n, reason="agent-exit")
+                self._fail(Failure("node-lost", nodes={n}))
+                continue
+            value = self.store.add(control.heartbeat_key(n), 0)
+            if value != st.hb_value:
+                st.hb_value, st.hb_seen = value, now
+            elif now - st.hb_seen > self.spec.heartbeat_timeout:
+                st.up = False
+                self.record(EventKind.NODE_LOST, node=n, reason="heartbeat")
+                self._fail(Failure("node-lost", nodes={n}))
+
+    def _check_hang(self) -> None:
+        if self.phase != "running" or self.pending is not None:
+            return
+        if self.recorded_step.get(self.gen) is None:
+            limit = STARTUP_HANG_S
+        else:
+            med = statistics.median(self.step_times[-50:]) if self.step_times else 0.0
+            limit = max(10 * med, self.spec.hang_min_s)
+        if time.monotonic() - self.last_progress > limit:
+            self._fail(Failure("hang", detail=f"no step progress for {limit:.1f}s"))
+
+    def _adhoc_inject(self, msg: dict[str, Any]) -> None:
+        from fault_injectors.spec import FaultSpecError, parse_spec
+
+        assert self.store is not None
+        try:
+            spec = parse_spec(msg["spec"])
+            if msg.get("dry_run"):
+                reply = {"ok": True, "plan": self.injector.plan(spec).describe()}
+            else:
+                fault, err = self.injector.inject(spec)
+                reply = {"ok": err is None, "error": err, "fault_id": fault.fault_id if fault else None}
+        except FaultSpecError as exc:
+            reply = {"ok": False, "error": str(exc), "bad_input": True}
+        import json
+
+        self.store.set(f"inject/reply/{msg['req']}", json.dumps(reply))
+
+    # -- waiting ------------------------------------------------------------------------------
+    def wait_for(self, cond: Callable[[], bool], timeout: float, what: str, abandon_on_failure: bool = True) -> bool:
+        deadline = time.monotonic() + timeout
+        while not cond():
+            self.pump()
+            if abandon_on_failure and self.pending is not None:
+                raise RecoveryAbandoned(what)
+            if time.monotonic() > deadline:
+                return False
+            self._show()
+            time.sleep(0.005)
+        return True
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def _start_agent(self, node: int) -> None:
+        st = self.nodes.get(node)
+        if st is not None:
+            st.proc.stop(timeout=2.0)
+            self._incarnation[node] = self._incarnation.get(node, 0) + 1
+        proc = self.launcher.start(self._agent_config(node))
+        self.nodes[node] = NodeState(node, proc)
+
+    def _wait_agents(self, nodes: list[int]) -> None:
+        ok = self.wait_for(lambda: all(self.nodes[n].up for n in nodes), AGENT_START_TIMEOUT,
+                           "agents starting", abandon_on_failure=False)
+        if not ok:
+            missing = [n for n in nodes if not self.nodes[n].up]
+            raise FatalRun(f"agent of node(s) {missing} did not start within {AGENT_START_TIMEOUT:g}s "
+                           f"(see {self.rec.path / 'logs'})")
+        for n in nodes:
+            self.nodes[n].hb_seen = time.monotonic()
+        self._wire_ring()
+
+    def _wire_ring(self) -> None:
+        live = sorted(n for n, st in self.nodes.items() if st.up)
+        for n in live:
+            holder = ring_holder(n, live) if self.spec.recovery in (Strategy.PEER, Strategy.RESTART_MEMORY) else None
+            peer = self.nodes[holder].peer if holder is not None else None
+            self._send(n, {"type": "neighbor", "address": peer[0] if peer else None, "port": peer[1] if peer else None})
+
+    def _spawn(self, gen: int, ranks: list[int]) -> None:
+        by_node: dict[int, list[int]] = {}
+        for r in ranks:
+            by_node.setdefault(self.members[r], []).append(r)
+        for node, rs in by_node.items():
+            self._send(node, {"type": "spawn", "gen": gen,
+                              "ranks": [{"rank": r, "env": self._rank_env(r, gen)} for r in rs]})
+
+    def _open_generation(self, gen: int, decision: Decision | None, respawn: list[int]) -> None:
+        assert self.store is not None
+        plan = {"gen": gen, "world_size": self.spec.world_size, "strategy": self.spec.recovery,
+                "restore_step": decision.restore_step if decision else 0,
+                "sources": {str(r): s for r, s in (decision.sources.items() if decision else [])}}
+        self.gen = gen
+        control.publish_plan(self.store, gen, plan)
+        self._spawn(gen, respawn)
+
+    def _await_generation(self, gen: int, respawn: list[int], restore_step: int, source: str) -> None:
+        world = set(self.members)
+        # Spawned means started and ready to join (torch imported), not merely forked.
+        spawned = lambda: set(respawn) <= self.gen_msgs.get(("started", gen), set())  # noqa: E731
+        if not self.wait_for(spawned, PHASE_TIMEOUT, "spawn"):
+            raise FatalRun(f"ranks {sorted(respawn)} were not spawned within {PHASE_TIMEOUT:g}s")
+        self.record(EventKind.RANKS_SPAWNED, gen=gen, ranks=sorted(respawn))
+        joined = lambda: world <= self.gen_msgs.get(("joined", gen), set())  # noqa: E731
+        if not self.wait_for(joined, PHASE_TIMEOUT, "rendezvous"):
+            self._fail(Failure("rendezvous-timeout", world - self.gen_msgs.get(("joined", gen), set())))
+            raise RecoveryAbandoned("rendezvous")
+        self.record(EventKind.RENDEZVOUS_DONE, gen=gen)
+        if restore_step > 0:
+            restored = lambda: world <= self.gen_msgs.get(("restored", gen), set())  # noqa: E731
+            if not self.wait_for(restored, PHASE_TIMEOUT, "restore"):
+                self._fail(Failure("restore-timeout"))
+                raise RecoveryAbandoned("restore")
+            self.record(EventKind.RESTORE_DONE, gen=gen, step=restore_step, source=source)
+        self.last_progress = time.monotonic()
+
+    def run(self) -> RunStatus:
+        status, reason = RunStatus.FAILED, ""
+        previous = signal.getsignal(signal.SIGTERM)
+        signal.signal(signal.SIGTERM, _raise_interrupt)
+        try:
+            self._start_store()
+            self.record(EventKind.RUN_STARTED, world_size=self.spec.world_size, strategy=self.spec.recovery,
+                        nnodes=self.spec.nnodes, nproc_per_node=self.spec.nproc_per_node,
+                        steps=self.spec.steps, seed=self.spec.seed, model=self.spec.model,
+                        script=list(self.spec.script), spares=self.spec.spares, ckpt_every=self.spec.ckpt_every)
+            for n in range(self.spec.nnodes):
+                self._start_agent(n)
+            self._wait_agents(list(range(self.spec.nnodes)))
+            self._open_generation(0, None, sorted(self.members))
+            self.phase = "running"
+            self.last_progress = time.monotonic()
+            status = self._loop()
+        except KeyboardInterrupt:
+            status, reason = RunStatus.INTERRUPTED, "interrupted"
+        except FatalRun as exc:
+            status, reason = RunStatus.FAILED, str(exc)
+        except Exception as exc:  # recorded, then re-raised: the record must say how it ended
+            status, reason = RunStatus.FAILED, f"controller error: {type(exc).__name__}: {exc}"
+            raise
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+            self.phase = status.value
+            self._show(force=True)
+            self._teardown()
+            self.record(EventKind.RUN_FINISHED, status=status.value, steps_completed=self.committed_step,
+                        reason=reason or self.fatal_reason)
+            self.rec.write_json("report.json", compute(self.rec.run_id, self.rec.events()).to_dict())
+            self.rec.close()
+        return status
+
+    fatal_reason = ""
+
+    def _loop(self) -> RunStatus:
+        world = set(self.members)
+        while True:
+            self.pump()
+            self._check_hang()
+            self.injector.tick(self.committed_step, time.time() - self.started)
+            if self.pending is not None:
+                self._recover()
+            if world <= self.gen_msgs.get(("done", self.gen), set()):
+                return RunStatus.COMPLETED
+            self._show()
+            time.sleep(0.005)
+
+    # -- recovery -----------------------------------------------------------------------------
+    def _recover(self) -> None:
+        while self.pending is not None:
+            failure, self.pending = self.pending, None
+            self.phase = "recovering"
+            ids = self.injector.attribute(failure.ranks, failure.nodes)
+            self.record(EventKind.FAILURE_DETECTED, t=failure.t, fault_ids=ids, cause=failure.cause,
+                        ranks=sorted(failure.ranks), nodes=sorted(failure.nodes), gen=self.gen,
+                        detail=failure.detail)
+            self._abort(self.gen)
+            if self.spec.recovery == Strategy.NONE:
+                self.fatal_reason = f"{failure.cause} and --recovery none: the job stops"
+                self.record(EventKind.RECOVERY_FAILED, fault_ids=ids, reason=self.fatal_reason)
+                raise FatalRun(self.fatal_reason)
+            try:
+                self._recover_once(failure, ids)
+            except RecoveryAbandoned:
+                continue  # the new failure is pending: abort this generation too and start over
+        self.phase = "running"
+
+    def _abort(self, gen: int) -> None:
+        assert self.store is not None
+        self.store.set(control.gen_abort_key(gen), "1")
+
+    def _kill(self, ranks: set[int], grace: float = 3.0) -> None:
+        by_node: dict[int, list[int]] = {}
+        for r in ranks:
+            if self.pids.get(r):
+                by_node.setdefault(self.members[r], []).append(r)
+            self.pids[r] = None
+        for node, rs in by_node.items():
+            if self.nodes[node].up:
+                self._send(node, {"type": "kill", "ranks": rs, "grace": grace})
+
+    def _recover_once(self, failure: Failure, ids: list[str]) -> None:
+        old_gen = self.gen
+        lost_nodes = set(failure.nodes) | {n for n, st in self.nodes.items() if not st.up}
+        for n in lost_nodes:
+            self.nodes[n].up = False
+        self._wire_ring()  # survivors must not wait on a dead neighbour's copy
+        lost = set(failure.ranks) | {r for r, n in self.members.items() if n in lost_nodes}
+        lost |= {r for r, pid in self.pids.items() if pid is None}
+        for r in lost:
+            if self.members[r] in lost_nodes:
+                self.pids[r] = None  # gone with their node; no agent is left to report the exit
+        if self.spec.recovery == Strategy.PEER:
+            lost |= self._collect_survivors(old_gen, lost)
+        else:
+            lost = set(self.members)
+            self._kill(lost)
+        decision = self._decide(lost, lost_nodes)
+        new_gen = old_gen + 1
+        if decision is None:
+            self.fatal_reason = (f"no copy of the state of rank(s) {sorted(lost)} survives and there is no "
+                                 f"complete disk checkpoint: the job stops")
+            self.record(EventKind.RECOVERY_FAILED, fault_ids=ids, reason=self.fatal_reason)
+            raise FatalRun(self.fatal_reason)
+        if decision.restore_source == "disk" and self.spec.recovery != Strategy.RESTART_DISK:
+            # Survivors hold no memory copy of the disk step: every rank restarts from disk.
+            self._kill(set(self.members) - lost)
+            lost = set(self.members)
+        respawn = sorted(lost)
+        self._place(respawn, lost_nodes)
+        self.record(EventKind.RECOVERY_DECIDED, fault_ids=ids, gen=new_gen, restore_step=decision.restore_step,
+                    restore_source=decision.restore_source, strategy=self.spec.recovery, ranks=respawn,
+                    placement={str(r): self.members[r] for r in respawn},
+                    lost_both_copies=list(decision.lost_both_copies))
+        for n in sorted(lost_nodes):
+            self._start_agent(n)
+        needed = sorted({self.members[r] for r in respawn} & lost_nodes)
+        if needed:
+            self._wait_agents(needed)
+        wait_dead = lambda: all(self.pids.get(r) is None for r in respawn)  # noqa: E731
+        self.wait_for(wait_dead, 10.0, "teardown", abandon_on_failure=False)
+        self.pending = None  # exits of ranks we are replacing are part of this recovery
+        self._open_generation(new_gen, decision, respawn)
+        self._await_generation(new_gen, respawn, decision.restore_step, decision.restore_source)
+
+    def _collect_survivors(self, old_gen: int, lost: set[int]) -> set[int]:
+        """Wait for survivors to acknowledge the abort; return those that are stuck (hung,
+        stopped) and were killed, plus any that exited meanwhile."""
+        survivors = set(self.members) - lost
+        acked = lambda: survivors <= (self.gen_msgs.get(("aborted", old_gen), set())  # noqa: E731
+                                      | {r for r in survivors if self.pids.get(r) is None})
+        self.wait_for(acked, ABORT_ACK_TIMEOUT, "abort", abandon_on_failure=False)
+        gone = survivors - self.gen_msgs.get(("aborted", old_gen), set())
+        self._kill(gone, grace=0.5)
+        if self.pending is not None:  # exits seen meanwhile belong to this failure
+            gone |= self.pending.ranks
+            self.pending = None
+        return gone
+
+    def _place(self, ranks: list[int], lost_nodes: set[int]) -> None:
+        """Ranks of a lost node go to warm spares on surviving nodes when there are any (no wait
+        for the node to come back); otherwise they wait for the node's restarted agent."""
+        free = {n: max(0, st.spares) for n, st in self.nodes.items() if st.up and n not in lost_nodes}
+        for r in ranks:
+            if self.members[r] in lost_nodes and free:
+                n = max(free, key=lambda k: (free[k], -k))
+                if free[n] > 0:
+                    self.members[r] = n
+                    free[n] -= 1
+
+    def _decide(self, lost: set[int], lost_nodes: set[int]) -> Decision | None:
+        if self.spec.recovery == Strategy.RESTART_DISK:
+            return decide(self.spec.recovery, self.members, lost, lost_nodes, {}, sorted(self.nodes), self.disk_step)
+        self._req += 1
+        req = self._req
+        live = [n for n, st in self.nodes.items() if st.up]
+        for n in live:
+            self._send(n, {"type": "inventory", "req": req})
+        self.wait_for(lambda: all((n, req) in self.inventories for n in live), 10.0, "inventory",
+                      abandon_on_failure=False)
+        invs = {}
+        for n in live:
+            msg = self.inventories.get((n, req))
+            if msg is None:
+                continue
+            peer = self.nodes[n].peer or ("", 0)
+            invs[n] = Inventory(
+                n, peer[0], peer[1],
+                {int(r): frozenset(s) for r, s in msg["local"].items()},
+                {int(r): frozenset(s) for r, s in msg["replica"].items()},
+            )
+        # Nodes that restarted hold nothing from before; count them as lost for the decision.
+        return decide(self.spec.recovery, self.members, lost, lost_nodes, invs, sorted(self.nodes), self.disk_step)
+
+    def _teardown(self) -> None:
+        try:
+            self.injector.revert_all()
+        except Exception:
+            pass
+        for n, st in self.nodes.items():
+            try:
+                if st.up and self.store is not None:
+                    self._send(n, {"type": "stop"})
+            except Exception:
+                pass
+        for st in self.nodes.values():
+            st.proc.stop(timeout=15.0)
+        self.store = None
+        if self._sock is not None:
+            self._sock.close()
+
+
+def _raise_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def launch(spec: LaunchSpec, record: RunStore, nodes: NodeLauncher,
+           view: Callable[[dict[str, Any]], None] | None = None) -> RunStatus:
+    return Controller(spec, record, nodes, view).run()
+
+
+__all__ = ["Controller", "FaultSpec", "launch"]
+_ = sys

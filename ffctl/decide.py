@@ -1,0 +1,89 @@
+"""The recovery decision, as a pure function: which step to restore and where each rank's state
+comes from (DESIGN.md step 3).
+
+The restore step s is the newest step that every rank of the next generation can get: a survivor
+from its own node's slots, a lost rank from its node's slots when the node survived (process
+fault) or from the ring neighbour's replicas (node fault). Survivors only hold their two newest
+slots, so s is never more than one step behind them. When no step is held everywhere, the newest
+complete disk checkpoint is used; when there is none either, there is no decision (never
+silently wrong state).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from recovery.jobenv import Strategy
+
+
+@dataclass(frozen=True)
+class Inventory:
+    """Valid snapshot steps an agent holds: its own ranks' slots and its neighbour's replicas."""
+
+    node: int
+    address: str
+    port: int
+    local: dict[int, frozenset[int]]
+    replica: dict[int, frozenset[int]]
+
+
+@dataclass(frozen=True)
+class Decision:
+    restore_step: int
+    restore_source: str  # local-memory | peer-memory | disk | none (fresh start)
+    sources: dict[int, dict[str, Any]]
+    lost_both_copies: tuple[int, ...] = ()  # ranks whose memory copies were all gone
+
+
+def ring_holder(node: int, nodes: list[int]) -> int | None:
+    """The node holding replicas of `node`'s slots: the next node on the ring."""
+    ring = sorted(nodes)
+    if len(ring) < 2:
+        return None
+    return ring[(ring.index(node) + 1) % len(ring)]
+
+
+def _disk(world: list[int], disk_step: int | None, lost_both: tuple[int, ...]) -> Decision | None:
+    if disk_step is None:
+        return None
+    return Decision(disk_step, "disk", {r: {"kind": "disk"} for r in world}, lost_both)
+
+
+def decide(
+    strategy: str,
+    members: dict[int, int],
+    lost_ranks: set[int],
+    lost_nodes: set[int],
+    inventories: dict[int, Inventory],
+    all_nodes: list[int],
+    disk_step: int | None,
+) -> Decision | None:
+    world = sorted(members)
+    if strategy == Strategy.RESTART_DISK:
+        if disk_step is None:
+            return Decision(0, "none", {r: {"kind": "none"} for r in world})
+        return _disk(world, disk_step, ())
+    options: dict[int, dict[int, dict[str, Any]]] = {}
+    for rank in world:
+        node = members[rank]
+        here: dict[int, dict[str, Any]] = {}
+        if node not in lost_nodes and node in inventories:
+            kind = "local-memory"
+            for step in inventories[node].local.get(rank, frozenset()):
+                here[step] = {"kind": kind, "node": node}
+        else:
+            holder = ring_holder(node, all_nodes)
+            if holder is not None and holder not in lost_nodes and holder in inventories:
+                inv = inventories[holder]
+                for step in inv.replica.get(rank, frozenset()):
+                    here[step] = {"kind": "peer-memory", "address": inv.address, "port": inv.port, "where": "replica"}
+        options[rank] = here
+    common = set.intersection(*(set(o) for o in options.values())) if options else set()
+    lost_both = tuple(sorted(r for r in lost_ranks if not options.get(r)))
+    if not common:
+        return _disk(world, disk_step, lost_both)
+    step = max(common)
+    sources = {r: options[r][step] for r in world}
+    lost_kinds = {sources[r]["kind"] for r in lost_ranks} or {"local-memory"}
+    label = "peer-memory" if "peer-memory" in lost_kinds else "local-memory"
+    return Decision(step, label, sources)

@@ -1,0 +1,16 @@
+"""Errors the CLI turns into one line and an exit code (DESIGN.md, Conventions)."""
+from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_EXPECTATION = 1
+EXIT_BAD_INPUT = 2
+EXIT_INFRA = 3
+EXIT_INTERRUPTED = 130
+
+
+class BadInput(Exception):
+    """Exit code 2: the message names the bad value."""
+
+
+class InfraError(Exception):
+    """Exit code 3: a host, the controller or a tool could not be reached or used."""
