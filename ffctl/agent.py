@@ -101,7 +101,7 @@ class Agent:
         self.workers: dict[int, Worker] = {}
         self.spares: list[subprocess.Popen[bytes]] = []
         self.warm: set[subprocess.Popen[bytes]] = set()
-        self.reported_spares = -1
+        self.reported_spares: tuple[int, int] = (-1, -1)
         self.stopping = threading.Event()
         self.lock = threading.Lock()
         self._wipe_slots()  # a (re)started node is an empty node
@@ -160,9 +160,9 @@ class Agent:
         while len(self.spares) < self.cfg.spares and not self.stopping.is_set():
             self.spares.append(self._start_spare())
         ready = sum(1 for p in self.spares if self._spare_ready(p))
-        if ready != self.reported_spares:
-            self.reported_spares = ready
-            self._report("spares", count=ready)
+        if (ready, len(self.spares)) != self.reported_spares:
+            self.reported_spares = (ready, len(self.spares))
+            self._report("spares", count=ready, total=len(self.spares))
 
     def spawn(self, gen: int, ranks: list[dict[str, Any]]) -> None:
         pids = {}

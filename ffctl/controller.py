@@ -70,7 +70,8 @@ class NodeState:
     up: bool = False
     hb_value: int = -1
     hb_seen: float = field(default_factory=time.monotonic)
-    spares: int = -1
+    spares: int = -1  # warm (torch imported) spares
+    spares_total: int = 0  # including those still warming up
 
 
 class Controller:
@@ -226,6 +227,7 @@ class Controller:
                 self._wire_ring()  # a node came back: it holds replicas again
         elif kind == "spares":
             st = self.nodes[int(msg["node"])]
+            st.spares_total = int(msg.get("total", msg["count"]))
             if int(msg["count"]) != st.spares:
                 st.spares = int(msg["count"])
                 self.record(EventKind.SPARES_HELD, t=now, node=st.node, count=st.spares)
@@ -544,7 +546,8 @@ class Controller:
     def _place(self, ranks: list[int], lost_nodes: set[int]) -> None:
         """Ranks of a lost node go to warm spares on surviving nodes when there are any (no wait
         for the node to come back); otherwise they wait for the node's restarted agent."""
-        free = {n: max(0, st.spares) for n, st in self.nodes.items() if st.up and n not in lost_nodes}
+        # A spare still warming up is further along than a node restart, so count it too.
+        free = {n: st.spares_total for n, st in self.nodes.items() if st.up and n not in lost_nodes}
         for r in ranks:
             if self.members[r] in lost_nodes and free:
                 n = max(free, key=lambda k: (free[k], -k))
