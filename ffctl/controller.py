@@ -96,7 +96,9 @@ class Controller:
         self.aborted_at: dict[int, int] = {}
         self.ckpt_reports: dict[int, set[int]] = {}
         self.disk_step: int | None = None
+        self.bad_sources: set[tuple[int, int, str]] = set()
         self.inventories: dict[tuple[int, int], dict[str, Any]] = {}
+        self.clock_offsets: dict[int, float] = {}  # node -> its clock minus ours (seconds)
         self.pending: Failure | None = None
         self.phase = "starting"
         self.started = time.time()
@@ -156,8 +158,10 @@ class Controller:
             for n, st in sorted(self.nodes.items())
         )
         ranks = tuple(RankPlace(r, self.members[r], pid) for r, pid in sorted(self.pids.items()) if pid)
+        # GPU faults act on the device where the launcher says the hosts have one, else emulated.
+        has_gpu = getattr(self.launcher, "has_gpu", None)
         return Topology(self.rec.run_id, nodes, ranks, controller_address=self.spec.address,
-                        store_port=self.port)
+                        store_port=self.port, has_gpu=bool(has_gpu()) if callable(has_gpu) else False)
 
     def _agent_config(self, node: int) -> AgentConfig:
         argv = tuple(self.spec.script) if self.spec.script else (
@@ -179,10 +183,19 @@ class Controller:
             rank=rank, world_size=self.spec.world_size, local_rank=local.index(rank),
             local_world_size=len(local), node=node, run_id=self.rec.run_id,
             store_host=self.spec.address, store_port=self.port, gen=gen, strategy=self.spec.recovery,
-            ckpt_dir=str(self.rec.path / "checkpoints"), ckpt_every=self.spec.ckpt_every,
+            ckpt_dir=self._ckpt_dir(), ckpt_every=self.spec.ckpt_every,
             replicate=memory and self.spec.nnodes > 1, token=self.token, pg_timeout=self.spec.pg_timeout,
         )
         return env.to_env()
+
+    def _ckpt_dir(self) -> str:
+        # Remote hosts (SSHNodes) keep checkpoints in their own run dir, not in our record.
+        remote = getattr(self.launcher, "run_dir", None)
+        return f"{remote}/checkpoints" if remote else str(self.rec.path / "checkpoints")
+
+    def agent_time(self, node: int, t: float) -> float:
+        """A timestamp taken on `node`'s clock, on the controller's clock."""
+        return t - self.clock_offsets.get(node, 0.0)
 
     def _send(self, node: int, msg: dict[str, Any]) -> None:
         assert self.store is not None
@@ -200,6 +213,8 @@ class Controller:
         for msg in self.inbox.poll():
             self._handle(msg)
         self._check_nodes()
+        # Faults end on time even while a recovery waits on them (a partition, a downed link).
+        self.injector.revert_due()
 
     def _handle(self, msg: dict[str, Any]) -> None:
         kind = msg["type"]
@@ -220,8 +235,15 @@ class Controller:
         elif kind == "agent_up":
             st = self.nodes[int(msg["node"])]
             st.pid, st.peer, st.up = int(msg["pid"]), (msg["peer_address"], int(msg["peer_port"])), True
+            # Events stay stamped on receipt with our clock; the offset is what converts the
+            # agent's own stamps. Measured NTP-style before the start (SSH hosts) when we can,
+            # else estimated from this message (its latency counts as offset).
+            measured = getattr(self.launcher, "clock_offset", lambda n: None)(st.node)
+            offset = float(measured) if measured is not None else float(msg["time"]) - now
+            self.clock_offsets[st.node] = offset
             self.record(EventKind.AGENT_STARTED, t=now, node=st.node, host=msg["host"], pid=st.pid,
-                        clock_offset_s=float(msg["time"]) - now)
+                        clock_offset_s=offset, clock_offset_source="ntp" if measured is not None else "receipt",
+                        agent_up_at=self.agent_time(st.node, float(msg["time"])))
             st.hb_seen = time.monotonic()
             if self.phase != "starting":
                 self._wire_ring()  # a node came back: it holds replicas again
@@ -249,13 +271,16 @@ class Controller:
             self.gen_msgs.setdefault(("aborted", int(msg["gen"])), set()).add(int(rank))
         elif kind == "restore_failed":
             self.gen_msgs.setdefault(("restore_failed", int(msg["gen"])), set()).add(int(rank))
+            # That copy is never offered again: the next decision picks another or disk.
+            self.bad_sources.add((int(rank), int(msg["step"]), str(msg["source"])))
             self._fail(Failure("restore-failed", {int(rank)}, t=now, detail=str(msg.get("reason"))))
         elif kind == "ckpt":
             step = int(msg["step"])
             got = self.ckpt_reports.setdefault(step, set())
             got.add(int(rank))
             if len(got) == self.spec.world_size:
-                disk.mark_complete(self.rec.path / "checkpoints", step)
+                if getattr(self.launcher, "run_dir", None) is None:  # remote checkpoints: hosts' dirs
+                    disk.mark_complete(self.rec.path / "checkpoints", step)
                 self.disk_step = max(self.disk_step or 0, step)
                 self.record(EventKind.SNAPSHOT_TAKEN, t=now, step=step, kind="disk", ranks=sorted(got))
         elif kind == "replicated":
@@ -316,7 +341,7 @@ class Controller:
             if msg.get("dry_run"):
                 reply = {"ok": True, "plan": self.injector.plan(spec).describe()}
             else:
-                fault, err = self.injector.inject(spec)
+                fault, err = self.injector.inject(spec, raise_refused=True)
                 reply = {"ok": err is None, "error": err, "fault_id": fault.fault_id if fault else None}
         except FaultSpecError as exc:
             reply = {"ok": False, "error": str(exc), "bad_input": True}
@@ -387,7 +412,8 @@ class Controller:
         spawned = lambda: set(respawn) <= self.gen_msgs.get(("started", gen), set())  # noqa: E731
         if not self.wait_for(spawned, PHASE_TIMEOUT, "spawn"):
             raise FatalRun(f"ranks {sorted(respawn)} were not spawned within {PHASE_TIMEOUT:g}s")
-        self.record(EventKind.RANKS_SPAWNED, gen=gen, ranks=sorted(respawn))
+        self.record(EventKind.RANKS_SPAWNED, gen=gen, ranks=sorted(respawn),
+                    pids={str(r): self.pids.get(r) for r in respawn})
         joined = lambda: world <= self.gen_msgs.get(("joined", gen), set())  # noqa: E731
         if not self.wait_for(joined, PHASE_TIMEOUT, "rendezvous"):
             self._fail(Failure("rendezvous-timeout", world - self.gen_msgs.get(("joined", gen), set())))
@@ -416,6 +442,10 @@ class Controller:
             self._wait_agents(list(range(self.spec.nnodes)))
             self._open_generation(0, None, sorted(self.members))
             self.phase = "running"
+            try:
+                self._await_generation(0, sorted(self.members), 0, "none")
+            except RecoveryAbandoned:
+                pass  # a rank failed while starting: the loop recovers it
             self.last_progress = time.monotonic()
             status = self._loop()
         except KeyboardInterrupt:
@@ -498,6 +528,7 @@ class Controller:
                 self.pids[r] = None  # gone with their node; no agent is left to report the exit
         if self.spec.recovery == Strategy.PEER:
             lost |= self._collect_survivors(old_gen, lost)
+            self._kill({r for r in lost if self.pids.get(r)})  # e.g. a rank whose restore failed
         else:
             lost = set(self.members)
             self._kill(lost)
@@ -577,7 +608,8 @@ class Controller:
                 {int(r): frozenset(s) for r, s in msg["replica"].items()},
             )
         # Nodes that restarted hold nothing from before; count them as lost for the decision.
-        return decide(self.spec.recovery, self.members, lost, lost_nodes, invs, sorted(self.nodes), self.disk_step)
+        return decide(self.spec.recovery, self.members, lost, lost_nodes, invs, sorted(self.nodes), self.disk_step,
+                      frozenset(self.bad_sources))
 
     def _teardown(self) -> None:
         try:

@@ -57,7 +57,9 @@ def decide(
     inventories: dict[int, Inventory],
     all_nodes: list[int],
     disk_step: int | None,
+    exclude: frozenset[tuple[int, int, str]] = frozenset(),
 ) -> Decision | None:
+    """`exclude` holds (rank, step, source kind) copies a rank found corrupt: never offered again."""
     world = sorted(members)
     if strategy == Strategy.RESTART_DISK:
         if disk_step is None:
@@ -70,12 +72,15 @@ def decide(
         if node not in lost_nodes and node in inventories:
             kind = "local-memory"
             for step in inventories[node].local.get(rank, frozenset()):
-                here[step] = {"kind": kind, "node": node}
+                if (rank, step, kind) not in exclude:
+                    here[step] = {"kind": kind, "node": node}
         else:
             holder = ring_holder(node, all_nodes)
             if holder is not None and holder not in lost_nodes and holder in inventories:
                 inv = inventories[holder]
                 for step in inv.replica.get(rank, frozenset()):
+                    if (rank, step, "peer-memory") in exclude:
+                        continue
                     here[step] = {"kind": "peer-memory", "address": inv.address, "port": inv.port, "where": "replica"}
         options[rank] = here
     common = set.intersection(*(set(o) for o in options.values())) if options else set()

@@ -122,14 +122,17 @@ def _fault_metrics(inj: Event, events: list[Event], world_size: int, end_t: floa
     detected = _first(events, lambda ev: ev.kind is EventKind.FAILURE_DETECTED and mentions(ev))
     decisions = [ev for ev in events if ev.kind is EventKind.RECOVERY_DECIDED and mentions(ev)]
     gen_at_fault = _gen_at(inj, events)
-    hit_t = detected.t if detected else ti
+    decision = decisions[-1] if decisions else None
     # m: the highest step completed when the fault hit. Steps the old generation still finished
-    # between injection and detection count too: they were done before the job noticed.
+    # after injection count too: they were done before the job noticed (a rank killed right
+    # after a collective lets its peers commit that step, and their reports may arrive after
+    # the detection). The old generation can commit nothing once the recovery is decided.
+    first_decision = decisions[0] if decisions else None
+    hit_t = first_decision.t if first_decision else (end_t if detected else ti)
     m = int(inj.get("at_step", 0))
     for ev in events:
         if ev.kind is EventKind.STEP and ev.t <= hit_t and ev.get("gen", 0) == gen_at_fault:
             m = max(m, int(ev.get("step")))
-    decision = decisions[-1] if decisions else None
     if decision is not None:
         gen = decision.get("gen")
         resumed = _first(
@@ -139,6 +142,8 @@ def _fault_metrics(inj: Event, events: list[Event], world_size: int, end_t: floa
             and ev.get("gen", 0) >= gen
             and int(ev.get("step")) >= m + 1,
         )
+    elif detected is not None:
+        resumed = None  # the job noticed and nothing recovered it
     else:
         resumed = _first(
             events, lambda ev: ev.kind is EventKind.STEP and ev.t > ti and int(ev.get("step")) >= m + 1

@@ -3,8 +3,12 @@ from __future__ import annotations
 
 import sys
 
-import click
 import typer
+
+try:  # typer >= 0.16 ships its own copy of click
+    from typer._click import exceptions as click_exc  # type: ignore[import-not-found]
+except ImportError:  # pragma: no cover - older typer uses click itself
+    from click import exceptions as click_exc  # type: ignore[no-redef]
 
 from ffctl import __version__
 from ffctl.cli import agent_cmd, inject, launch, report
@@ -33,11 +37,24 @@ def _root(version: bool = typer.Option(False, "--version", help="Print the versi
         raise typer.Exit(0)
 
 
+def _given(exc: Exception, argv: list[str] | None) -> str:
+    """Name the value a user gave for a badly typed option (click's message does not)."""
+    param = getattr(exc, "param", None)
+    args = sys.argv[1:] if argv is None else argv
+    for opt in getattr(param, "opts", []) or []:
+        for i, word in enumerate(args):
+            if word == opt and i + 1 < len(args):
+                return f" (got {args[i + 1]!r})"
+            if word.startswith(opt + "="):
+                return f" (got {word.split('=', 1)[1]!r})"
+    return ""
+
+
 def main(argv: list[str] | None = None) -> None:
     try:
         result = app(args=argv, standalone_mode=False)
-    except click.exceptions.UsageError as exc:
-        typer.echo(f"ffctl: error: {exc.format_message()}", err=True)
+    except click_exc.UsageError as exc:
+        typer.echo(f"ffctl: error: {exc.format_message()}{_given(exc, argv)}", err=True)
         sys.exit(EXIT_BAD_INPUT)
     except BadInput as exc:
         typer.echo(f"ffctl: error: {exc}", err=True)
@@ -45,8 +62,8 @@ def main(argv: list[str] | None = None) -> None:
     except InfraError as exc:
         typer.echo(f"ffctl: error: {exc}", err=True)
         sys.exit(EXIT_INFRA)
-    except click.exceptions.Abort:
+    except click_exc.Abort:
         sys.exit(130)
-    except click.exceptions.Exit as exc:
+    except click_exc.Exit as exc:
         sys.exit(exc.exit_code)
     sys.exit(result if isinstance(result, int) else 0)

@@ -635,3 +635,20 @@ def test_to_dict_loss_by_step_is_int_steps_and_exact_floats() -> None:
     assert [p[1] for p in pairs] == awkward  # bit for bit
     assert '"loss_by_step": [[1, 0.30000000000000004]' in text
     assert out["final_loss"] == awkward[-1]
+
+
+def test_straggler_commit_after_detection_under_recovery_none() -> None:
+    """A rank killed right after a collective lets its peers commit that step; their report
+    arrives after the detection. Under `none` the job did not recover: the straggler counts
+    toward m, and is no resumption."""
+    b = StreamBuilder()
+    b.run_started(world_size=WORLD, strategy="none")
+    b.steps(1, 16)
+    b.fault_injected("f1", at_step=16, dt=0.125)
+    b.failure_detected(["f1"], gen=0, dt=0.05)
+    b.step(17, gen=0, step_time_s=0.125)
+    b.recovery_failed(["f1"], reason="--recovery none", dt=0.05)
+    b.run_finished("failed", dt=0.25)
+    f = only_fault(compute("none", b.events))
+    assert f.at_step == 17
+    assert f.recovered is False and f.recovery_s is None and f.resumed_at is None

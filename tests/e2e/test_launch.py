@@ -1,0 +1,187 @@
+"""`ffctl launch` / `report` / `inject` as a user runs them: real processes, real gloo, real kills."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import uuid
+from pathlib import Path
+
+import pytest
+
+from runs.events import EventKind
+from tests.helpers.launch import (
+    assert_nothing_left, launch, run_ffctl, shm_left, start_launch, wait_event, wait_step,
+)
+
+pytestmark = pytest.mark.slow
+
+
+def rid(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:6]}"
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("launch")
+
+
+@pytest.fixture(scope="module")
+def baseline(workdir: Path) -> list[list[float]]:
+    """A fault-free 2x2 run of 60 steps, seed 0: the reference every fault run is held to."""
+    res = launch(workdir, rid("base"), "--steps", "60", "--seed", "0")
+    assert res.returncode == 0, res.stderr
+    assert res.report["status"] == "completed"
+    assert res.report["steps_completed"] == 60
+    assert len(res.report["loss_by_step"]) == 60
+    assert_nothing_left(workdir)
+    return res.report["loss_by_step"]
+
+
+def test_same_seed_same_losses(workdir: Path, baseline: list[list[float]]) -> None:
+    again = launch(workdir, rid("again"), "--steps", "60", "--seed", "0", "--recovery", "restart-disk", "--ckpt-every", "20")
+    assert again.returncode == 0, again.stderr
+    assert again.report["loss_by_step"] == baseline
+    other = launch(workdir, rid("seed1"), "--steps", "10", "--seed", "1")
+    assert other.report["loss_by_step"] != baseline[:10]
+    assert_nothing_left(workdir)
+
+
+@pytest.mark.parametrize("fault", ["kill-rank:rank=1,step=25", "kill-node:node=1,step=25"])
+def test_restart_disk_recovers_kill(workdir: Path, baseline: list[list[float]], fault: str) -> None:
+    run_id = rid("disk")
+    res = launch(workdir, run_id, "--nnodes", "2", "--nproc-per-node", "2", "--steps", "60",
+                 "--recovery", "restart-disk", "--ckpt-every", "10", "--inject", fault)
+    assert res.returncode == 0, res.stderr
+    rep = res.report
+    assert rep["status"] == "completed" and rep["steps_completed"] == 60
+    (f,) = rep["faults"]
+    assert f["kind"] == fault.split(":")[0]
+    assert f["recovery_s"] > 0 and f["lost_gpu_hours"] > 0
+    assert f["lost_gpu_hours"] == pytest.approx(4 * f["recovery_s"] / 3600)
+    assert f["detection_s"] is not None and 0 < f["detection_s"] < f["recovery_s"]
+    assert f["restore_source"] == "disk"
+    assert f["restore_step"] % 10 == 0 and 0 <= f["lost_steps"] <= 10
+    # Restarted from a checkpoint, every rank recomputes the lost steps bit for bit.
+    assert rep["loss_by_step"] == baseline
+    assert sum(abs(v or 0) for v in f["breakdown"].values()) == pytest.approx(f["recovery_s"], rel=1e-6)
+    # report recomputes the same figures from the events alone.
+    out = run_ffctl(workdir, "report", run_id, "--json")
+    assert out.returncode == 0
+    assert json.loads(out.stdout)["faults"][0]["recovery_s"] == f["recovery_s"]
+    assert_nothing_left(workdir)
+    assert not shm_left(run_id)
+
+
+def test_recovery_none_lets_the_job_fail(workdir: Path) -> None:
+    res = launch(workdir, rid("none"), "--steps", "60", "--recovery", "none", "--inject", "kill-rank:rank=2,step=15")
+    assert res.returncode == 1
+    rep = res.report
+    assert rep["status"] == "failed"
+    assert 15 <= rep["steps_completed"] < 60
+    (f,) = rep["faults"]
+    assert f["recovered"] is False and f["recovery_s"] is None and f["detection_s"] is not None
+    failed = [e for e in res.events if e.kind is EventKind.RECOVERY_FAILED]
+    assert failed and "--recovery none" in failed[0].get("reason")
+    assert_nothing_left(workdir)
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--nproc-per-node", "0"], "--nproc-per-node 0"),
+        (["--inject", "melt-gpu:rank=1"], "'melt-gpu'"),
+        (["--inject", "kill-rank:rank=9,step=5"], "rank 9"),
+        (["--inject", "kill-node:node=4"], "node 4"),
+        (["--recovery", "sometimes"], "'sometimes'"),
+        (["--recovery", "restart-disk"], "--ckpt-every"),
+        (["--steps", "abc"], "abc"),
+    ],
+)
+def test_bad_launch_input_is_one_line_and_exit_2(workdir: Path, args: list[str], needle: str) -> None:
+    run_id = rid("bad")
+    res = launch(workdir, run_id, *args, timeout=60)
+    assert res.returncode == 2, res.stdout + res.stderr
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and needle in lines[0], res.stderr
+    assert not (workdir / "runs" / run_id).exists()
+    assert_nothing_left(workdir, within=2)
+
+
+def test_unwritable_runs_dir(workdir: Path, tmp_path: Path) -> None:
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("x")
+    proc = run_ffctl(tmp_path, "launch", "--runs-dir", str(blocker / "runs"), "--steps", "5", timeout=60)
+    assert proc.returncode == 2
+    assert len(proc.stderr.strip().splitlines()) == 1 and str(blocker) in proc.stderr
+    assert_nothing_left(tmp_path, within=2)
+
+
+def test_unknown_run_id(workdir: Path) -> None:
+    for args in (["report", "no-such-run"], ["inject", "kill-rank", "--run", "no-such-run", "--rank", "0"]):
+        proc = run_ffctl(workdir, *args, timeout=60)
+        assert proc.returncode == 2
+        assert proc.stderr.strip().count("\n") == 0 and "no-such-run" in proc.stderr
+
+
+def test_ctrl_c_leaves_a_complete_interrupted_record(workdir: Path) -> None:
+    run_id = rid("intr")
+    proc = start_launch(workdir, run_id, "--steps", "100000", "--spares", "1")
+    try:
+        wait_step(workdir / "runs", run_id, 5)
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130
+    rep = json.loads((workdir / "runs" / run_id / "report.json").read_text())
+    assert rep["status"] == "interrupted" and rep["steps_completed"] >= 5
+    assert_nothing_left(workdir)
+    assert not shm_left(run_id)
+
+
+def test_adhoc_inject_from_another_terminal(workdir: Path) -> None:
+    run_id = rid("adhoc")
+    proc = start_launch(workdir, run_id, "--steps", "400", "--spares", "1")
+    try:
+        wait_step(workdir / "runs", run_id, 10)
+        dry = run_ffctl(workdir, "inject", "kill-node", "--run", run_id, "--node", "1", "--dry-run", timeout=60)
+        assert dry.returncode == 0 and "kill -KILL" in dry.stdout
+        bad = run_ffctl(workdir, "inject", "kill-rank", "--run", run_id, "--rank", "7", timeout=60)
+        assert bad.returncode == 2 and "rank 7" in bad.stderr
+        out = run_ffctl(workdir, "inject", "kill-node", "--run", run_id, "--node", "1", timeout=60)
+        assert out.returncode == 0, out.stderr
+        proc.wait(timeout=400)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, proc.stderr.read() if proc.stderr else ""
+    rep = json.loads((workdir / "runs" / run_id / "report.json").read_text())
+    assert rep["status"] == "completed"
+    (f,) = rep["faults"]  # the dry run and the refused one injected nothing
+    assert f["kind"] == "kill-node" and f["target"] == "node:1" and f["recovered"]
+    assert_nothing_left(workdir)
+
+
+def test_controller_sigkill_keeps_record_and_takes_everything_down(workdir: Path) -> None:
+    run_id = rid("kill9")
+    proc = start_launch(workdir, run_id, "--steps", "100000", "--spares", "1")
+    try:
+        wait_step(workdir / "runs", run_id, 5)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    events_path = workdir / "runs" / run_id / "events.jsonl"
+    # Every line written is intact and readable; the agents notice and stop every rank.
+    raw = [line for line in events_path.read_text().splitlines() if line]
+    assert all(json.loads(line) for line in raw)
+    steps = [json.loads(line)["step"] for line in raw if json.loads(line)["event"] == "step"]
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 5
+    assert_nothing_left(workdir, within=30)
+    out = run_ffctl(workdir, "report", run_id, "--json")
+    assert out.returncode == 0 and json.loads(out.stdout)["status"] == "running"
+

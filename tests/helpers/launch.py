@@ -1,0 +1,105 @@
+"""Run `ffctl` as a user does (a real subprocess) and read back what it recorded."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from runs.events import Event, EventKind
+from runs.store import iter_events
+
+TIMEOUT = 420.0
+
+
+@dataclass
+class Result:
+    returncode: int
+    stdout: str
+    stderr: str
+    runs_dir: Path
+    run_id: str | None
+
+    @property
+    def report(self) -> dict[str, Any]:
+        assert self.run_id is not None
+        return json.loads((self.runs_dir / self.run_id / "report.json").read_text())
+
+    @property
+    def events(self) -> list[Event]:
+        assert self.run_id is not None
+        return list(iter_events(self.runs_dir / self.run_id / "events.jsonl"))
+
+
+def ffctl_argv(*args: str) -> list[str]:
+    return [sys.executable, "-m", "ffctl", *args]
+
+
+def run_ffctl(cwd: Path, *args: str, timeout: float = TIMEOUT) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(ffctl_argv(*args), cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "FFCTL_RUNS_DIR": str(cwd / "runs")})
+
+
+def launch(cwd: Path, run_id: str, *args: str, timeout: float = TIMEOUT) -> Result:
+    proc = run_ffctl(cwd, "launch", "--run-id", run_id, "--runs-dir", str(cwd / "runs"), *args, timeout=timeout)
+    return Result(proc.returncode, proc.stdout, proc.stderr, cwd / "runs", run_id)
+
+
+def start_launch(cwd: Path, run_id: str, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        ffctl_argv("launch", "--run-id", run_id, "--runs-dir", str(cwd / "runs"), *args),
+        cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+
+
+def wait_event(events_path: Path, pred: Any, timeout: float = 180.0) -> Event:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for ev in iter_events(events_path):
+            if pred(ev):
+                return ev
+        time.sleep(0.1)
+    raise AssertionError(f"no matching event in {events_path} after {timeout:g}s")
+
+
+def wait_step(runs_dir: Path, run_id: str, step: int, timeout: float = 180.0) -> Event:
+    return wait_event(runs_dir / run_id / "events.jsonl",
+                      lambda ev: ev.kind is EventKind.STEP and ev.get("step") >= step, timeout)
+
+
+def processes_in(cwd: Path) -> list[psutil.Process]:
+    """ffctl processes (controller, agents, ranks, spares) whose working directory is `cwd`."""
+    found = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            cmd = " ".join(proc.info["cmdline"] or [])
+            if "ffctl" in cmd and Path(proc.cwd()) == cwd:
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, FileNotFoundError):
+            continue
+    return found
+
+
+def assert_nothing_left(cwd: Path, within: float = 20.0) -> None:
+    deadline = time.monotonic() + within
+    left = processes_in(cwd)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.2)
+        left = processes_in(cwd)
+    for proc in left:  # do not leak into the next test even when this one fails
+        try:
+            proc.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+    assert not left, f"processes outlived the run: {[' '.join(p.info['cmdline'] or []) for p in left]}"
+
+
+def shm_left(run_id: str) -> list[Path]:
+    return sorted(Path("/dev/shm").glob(f"ffctl-{run_id}-*"))
