@@ -16,11 +16,47 @@ from ffctl.workload.gpt import GPT, SIZES
 from recovery import Job, StepContext
 
 
-def build(model_size: str, seed: int, optimizer: str, world_size: int) -> tuple[GPT, torch.optim.Optimizer]:
+LR = 3e-3
+
+
+class ShardedAdamW:
+    """A ZeRO-1 style optimizer: rank r keeps AdamW state for its 1/W slice of the flattened
+    parameters only, updates that slice and all-gathers the slices back. Its state is unique
+    to the rank (registered `replicated=False`), unlike a replicated optimizer's."""
+
+    def __init__(self, params: list[torch.nn.Parameter], rank: int, world_size: int) -> None:
+        self.params = params
+        total = sum(p.numel() for p in params)
+        self.chunk = -(-total // world_size)
+        self.lo, self.hi = min(total, rank * self.chunk), min(total, (rank + 1) * self.chunk)
+        flat = torch.cat([p.detach().reshape(-1) for p in params])
+        self.shard = torch.nn.Parameter(flat[self.lo : self.hi].clone())
+        self.opt = torch.optim.AdamW([self.shard], lr=LR, weight_decay=0.0, foreach=False)
+
+    def step(self, flat_grad: torch.Tensor, ctx: StepContext) -> None:
+        flat = torch.cat([p.detach().reshape(-1) for p in self.params])
+        self.shard.data.copy_(flat[self.lo : self.hi])
+        self.shard.grad = flat_grad[self.lo : self.hi].clone()
+        self.opt.step()
+        mine = torch.zeros(self.chunk)
+        mine[: self.hi - self.lo] = self.shard.detach()
+        whole = torch.cat(ctx.allgather(mine))[: flat.numel()]
+        offset = 0
+        with torch.no_grad():
+            for p in self.params:
+                p.copy_(whole[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
+
+    def state_dict(self) -> dict[str, object]:
+        return self.opt.state_dict()
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        self.opt.load_state_dict(state)
+
+
+def build(model_size: str, seed: int) -> GPT:
     torch.manual_seed(seed)
-    model = GPT(SIZES[model_size])
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0, foreach=False)
-    return model, opt
+    return GPT(SIZES[model_size])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -28,29 +64,38 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default="tiny", choices=sorted(SIZES))
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--optimizer", default="adamw", choices=["adamw"])
+    parser.add_argument("--optimizer", default="adamw", choices=["adamw", "sharded"],
+                        help="adamw (replicated) or sharded (ZeRO-1: each rank owns a slice of the state)")
     args = parser.parse_args(argv)
 
     torch.set_num_threads(1)  # same kernels, same reduction order: bit-identical runs
     job = Job.from_env()
-    model, opt = build(args.model, args.seed, args.optimizer, job.env.world_size)
+    model = build(args.model, args.seed)
     params = [p for p in model.parameters()]
     sizes = [p.numel() for p in params]
     cfg = model.cfg
     job.register("model", model.state_dict, model.load_state_dict, replicated=True)
-    job.register("optim", opt.state_dict, opt.load_state_dict, replicated=True)
+    if args.optimizer == "sharded":
+        sharded = ShardedAdamW(params, job.env.rank, job.env.world_size)
+        job.register("optim", sharded.state_dict, sharded.load_state_dict, replicated=False)
+    else:
+        opt = torch.optim.AdamW(params, lr=LR, weight_decay=0.0, foreach=False)
+        job.register("optim", opt.state_dict, opt.load_state_dict, replicated=True)
 
     def step_fn(ctx: StepContext) -> float:
         x, y = batch(ctx.step, ctx.rank, args.seed, cfg.batch, cfg.block)
-        opt.zero_grad(set_to_none=False)
+        model.zero_grad(set_to_none=False)
         loss = model(x, y)
         loss.backward()
         flat = torch.cat([p.grad.reshape(-1) for p in params] + [loss.detach().reshape(1)])
         ctx.allreduce(flat)
         flat /= ctx.world_size
-        for p, g in zip(params, flat[:-1].split(sizes)):
-            p.grad.copy_(g.view_as(p))
-        opt.step()
+        if args.optimizer == "sharded":
+            sharded.step(flat[:-1], ctx)
+        else:
+            for p, g in zip(params, flat[:-1].split(sizes)):
+                p.grad.copy_(g.view_as(p))
+            opt.step()
         return float(flat[-1])
 
     job.run(step_fn, args.steps)
