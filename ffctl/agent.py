@@ -32,6 +32,8 @@ POLL_S = 0.02
 HEARTBEAT_S = 0.2
 STORE_GRACE_S = 5.0
 TERM_GRACE_S = 5.0
+# The AgentConfig JSON when it cannot come as the first stdin line (agents started over SSH).
+CONFIG_ENV = "FFCTL_AGENT_CONFIG"
 
 
 @dataclass(frozen=True)
@@ -94,6 +96,8 @@ def kill_tree(procs: list[psutil.Process], grace: float) -> None:
 
 
 class Agent:
+    watch_stdin = True  # False when stdin is not the controller's (see main)
+
     def __init__(self, cfg: AgentConfig) -> None:
         self.cfg = cfg
         self.store = control.connect(cfg.store_host, cfg.store_port, timeout=10.0)
@@ -239,7 +243,8 @@ class Agent:
         self.stopping.set()
 
     def run(self) -> int:
-        threading.Thread(target=self._watch_stdin, name="ffctl-stdin", daemon=True).start()
+        if self.watch_stdin:
+            threading.Thread(target=self._watch_stdin, name="ffctl-stdin", daemon=True).start()
         signal.signal(signal.SIGTERM, lambda *_: self.stopping.set())
         signal.signal(signal.SIGINT, lambda *_: self.stopping.set())
         self._report("agent_up", pid=os.getpid(), host=socket.gethostname(), time=time.time(),
@@ -289,6 +294,14 @@ class Agent:
 
 
 def main() -> int:
+    text = os.environ.pop(CONFIG_ENV, None)
+    if text is not None:
+        # Started over SSH: the remote wrapper gives us /dev/null for stdin and sends our
+        # process group SIGTERM (then SIGKILL) when the channel closes, so stdin says nothing.
+        # Popped, so the job token in it is not inherited by the workers' environment.
+        agent = Agent(AgentConfig.from_json(text))
+        agent.watch_stdin = False
+        return agent.run()
     cfg = AgentConfig.from_json(sys.stdin.readline())
     return Agent(cfg).run()
 

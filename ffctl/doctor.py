@@ -208,6 +208,18 @@ def check_hosts(
         return list(pool.map(lambda t: check_host(t, timeout=timeout, python=python), transports))
 
 
+def clock_offset(
+    transport: Transport,
+    *,
+    controller_time_fn: Callable[[], float] = time.time,
+    python: str = "python3",
+    timeout: float = 15.0,
+) -> tuple[float | None, float | None]:
+    """(host clock minus controller clock, round trip it was measured over), NTP-style; both
+    None when the host gave no usable time. The launch uses this before starting agents."""
+    return _clock_offset(transport, controller_time_fn, python, timeout)
+
+
 # -- the individual checks -------------------------------------------------------------------
 
 

@@ -27,14 +27,24 @@ class LaunchPlan:
     lines: tuple[str, ...]
 
 
-def _static_topology(spec: LaunchSpec, run_id: str) -> Topology:
+def _static_topology(spec: LaunchSpec, run_id: str, hosts: list[str] | None = None) -> Topology:
     # Placeholder pids: enough to check targets and print commands before anything exists.
     nodes = tuple(NodePlace(n, "localhost", "127.0.0.1", 10_000 + n, interface="lo") for n in range(spec.nnodes))
+    if hosts:
+        # Hosts' addresses are learnt when the launch checks them: documentation addresses
+        # (RFC 5737) stand in, distinct per host as the real ones are.
+        nodes = tuple(NodePlace(n, h, f"192.0.2.{n + 1}", 10_000 + n, interface="eth0") for n, h in enumerate(hosts))
     ranks = tuple(RankPlace(r, r // spec.nproc_per_node, 20_000 + r) for r in range(spec.world_size))
     return Topology(run_id, nodes, ranks)
 
 
 def plan_launch(spec: LaunchSpec) -> LaunchPlan:
+    hosts: list[str] | None = None
+    if spec.hostfile is not None:
+        from ffctl.ssh_nodes import hosts_spec
+
+        spec, entries = hosts_spec(spec)  # one node per host, slots= ranks each
+        hosts = [e.name for e in entries]
     try:
         spec.validate()
         run_id = validate_run_id(spec.run_id) if spec.run_id else new_run_id()
@@ -43,14 +53,16 @@ def plan_launch(spec: LaunchSpec) -> LaunchPlan:
         raise BadInput(str(exc)) from None
     if (spec.runs_dir / run_id).exists():
         raise BadInput(f"run id {run_id!r} already exists in {str(spec.runs_dir)!r}")
-    topo = _static_topology(spec, run_id)
+    topo = _static_topology(spec, run_id, hosts)
     lines = [f"run {run_id}: {spec.nnodes} node(s) x {spec.nproc_per_node} rank(s), {spec.steps} steps, "
              f"recovery {spec.recovery}" + (f", checkpoint every {spec.ckpt_every}" if spec.ckpt_every else "")
              + (f", {spec.spares} warm spare(s) per node" if spec.spares else "")]
     worker = " ".join(shlex.quote(a) for a in spec.script) if spec.script else f"built-in GPT ({spec.model})"
     for n in range(spec.nnodes):
         ranks = [r for r in range(spec.world_size) if r // spec.nproc_per_node == n]
-        lines.append(f"node {n}: agent `{sys.executable} -m ffctl.agent` on localhost, ranks {ranks}: {worker}")
+        where = f"`{spec.remote_python} -m ffctl.agent` over SSH on {hosts[n]}" if hosts else \
+            f"`{sys.executable} -m ffctl.agent` on localhost"
+        lines.append(f"node {n}: agent {where}, ranks {ranks}: {worker}")
     for fault in spec.injects:
         try:
             plan = make_plan(fault, topo)
@@ -80,6 +92,10 @@ def execute(plan: LaunchPlan, view: Callable[[dict[str, Any]], None]) -> tuple[R
     from ffctl.controller import Controller
     from ffctl.nodes import LocalNodes
 
+    if plan.spec.hostfile is not None:
+        from ffctl.ssh_nodes import execute_over_ssh
+
+        return execute_over_ssh(plan.spec, plan.run_id, run_info(plan), view)
     try:
         record = RunStore.create(plan.spec.runs_dir, plan.run_id, run_info(plan))
     except RunStoreError as exc:

@@ -31,6 +31,9 @@ class LaunchSpec:
     sandbox: str | None = None
     hostfile: Path | None = None
     accept_new_host_keys: bool = False
+    master_addr: str | None = None  # --master-addr: the store's address for multi-host runs
+    remote_python: str = "python3"  # the interpreter agents are started with on the hosts
+    remote_runs_dir: str = "/tmp/ffctl-runs"  # per-run files (logs, checkpoints) on the hosts
     heartbeat_timeout: float = 1.0
     hang_min_s: float = 5.0
     pg_timeout: float = 120.0
@@ -54,6 +57,8 @@ class LaunchSpec:
             raise SpecError(f"--ckpt-every {self.ckpt_every}: must not be negative")
         if self.recovery == Strategy.RESTART_DISK and self.ckpt_every == 0:
             raise SpecError("--recovery restart-disk needs --ckpt-every N (N >= 1)")
+        if self.hang_min_s <= 0:
+            raise SpecError(f"--hang-timeout {self.hang_min_s:g}: must be positive")
         if self.spares < 0:
             raise SpecError(f"--spares {self.spares}: must not be negative")
         if self.script and not self.script[0].startswith("-m") and not os.path.isfile(self.script[0]):

@@ -36,7 +36,13 @@ def register(app: typer.Typer) -> None:
         run_id: Annotated[Optional[str], typer.Option("--run-id", help="Run id (default: time-based).")] = None,
         runs_dir: Annotated[Path, typer.Option("--runs-dir", envvar="FFCTL_RUNS_DIR", help="Where run records go.")] = Path("ffctl-runs"),
         heartbeat_timeout: Annotated[float, typer.Option("--heartbeat-timeout", help="Node loss after this many seconds without heartbeat.")] = 1.0,
+        hang_timeout: Annotated[float, typer.Option("--hang-timeout", help="A hang after this many seconds without step progress (or 10x the median step time, if longer).")] = 5.0,
         dry_run: Annotated[bool, typer.Option("--dry-run", help="Print what would run and start nothing.")] = False,
+        hosts: Annotated[Optional[Path], typer.Option("--hosts", help="Hostfile: one node per host, agents started over SSH.")] = None,
+        accept_new_host_keys: Annotated[bool, typer.Option("--accept-new-host-keys", help="Trust and save host keys not yet in known_hosts.")] = False,
+        master_addr: Annotated[Optional[str], typer.Option("--master-addr", "--master_addr", help="This machine's address the hosts reach the controller on (default: found over SSH).")] = None,
+        remote_python: Annotated[str, typer.Option("--remote-python", help="Python (with torch and ffctl) on the hosts.")] = "python3",
+        remote_runs_dir: Annotated[str, typer.Option("--remote-runs-dir", help="Per-run files (logs, checkpoints) on the hosts.")] = "/tmp/ffctl-runs",
     ) -> int:
         """Train on local nodes (the built-in GPT, or SCRIPT), inject faults, recover, and record it."""
         if model not in ("tiny", "small", "base"):
@@ -48,7 +54,9 @@ def register(app: typer.Typer) -> None:
         spec = LaunchSpec(
             nnodes=nnodes, nproc_per_node=nproc_per_node, steps=steps, seed=seed, model=model,
             recovery=recovery, ckpt_every=ckpt_every, spares=spares, injects=faults, run_id=run_id,
-            runs_dir=runs_dir, script=tuple(script or ()), heartbeat_timeout=heartbeat_timeout,
+            runs_dir=runs_dir, script=tuple(script or ()), heartbeat_timeout=heartbeat_timeout, hang_min_s=hang_timeout,
+            hostfile=hosts, accept_new_host_keys=accept_new_host_keys, master_addr=master_addr,
+            remote_python=remote_python, remote_runs_dir=remote_runs_dir,
         )
         plan = plan_launch(spec)
         console = make_console()

@@ -213,12 +213,14 @@ def write_sshd_config(
 
 @contextlib.contextmanager
 def sshd_cluster(
-    n: int = 2, *, setenv: Mapping[str, str] | None = None, user: str = "root"
+    n: int = 2, *, setenv: Mapping[str, str] | None = None, user: str = "root",
+    host_setenv: Mapping[int, Mapping[str, str]] | None = None,
 ) -> Iterator[SSHCluster]:
     """Start ``n`` sshd hosts in fresh namespaces; tear everything down on exit.
 
     ``setenv`` goes into every sshd_config as SetEnv, e.g. a PATH whose python3 is a chosen
-    interpreter.
+    interpreter. ``host_setenv`` adds (or overrides) variables for single hosts by index, e.g.
+    a PATH whose python3 lacks ffctl on one host only.
     """
     reason = skip_reason()
     if reason:
@@ -265,7 +267,8 @@ def sshd_cluster(
             log = hostdir / "sshd.log"
             write_sshd_config(
                 config, address=address, port=22, host_key=host_key,
-                authorized_keys=authorized_keys, pid_file=hostdir / "sshd.pid", setenv=setenv,
+                authorized_keys=authorized_keys, pid_file=hostdir / "sshd.pid",
+                setenv={**(setenv or {}), **(host_setenv or {}).get(i, {})},
             )
             # Registered before starting, so a half-started sshd is killed too.
             undo.callback(_kill_netns_processes, netns)

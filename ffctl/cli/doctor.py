@@ -1,0 +1,60 @@
+"""`ffctl doctor [--hosts FILE]`: can these hosts run ffctl jobs, and which faults can they take?
+
+Without ``--hosts`` it checks this machine; with it, every host of the hostfile over SSH (all at
+once). It draws one table row per host and one line per problem, and exits 0 when every host can
+run a job, 3 when one cannot (unreachable, refused, no python/torch/ffctl) and 2 for a bad
+hostfile. Problems that only rule out some faults (no root, no netem) are shown but do not
+change the exit code.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from ffctl.doctor import HostReport, check_hosts, check_local
+from ffctl.errors import EXIT_INFRA, EXIT_OK, BadInput
+from ffctl.hostfile import HostfileError, parse_hostfile
+from ffctl.render import make_console
+from ffctl.render.doctor import render_doctor
+
+
+def diagnose(hosts: Path | None, *, accept_new_host_keys: bool = False, python: str = "python3",
+             timeout: float = 15.0, connect_timeout: float = 10.0) -> list[HostReport]:
+    """The reports `ffctl doctor` draws: this machine's, or each host's (in hostfile order)."""
+    if hosts is None:
+        return [check_local(timeout=timeout)]
+    from ffctl.ssh import SSHError, SSHTransport
+
+    try:
+        entries = parse_hostfile(hosts)
+    except HostfileError as exc:
+        raise BadInput(str(exc)) from None
+    transports = []
+    try:
+        for entry in entries:
+            try:
+                transports.append(SSHTransport(entry, accept_new_host_keys=accept_new_host_keys,
+                                               connect_timeout=connect_timeout))
+            except SSHError as exc:  # an unreadable ssh config is the user's to fix
+                raise BadInput(str(exc)) from None
+        return check_hosts(transports, timeout=timeout, python=python)
+    finally:
+        for transport in transports:
+            transport.close()
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("doctor")
+    def doctor(
+        hosts: Annotated[Optional[Path], typer.Option("--hosts", help="Hostfile (default: check this machine).")] = None,
+        accept_new_host_keys: Annotated[bool, typer.Option("--accept-new-host-keys", help="Trust and save host keys not yet in known_hosts.")] = False,
+        remote_python: Annotated[str, typer.Option("--remote-python", help="Python the agents would run with on the hosts.")] = "python3",
+        timeout: Annotated[float, typer.Option("--timeout", help="Seconds each check may take on a host.")] = 15.0,
+    ) -> int:
+        """Check that hosts can run ffctl jobs (python, torch, ffctl) and which faults they can take."""
+        reports = diagnose(hosts, accept_new_host_keys=accept_new_host_keys, python=remote_python,
+                           timeout=timeout)
+        render_doctor(reports, make_console())
+        return EXIT_OK if all(r.can_run_job for r in reports) else EXIT_INFRA
