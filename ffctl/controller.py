@@ -103,6 +103,7 @@ class Controller:
         self.phase = "starting"
         self.started = time.time()
         self._req = 0
+        self.notice: str | None = None  # said on screen once: a fallback, a fatal reason
         self._incarnation: dict[int, int] = {}
         self._view_at = 0.0
         self.injector = Injector(self, transport_for or self._local_transport,
@@ -126,6 +127,7 @@ class Controller:
             "steps": self.spec.steps, "loss": self.last_loss,
             "steps_per_s": (1.0 / statistics.median(recent)) if recent else None,
             "fault": self.injector.describe_current(), "strategy": self.spec.recovery,
+            "notice": self.notice,
         })
 
     # -- plumbing -----------------------------------------------------------------------------
@@ -298,7 +300,7 @@ class Controller:
         if self.pids.get(rank) != pid:
             return  # a process of an earlier generation, already replaced
         self.pids[rank] = None
-        if msg.get("expected") or (code == 0 and rank in self.gen_msgs.get(("done", self.gen), set())):
+        if msg.get("expected") or rank in self.gen_msgs.get(("done", self.gen), set()):
             return
         self._fail(Failure("process-exit", {rank}, t=now, detail=f"exit code {code}"))
 
@@ -537,9 +539,13 @@ class Controller:
         if decision is None:
             self.fatal_reason = (f"no copy of the state of rank(s) {sorted(lost)} survives and there is no "
                                  f"complete disk checkpoint: the job stops")
+            self.notice = self.fatal_reason
             self.record(EventKind.RECOVERY_FAILED, fault_ids=ids, reason=self.fatal_reason)
             raise FatalRun(self.fatal_reason)
         if decision.restore_source == "disk" and self.spec.recovery != Strategy.RESTART_DISK:
+            self.notice = (f"every memory copy of rank(s) {list(decision.lost_both_copies) or sorted(lost)} is "
+                           f"gone: falling back to the disk checkpoint of step {decision.restore_step}")
+            self._show(force=True)
             # Survivors hold no memory copy of the disk step: every rank restarts from disk.
             self._kill(set(self.members) - lost)
             lost = set(self.members)
@@ -556,7 +562,11 @@ class Controller:
             self._wait_agents(needed)
         wait_dead = lambda: all(self.pids.get(r) is None for r in respawn)  # noqa: E731
         self.wait_for(wait_dead, 10.0, "teardown", abandon_on_failure=False)
-        self.pending = None  # exits of ranks we are replacing are part of this recovery
+        if self.pending is not None:
+            if self.pending.ranks <= set(respawn) and self.pending.nodes <= lost_nodes:
+                self.pending = None  # exits of ranks we are replacing anyway
+            else:
+                raise RecoveryAbandoned("another rank failed while recovering")
         self._open_generation(new_gen, decision, respawn)
         self._await_generation(new_gen, respawn, decision.restore_step, decision.restore_source)
 

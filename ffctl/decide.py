@@ -69,19 +69,18 @@ def decide(
     for rank in world:
         node = members[rank]
         here: dict[int, dict[str, Any]] = {}
-        if node not in lost_nodes and node in inventories:
-            kind = "local-memory"
-            for step in inventories[node].local.get(rank, frozenset()):
-                if (rank, step, kind) not in exclude:
-                    here[step] = {"kind": kind, "node": node}
-        else:
-            holder = ring_holder(node, all_nodes)
-            if holder is not None and holder not in lost_nodes and holder in inventories:
-                inv = inventories[holder]
-                for step in inv.replica.get(rank, frozenset()):
-                    if (rank, step, "peer-memory") in exclude:
-                        continue
+        # A replica held by any live node (normally the ring neighbour; after several faults a
+        # rank's newest copy may sit elsewhere). A local slot wins over a replica of the same step.
+        for holder, inv in sorted(inventories.items()):
+            if holder in lost_nodes:
+                continue
+            for step in inv.replica.get(rank, frozenset()):
+                if (rank, step, "peer-memory") not in exclude:
                     here[step] = {"kind": "peer-memory", "address": inv.address, "port": inv.port, "where": "replica"}
+        if node not in lost_nodes and node in inventories:
+            for step in inventories[node].local.get(rank, frozenset()):
+                if (rank, step, "local-memory") not in exclude:
+                    here[step] = {"kind": "local-memory", "node": node}
         options[rank] = here
     common = set.intersection(*(set(o) for o in options.values())) if options else set()
     lost_both = tuple(sorted(r for r in lost_ranks if not options.get(r)))

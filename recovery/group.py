@@ -64,10 +64,31 @@ class Generation:
         self.watcher = AbortWatcher(host, port, gen, self._wake)
         prefix = dist.PrefixStore(control.pg_prefix(gen), store)
         td = datetime.timedelta(seconds=timeout)
-        if backend == "nccl":
-            self.pg: Any = dist.ProcessGroupNCCL(prefix, rank, world_size, dist.ProcessGroupNCCL.Options())
-        else:
-            self.pg = dist.ProcessGroupGloo(prefix, rank, world_size, td)
+        built: list[Any] = []
+        failed: list[BaseException] = []
+
+        def build() -> None:
+            try:
+                if backend == "nccl":
+                    built.append(dist.ProcessGroupNCCL(prefix, rank, world_size, dist.ProcessGroupNCCL.Options()))
+                else:
+                    built.append(dist.ProcessGroupGloo(prefix, rank, world_size, td))
+            except BaseException as exc:  # a peer never arrived (timeout) or the store went away
+                failed.append(exc)
+            self._wake.set()
+
+        # Building the group blocks in C++ until every rank has arrived. A rank lost during the
+        # rendezvous would hold the others there for the full timeout, so build on a thread and
+        # leave it behind if the controller aborts this generation.
+        threading.Thread(target=build, name=f"ffctl-pg-{gen}", daemon=True).start()
+        while not built and not failed:
+            if self.watcher.aborted.is_set():
+                raise PeerFailure(gen, "rendezvous aborted: the controller opened a new generation")
+            self._wake.wait(0.05)
+            self._wake.clear()
+        if failed:
+            raise PeerFailure(gen, f"rendezvous failed: {str(failed[0]).splitlines()[0][:200]}")
+        self.pg: Any = built[0]
 
     def wait(self, work: Any, what: str) -> None:
         done = threading.Event()

@@ -30,6 +30,7 @@ class LiveView:
         self.console = console
         self.live: Live | None = Live(console=console, refresh_per_second=8, transient=False) if console.is_terminal else None
         self._last_phase: str | None = None
+        self._notices: set[str] = set()
         self._last_step = -1
 
     def __enter__(self) -> LiveView:
@@ -42,6 +43,10 @@ class LiveView:
             self.live.__exit__(et, ev, tb)
 
     def __call__(self, state: dict[str, Any]) -> None:
+        notice = state.get("notice")
+        if notice and notice not in self._notices:
+            self._notices.add(notice)
+            self.console.print(f"ffctl: {notice}", markup=False, highlight=False, style="bold yellow")
         if self.live is not None:
             self.live.update(_table(state))
             return

@@ -1,0 +1,189 @@
+"""One-step restoration end to end (DESIGN.md): survivors keep running, a warm spare takes the
+lost rank's place from a peer's memory, and the losses stay bit-identical to a fault-free run."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import uuid
+from pathlib import Path
+
+import pytest
+
+from runs.events import EventKind
+from tests.helpers.launch import (
+    assert_nothing_left, launch, run_ffctl, shm_left, start_launch, wait_event, wait_step,
+)
+
+pytestmark = pytest.mark.slow
+
+
+def rid(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:6]}"
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("recovery")
+
+
+def _baseline(workdir: Path, *args: str) -> list[list[float]]:
+    res = launch(workdir, rid("base"), *args)
+    assert res.returncode == 0, res.stderr
+    return res.report["loss_by_step"]
+
+
+@pytest.fixture(scope="module")
+def baseline(workdir: Path) -> list[list[float]]:
+    return _baseline(workdir, "--steps", "60", "--seed", "3")
+
+
+def _pids(res_events: list, gen: int = 0) -> dict[int, int]:
+    for ev in res_events:
+        if ev.kind is EventKind.RANKS_SPAWNED and ev.get("gen") == gen:
+            return {int(r): int(p) for r, p in ev.get("pids").items()}
+    raise AssertionError("no ranks_spawned event")
+
+
+def test_peer_kill_rank_then_kill_node_is_bit_exact(workdir: Path, baseline: list[list[float]]) -> None:
+    run_id = rid("peer")
+    res = launch(workdir, run_id, "--steps", "60", "--seed", "3", "--recovery", "peer", "--spares", "2",
+                 "--inject", "kill-rank:rank=1,step=20", "--inject", "kill-node:node=1,step=40")
+    assert res.returncode == 0, res.stderr
+    rep = res.report
+    assert rep["loss_by_step"] == baseline  # every step, bit for bit
+    rank_fault, node_fault = rep["faults"]
+    assert rank_fault["kind"] == "kill-rank" and rank_fault["restore_source"] == "local-memory"
+    assert node_fault["kind"] == "kill-node" and node_fault["restore_source"] == "peer-memory"
+    for f in rep["faults"]:
+        assert f["recovered"] and f["lost_steps"] <= 1
+        assert 0 < f["detection_s"] < 1.0  # process exit / agent exit, seen in well under a second
+    # Survivors stayed in their processes: only the lost ranks were respawned.
+    decided = [e for e in res.events if e.kind is EventKind.RECOVERY_DECIDED]
+    assert decided[0].get("ranks") == [1] and decided[1].get("ranks") == [2, 3]
+    exits = {e.get("pid") for e in res.events if e.kind is EventKind.RANK_EXITED and not e.get("expected")}
+    first = _pids(res.events)
+    assert first[0] not in exits and first[0] == _pids(res.events)[0]
+    assert any(e.kind is EventKind.SNAPSHOT_TAKEN and e.get("kind") == "memory" for e in res.events)
+    assert_nothing_left(workdir)
+    assert not shm_left(run_id)
+
+
+def test_sharded_optimizer_is_bit_exact(workdir: Path) -> None:
+    base = _baseline(workdir, "--steps", "40", "--seed", "5", "--optimizer", "sharded")
+    res = launch(workdir, rid("zero"), "--steps", "40", "--seed", "5", "--optimizer", "sharded", "--spares", "2",
+                 "--inject", "kill-rank:rank=2,step=12", "--inject", "kill-node:node=0,step=28")
+    assert res.returncode == 0, res.stderr
+    rep = res.report
+    assert rep["loss_by_step"] == base
+    assert [f["restore_source"] for f in rep["faults"]] == ["local-memory", "peer-memory"]
+    assert all(f["lost_steps"] <= 1 for f in rep["faults"])
+    assert_nothing_left(workdir)
+
+
+def test_restart_memory_restores_every_rank_from_memory(workdir: Path, baseline: list[list[float]]) -> None:
+    res = launch(workdir, rid("rmem"), "--steps", "60", "--seed", "3", "--recovery", "restart-memory",
+                 "--inject", "kill-node:node=1,step=30")
+    assert res.returncode == 0, res.stderr
+    (f,) = res.report["faults"]
+    assert f["restore_source"] == "peer-memory" and f["lost_steps"] <= 1
+    decided = next(e for e in res.events if e.kind is EventKind.RECOVERY_DECIDED)
+    assert decided.get("ranks") == [0, 1, 2, 3]  # every rank restarted, DLRover-style
+    assert res.report["loss_by_step"] == baseline
+    assert_nothing_left(workdir)
+
+
+def test_same_rank_failing_twice(workdir: Path, baseline: list[list[float]]) -> None:
+    res = launch(workdir, rid("twice"), "--steps", "60", "--seed", "3", "--spares", "1",
+                 "--inject", "kill-rank:rank=1,step=15", "--inject", "kill-rank:rank=1,step=35")
+    assert res.returncode == 0, res.stderr
+    assert [f["recovered"] for f in res.report["faults"]] == [True, True]
+    assert res.report["loss_by_step"] == baseline
+    assert_nothing_left(workdir)
+
+
+def test_second_fault_during_recovery(workdir: Path, baseline: list[list[float]]) -> None:
+    """A node fault with no spare takes seconds to recover (agent restart, cold ranks); rank 0 of
+    the surviving node is killed the moment that failure is detected, so its death lands in the
+    middle of the first recovery. The controller starts the recovery over with both losses."""
+    run_id = rid("double")
+    proc = start_launch(workdir, run_id, "--steps", "60", "--seed", "3", "--inject", "kill-node:node=1,step=20")
+    events = workdir / "runs" / run_id / "events.jsonl"
+    try:
+        spawned = wait_event(events, lambda e: e.kind is EventKind.RANKS_SPAWNED)
+        wait_event(events, lambda e: e.kind is EventKind.FAILURE_DETECTED, timeout=300)
+        os.kill(int(spawned.get("pids")["0"]), signal.SIGKILL)
+        proc.wait(timeout=400)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0
+    rep = json.loads(events.with_name("report.json").read_text())
+    (node_f,) = rep["faults"]
+    record = [json.loads(line) for line in events.read_text().splitlines()]
+    detected = [e for e in record if e["event"] == "failure_detected"]
+    assert len(detected) == 2 and detected[1]["ranks"] == [0]
+    assert detected[1]["t"] < node_f["resumed_at"]  # it did land during the first recovery
+    assert node_f["recovered"] and node_f["lost_steps"] <= 1
+    assert rep["loss_by_step"] == baseline
+    assert_nothing_left(workdir)
+
+
+@pytest.mark.parametrize("layout, fallback", [(("2", "2"), "peer-memory"), (("1", "4"), "disk")])
+def test_corrupted_slot_is_detected_and_not_used(
+    workdir: Path, baseline: list[list[float]], layout: tuple[str, str], fallback: str
+) -> None:
+    """Rank 1 is stopped, both its local memory slots get a flipped byte, then it is killed: the
+    replacement finds the checksum wrong and says so; the next decision takes the ring
+    neighbour's replica (two nodes) or the disk checkpoint (one node, no neighbour)."""
+    run_id = rid("crc")
+    proc = start_launch(workdir, run_id, "--nnodes", layout[0], "--nproc-per-node", layout[1], "--steps", "60",
+                        "--seed", "3", "--ckpt-every", "10", "--spares", "1")
+    try:
+        wait_step(workdir / "runs", run_id, 24)
+        events = list((workdir / "runs" / run_id / "events.jsonl").read_text().splitlines())
+        pid = next(json.loads(line)["pids"]["1"] for line in events if '"ranks_spawned"' in line)
+        os.kill(pid, signal.SIGSTOP)
+        for slot in sorted(Path("/dev/shm").glob(f"ffctl-{run_id}-n0-r1-s*")):
+            with open(slot, "r+b") as fh:
+                fh.seek(-1, os.SEEK_END)
+                last = fh.read(1)
+                fh.seek(-1, os.SEEK_END)
+                fh.write(bytes([last[0] ^ 0xFF]))
+        os.kill(pid, signal.SIGKILL)
+        proc.wait(timeout=400)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0
+    record = [json.loads(line) for line in (workdir / "runs" / run_id / "events.jsonl").read_text().splitlines()]
+    failed = [e for e in record if e["event"] == "failure_detected" and e["cause"] == "restore-failed"]
+    assert failed and "checksum" in failed[0]["detail"]
+    sources = [e["restore_source"] for e in record if e["event"] == "recovery_decided"]
+    assert sources[0] == "local-memory" and sources[-1] == fallback
+    rep = json.loads((workdir / "runs" / run_id / "report.json").read_text())
+    assert rep["loss_by_step"] == baseline  # never silently wrong state
+    assert_nothing_left(workdir)
+
+
+def test_both_copies_lost_falls_back_to_disk(workdir: Path, baseline: list[list[float]]) -> None:
+    res = launch(workdir, rid("both"), "--steps", "60", "--seed", "3", "--ckpt-every", "10",
+                 "--inject", "kill-node:mode=all,step=25")
+    assert res.returncode == 0, res.stderr
+    (f,) = res.report["faults"]
+    assert f["restore_source"] == "disk" and f["restore_step"] == 20
+    decided = next(e for e in res.events if e.kind is EventKind.RECOVERY_DECIDED)
+    assert decided.get("lost_both_copies") == [0, 1, 2, 3]
+    assert res.report["loss_by_step"] == baseline
+    assert "disk" in res.stdout
+    assert_nothing_left(workdir)
+
+
+def test_both_copies_lost_without_checkpoint_stops_clearly(workdir: Path) -> None:
+    res = launch(workdir, rid("gone"), "--steps", "60", "--inject", "kill-node:mode=all,step=25")
+    assert res.returncode == 1
+    assert res.report["status"] == "failed"
+    failed = next(e for e in res.events if e.kind is EventKind.RECOVERY_FAILED)
+    assert "no copy of the state" in failed.get("reason")
+    assert "no copy of the state" in res.stdout + res.stderr
+    assert_nothing_left(workdir)
