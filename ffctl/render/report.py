@@ -15,22 +15,27 @@ def render_report(report: dict[str, Any], console: Console) -> None:
     title = (f"run {report['run_id']}  status {report['status']}  strategy {report['strategy']}  "
              f"world {report['world_size']}  steps {report['steps_completed']}  "
              f"final loss {_s(report['final_loss'], 4)}")
-    faults = Table(title=title, title_justify="left", show_lines=False)
-    for col in ("fault", "kind", "target", "at step", "detect s", "recovery s", "detect", "decide", "spawn",
-                "rendezvous", "restore", "replay", "lost steps", "source", "lost GPU-h", "emulated"):
-        faults.add_column(col, justify="right" if col not in ("kind", "target", "source", "fault") else "left")
+    faults = Table(title=title, title_justify="left")
+    for col in ("fault", "kind", "target", "step", "detect s", "recover s", "lost", "source", "GPU-h", "emu"):
+        faults.add_column(col, justify="left" if col in ("fault", "kind", "target", "source") else "right",
+                          no_wrap=col in ("kind", "source"))
+    phases = Table(title="recovery breakdown (s)", title_justify="left")
+    for col in ("fault", "detect", "decide", "spawn", "rendezvous", "restore", "replay"):
+        phases.add_column(col, justify="left" if col == "fault" else "right")
     for f in report["faults"]:
-        b = f["breakdown"]
         faults.add_row(
             f["fault_id"], f["kind"], f["target"], str(f["at_step"]), _s(f["detection_s"]),
             _s(f["recovery_s"]) if f["recovered"] else "[red]not recovered[/red]",
-            *(_s(b.get(k)) for k in ("detect", "decide", "spawn", "rendezvous", "restore", "replay")),
             str(f["lost_steps"]), f["restore_source"] or "-", f"{f['lost_gpu_hours']:.6f}",
             "yes" if f["emulated"] else "no",
         )
+        b = f["breakdown"]
+        phases.add_row(f["fault_id"], *(_s(b.get(k)) for k in ("detect", "decide", "spawn", "rendezvous", "restore", "replay")))
     if not report["faults"]:
-        faults.add_row("-", "no faults", *[""] * 14)
+        faults.add_row("-", "no faults", *[""] * 8)
     console.print(faults)
+    if report["faults"]:
+        console.print(phases)
     totals = Table(show_header=False, box=None)
     totals.add_column(style="bold")
     totals.add_column()
@@ -43,4 +48,5 @@ def render_report(report: dict[str, Any], console: Console) -> None:
 
 def render_plan(lines: list[str], console: Console) -> None:
     for line in lines:
-        console.print(line, markup=False, highlight=False)
+        # Never wrapped: these are commands a user copies, word for word.
+        console.print(line, markup=False, highlight=False, soft_wrap=True)

@@ -22,6 +22,7 @@ class GPTConfig:
 SIZES = {
     "tiny": GPTConfig(block=32, layers=2, heads=2, dim=32, batch=4),
     "small": GPTConfig(block=64, layers=4, heads=4, dim=128, batch=8),
+    "medium": GPTConfig(block=64, layers=4, heads=4, dim=192, batch=8),
     "base": GPTConfig(block=128, layers=6, heads=8, dim=256, batch=8),
 }
 
