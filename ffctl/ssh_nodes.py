@@ -26,6 +26,7 @@ them, restart-disk across hosts needs that directory on a shared filesystem (giv
 from __future__ import annotations
 
 import ipaddress
+import json
 import os
 import socket
 import subprocess
@@ -37,6 +38,7 @@ from typing import IO, Any, Callable, Sequence
 
 from fault_injectors.plan import HostCommand
 from fault_injectors.transport import CommandResult, LocalTransport, Transport, TransportError
+from ffctl import __version__
 from ffctl.agent import CONFIG_ENV, TERM_GRACE_S, AgentConfig
 from ffctl.doctor import clock_offset
 from ffctl.errors import BadInput, InfraError
@@ -61,9 +63,9 @@ PROBE_TIMEOUT_S = 30.0
 # its workers, TERM_GRACE_S, SIGKILL) must fit inside it so it can also remove its slots.
 REMOTE_GRACE_S = TERM_GRACE_S + 5.0
 
-# Prints the interpreter's path and ffctl's version; fails (with the ImportError as its last
+# Prints the interpreter's path and ffctl's version (a JSON line); fails (with the ImportError as its last
 # line) when ffctl or torch cannot be imported by that python.
-_IMPORT_PROBE = "import sys, ffctl, torch; print(sys.executable); print(ffctl.__version__)"
+_IMPORT_PROBE = "import json, sys, ffctl, torch; print(json.dumps([sys.executable, ffctl.__version__]))"
 
 # Where the host was reached (SSH_CONNECTION: client ip, client port, server ip, server port)
 # and its addresses. `ip` often lives in sbin, missing from a non-root user's PATH.
@@ -87,6 +89,9 @@ def hosts_spec(spec: LaunchSpec) -> tuple[LaunchSpec, list[HostEntry]]:
     count (the rank layout is node-major and equal-sized); anything else is bad input.
     """
     assert spec.hostfile is not None
+    if spec.sandbox:
+        raise BadInput(f"--sandbox {spec.sandbox} and --hosts {spec.hostfile}: the sandbox is for nodes on this "
+                       "machine; give one or the other")
     try:
         entries = parse_hostfile(spec.hostfile)
     except HostfileError as exc:
@@ -183,20 +188,29 @@ def _check_host(node: int, transport: SSHTransport, python: str, timeout: float)
     try:
         probe = require_command(transport, [python, "-c", _IMPORT_PROBE], timeout=timeout, what=python)
     except RemoteCommandMissing:
-        raise InfraError(f"{host}: {python} is not installed there (ffctl needs python with torch and ffctl on every host)") from None
+        raise InfraError(
+            f"{host}: {python} is not installed there (ffctl needs python with torch and ffctl on every host)"
+        ) from None
     if not probe.ok:
         why = _last_line(probe.stderr) or probe.describe()
         raise InfraError(f"{host}: ffctl cannot run there: `{python}` fails to import torch and ffctl ({why})")
-    exe, _, version = probe.stdout.strip().partition("\n")
+    try:
+        exe, version = (str(v) for v in json.loads(probe.stdout.strip().splitlines()[-1]))
+    except (ValueError, IndexError, TypeError):
+        answer = probe.stdout.strip()[-200:]
+        raise InfraError(f"{host}: `{python}` gave no answer to the ffctl probe: {answer!r}") from None
+    if version != __version__:
+        # Agents and the controller speak one protocol: mixed versions would fail mid-run.
+        raise InfraError(f"{host}: ffctl {version} is installed there, {__version__} here; install the same "
+                         "version on every host")
     net = transport.run(["sh", "-c", _NET_PROBE], timeout=timeout)
     if net.returncode == 127:
         raise InfraError(f"{host}: `ip` (iproute2) is not installed there; it is needed to find the host's interface")
     if not net.ok:
         raise InfraError(f"{host}: cannot list its addresses: {net.describe()}")
     address, interface, seen = parse_net_probe(host, net.stdout)
-    offset, rtt = clock_offset(transport, python=exe.strip() or python, timeout=timeout)
-    return HostSetup(node, transport.entry, exe.strip() or python, version.strip(), address, interface, seen,
-                     offset, rtt)
+    offset, rtt = clock_offset(transport, python=exe or python, timeout=timeout)
+    return HostSetup(node, transport.entry, exe or python, version, address, interface, seen, offset, rtt)
 
 
 def preflight(
@@ -271,18 +285,29 @@ def _route_source(destination: str) -> str | None:
     return words[words.index("src") + 1] if "src" in words[:-1] else None
 
 
+def check_master_addr(master_addr: str) -> str:
+    """``--master-addr`` as a plain address of this machine (not a wildcard), else BadInput."""
+    try:
+        addr = _plain_address(master_addr)
+    except ValueError:
+        raise BadInput(f"--master-addr {master_addr}: not an IP address") from None
+    if ipaddress.ip_address(addr).is_unspecified or not _bindable(addr):
+        raise BadInput(f"--master-addr {master_addr}: not an address of this machine")
+    return addr
+
+
 def controller_address(setups: Sequence[HostSetup], master_addr: str | None = None) -> str:
     """The address the controller's store listens on: one of this machine's, reachable by every
     host, never a wildcard. ``master_addr`` (``--master-addr``) wins; otherwise the address the
     first host saw our SSH connection come from, or the source of our route to it."""
+    loopback = [s for s in setups if ipaddress.ip_address(s.address).is_loopback]
+    if loopback and len(loopback) < len(setups):
+        raise BadInput(
+            f"{loopback[0].entry.name}: reached over loopback ({loopback[0].address}), where the other hosts "
+            "cannot reach its ranks; name it in the hostfile by an address they can reach"
+        )
     if master_addr:
-        try:
-            addr = _plain_address(master_addr)
-        except ValueError:
-            raise BadInput(f"--master-addr {master_addr!r}: not an IP address") from None
-        if ipaddress.ip_address(addr).is_unspecified or not _bindable(addr):
-            raise BadInput(f"--master-addr {master_addr}: not an address of this machine")
-        return addr
+        return check_master_addr(master_addr)
     # A host reached over loopback saw 127.0.0.1; the others cannot use that.
     remote = [s for s in setups if not ipaddress.ip_address(s.address).is_loopback] or list(setups)
     first = remote[0]
@@ -396,16 +421,22 @@ class SSHNodes:
             argv[0] = os.path.join(cfg.cwd or os.getcwd(), argv[0])
         remote = replace(cfg, log_dir=self.remote_log_dir(node), cwd=self.run_dir, python=setup.python,
                          worker_argv=tuple(argv))
-        if node not in self._prepared:
-            made = transport.run(["mkdir", "-p", "-m", "700", "--", self.remote_log_dir(node)], timeout=PROBE_TIMEOUT_S)
-            if not made.ok:
-                raise InfraError(f"{setup.entry.name}: cannot create {self.remote_log_dir(node)}: {made.describe()}")
-            self._prepared.add(node)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log = open(self.log_dir / f"agent-{node}.log", "a", encoding="utf-8")
         try:
+            if node not in self._prepared:
+                made = transport.run(["mkdir", "-p", "-m", "700", "--", self.remote_log_dir(node)],
+                                     timeout=PROBE_TIMEOUT_S)
+                if not made.ok:
+                    raise InfraError(f"{setup.entry.name}: cannot create {self.remote_log_dir(node)}: "
+                                     f"{made.describe()}")
+                self._prepared.add(node)
             proc = transport.start([setup.python, "-m", "ffctl.agent"], {CONFIG_ENV: remote.to_json()},
                                    cwd=self.run_dir, grace_s=REMOTE_GRACE_S, timeout=PROBE_TIMEOUT_S)
+        except TransportError as exc:
+            # E.g. the host went away and does not come back for a restart: one line, exit 3.
+            log.close()
+            raise InfraError(f"{' '.join(str(exc).split())} (starting the agent of node {node})") from None
         except BaseException:
             log.close()
             raise
@@ -481,6 +512,8 @@ def execute_over_ssh(spec: LaunchSpec, run_id: str, info: dict[str, Any],
 
     assert spec.hostfile is not None
     spec, entries = hosts_spec(spec)
+    if spec.master_addr:
+        check_master_addr(spec.master_addr)  # bad input: refused before connecting anywhere
     hosts = preflight(entries, accept_new_host_keys=spec.accept_new_host_keys, python=spec.remote_python)
     record: RunStore | None = None
     nodes: SSHNodes | None = None
