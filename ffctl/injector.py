@@ -1,33 +1,109 @@
-"""The controller's fault scheduler: fires scheduled faults at their trigger, applies ad hoc ones,
-and reverts revertible ones after their duration.
+"""The controller's fault scheduler: fires scheduled faults at their trigger (a step, a time, or a
+seeded MTBF chaos schedule), applies ad hoc ones, and reverts revertible ones after their duration.
 
-Every fault is written to the record (fault_injected) before its first command runs; a fault
-that cannot be applied is recorded as fault_failed with the reason.
+A fault is checked before anything is written or touched: it is planned under its fault id
+against the live topology, a network fault between nodes that only share this machine's loopback
+is refused (those need `--sandbox netns`), and the family's preflight probes the target hosts
+read-only (netem missing, iptables unusable, no such interface). A refused fault is never
+recorded as injected. One that passes is written to the record (fault_injected) before its first
+command runs; its dead man's switches are armed, then it is applied, and a fault that fails half
+way is reverted and recorded as fault_failed. Every revertible fault ends: after its duration, or
+after the library's default when it has none.
 """
 from __future__ import annotations
 
+import ipaddress
+import statistics
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-from fault_injectors import FaultSpec, FaultSpecError, PlanError, Transport, make_plan, run_commands
-from fault_injectors.plan import FaultPlan, HostCommand
+from fault_injectors import FaultSpec, FaultSpecError, PlanError, Transport, TransportError, deadman, make_plan, network
+from fault_injectors.plan import FaultPlan, HostCommand, Topology
+from fault_injectors.schedule import ChaosSpec, iter_mtbf, parse_chaos
+from fault_injectors.process import in_step_fault_path
+from fault_injectors.spec import FaultFamily, FaultKind
+from fault_injectors.targets import resolve
 from runs.events import EventKind
 
 if TYPE_CHECKING:
     from ffctl.controller import Controller
 
+# A scheduled fault waits while an earlier one is still unseen (not detected, not reverted, not
+# survived), so faults do not pile onto one another and each seeded pick sees the whole world;
+# never longer than this.
+SETTLE_MAX_S = 60.0
+# A fault is survived when the job still commits steps this long after the longest any detector
+# takes to notice a broken job (the hang limit). Counting steps instead would be fooled: steps
+# already in flight when the fault hit keep arriving for a moment.
+SURVIVE_MARGIN_S = 2.0
+
+
+def _loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False
+
+
+def check_local_network(spec: FaultSpec, topo: Topology) -> None:
+    """Refuse a network fault on a node that is only this machine's loopback.
+
+    Local nodes without a sandbox share one network stack: a partition cannot tell them apart
+    and a link-down would take this machine's loopback (and the controller) down with it.
+    """
+    if spec.kind.family is not FaultFamily.NETWORK:
+        return
+    for n in resolve(spec, topo)[1]:
+        place = topo.node(n)
+        if place.netns is None and _loopback(place.address):
+            raise FaultSpecError(
+                f"{spec.kind.value} on node {n}: local nodes share this machine's network "
+                f"({place.address}); use --sandbox netns for network faults between them"
+            )
+
+
+def plan_fault(spec: FaultSpec, topo: Topology, fault_id: str) -> FaultPlan:
+    """What the injector runs for `spec` as `fault_id`: tagged with the id, checked, and with a dead
+    man's switch whenever it is revertible (pure: `--dry-run` prints exactly this)."""
+    spec = deadman.with_fault_id(spec, fault_id)
+    check_local_network(spec, topo)
+    plan = make_plan(spec, topo)
+    if plan.revertible:
+        plan = deadman.guard(plan, topo.run_id)  # no-op for network plans, which come guarded
+    return plan
+
+
+def _due(spec: FaultSpec, committed_step: int, elapsed: float) -> bool:
+    trig = spec.trigger
+    return (trig.step is not None and committed_step >= trig.step) or (
+        trig.t is not None and elapsed >= trig.t) or (trig.step is None and trig.t is None)
+
+
+def _trigger_order(spec: FaultSpec) -> tuple[int, float]:
+    trig = spec.trigger
+    return (trig.step if trig.step is not None else -1, trig.t if trig.t is not None else -1.0)
+
+
+def chaos_faults(chaos: ChaosSpec) -> Iterator[tuple[float, FaultSpec]]:
+    """The chaos schedule in time order (seconds after the start), ending at `until` if given."""
+    for t, spec in iter_mtbf(chaos.mtbf, chaos.seed, chaos.kinds, chaos.duration):
+        if chaos.until is not None and t >= chaos.until:
+            return
+        yield t, spec
+
 
 @dataclass
 class ActiveFault:
     fault_id: str
-    spec: FaultSpec
+    spec: FaultSpec  # carries the fault id (deadman.with_fault_id)
     plan: FaultPlan
     injected_t: float
     gen: int
     detected: bool = False
     revert_at: float | None = None
     reverted: bool = False
+    reverted_t: float | None = None
 
 
 @dataclass
@@ -38,62 +114,140 @@ class Injector:
     timed: list[tuple[float, FaultSpec]] = field(default_factory=list)  # (seconds after start, spec)
     faults: list[ActiveFault] = field(default_factory=list)
     _count: int = 0
+    _chaos: Iterator[tuple[float, FaultSpec]] | None = None
+    _chaos_next: tuple[float, FaultSpec] | None = None
+    _seen_step: int = -1
+    _progress_t: float = 0.0  # when the committed step last moved
+
+    def __post_init__(self) -> None:
+        # Scheduled faults get their ids up front, in the order given, so the ids (and the chain
+        # names and owner tags derived from them) that `--dry-run` printed are the ones used.
+        self.scheduled = [deadman.with_fault_id(s, self._take_id()) for s in self.scheduled]
+        self.timed = [(t, deadman.with_fault_id(s, self._take_id())) for t, s in self.timed]
+        chaos = getattr(self.ctl.spec, "chaos", None)
+        if chaos:
+            # Drawn lazily: an MTBF schedule has no end unless `until=` gives one.
+            self._chaos = chaos_faults(parse_chaos(chaos))
+            self._chaos_next = next(self._chaos, None)
+
+    # -- ids ----------------------------------------------------------------------------------
+    def _peek_id(self) -> str:
+        return f"f{self._count + 1}"
+
+    def _take_id(self) -> str:
+        self._count += 1
+        return f"f{self._count}"
+
+    # -- scheduling ---------------------------------------------------------------------------
+    def _ready(self) -> bool:
+        """Every rank placed and nothing failing: a fault now sees the whole world, so a seeded
+        target pick is the same from run to run."""
+        ctl = self.ctl
+        return ctl.pending is None and all(ctl.pids.get(r) for r in ctl.members)
+
+    def _survived(self, fault: ActiveFault) -> bool:
+        """The job carries on: it committed a step after the fault was reverted, or longer after
+        the injection than any detector needs."""
+        if fault.reverted_t is not None and self._progress_t > fault.reverted_t:
+            return True
+        ctl = self.ctl
+        recent = ctl.step_times[-50:]
+        hang_limit = max(10 * statistics.median(recent) if recent else 0.0, ctl.spec.hang_min_s)
+        return self._progress_t - fault.injected_t > hang_limit + SURVIVE_MARGIN_S
+
+    def _settled(self) -> bool:
+        now = time.time()
+        return all(f.detected or f.reverted or self._survived(f) or now - f.injected_t > SETTLE_MAX_S
+                   for f in self.faults)
+
+    def _draw_chaos(self, elapsed: float) -> None:
+        while self._chaos is not None and self._chaos_next is not None and self._chaos_next[0] <= elapsed:
+            t, spec = self._chaos_next
+            self.timed.append((t, deadman.with_fault_id(spec, self._take_id())))
+            self._chaos_next = next(self._chaos, None)
 
     def tick(self, committed_step: int, elapsed: float) -> None:
-        for spec in list(self.scheduled):
-            trig = spec.trigger
-            due = (trig.step is not None and committed_step >= trig.step) or (
-                trig.t is not None and elapsed >= trig.t) or (trig.step is None and trig.t is None)
-            if due:
+        if committed_step != self._seen_step:
+            self._seen_step, self._progress_t = committed_step, time.time()
+        self.revert_due()
+        if not self._ready():
+            return
+        self._draw_chaos(elapsed)
+        if not self._settled():
+            return
+        # Due faults fire in trigger order, those sharing the first due trigger together (two
+        # kills at one step are one event); a later one waits until these have been seen, so
+        # faults that came due during a long recovery do not all land at once.
+        due = [s for s in self.scheduled if _due(s, committed_step, elapsed)]
+        if due:
+            first = min(due, key=_trigger_order).trigger
+            for spec in [s for s in due if s.trigger == first]:
                 self.scheduled.remove(spec)
                 self.inject(spec)
-        for item in list(self.timed):
-            if elapsed >= item[0]:
-                self.timed.remove(item)
-                self.inject(item[1])
+            return
+        self.timed.sort(key=lambda item: item[0])
+        if self.timed and elapsed >= self.timed[0][0]:
+            self.inject(self.timed.pop(0)[1])
+
+    def revert_due(self) -> None:
+        """Revert every fault whose duration is over. Called from the controller's pump too, so a
+        fault ends on time while a recovery is waiting on it (a partition, a downed link)."""
         now = time.time()
         for fault in self.faults:
             if fault.revert_at is not None and not fault.reverted and now >= fault.revert_at:
                 self.revert(fault)
 
+    # -- injection ----------------------------------------------------------------------------
     def plan(self, spec: FaultSpec) -> FaultPlan:
-        return make_plan(spec, self.ctl.topology())
+        """The checked plan `spec` would run now (for `--dry-run`): touches nothing, raises
+        FaultSpecError (FaultUnsupported included) with one line."""
+        plan = plan_fault(spec, self.ctl.topology(), spec.option(deadman.ID_OPTION) or self._peek_id())
+        network.preflight(plan, self.transport_for)
+        return plan
 
-    def inject(self, spec: FaultSpec) -> tuple[ActiveFault | None, str | None]:
-        """Apply a fault now. Returns (fault, None) or (None, one-line error)."""
-        self._count += 1
-        fault_id = f"f{self._count}"
+    def inject(self, spec: FaultSpec, *, raise_refused: bool = False) -> tuple[ActiveFault | None, str | None]:
+        """Apply a fault now. Returns (fault, None), (fault, error) when applying failed (recorded
+        and reverted), or (None, error) when it was refused before anything was touched: then
+        nothing is recorded as injected. With `raise_refused`, a refusal raises FaultSpecError
+        and is not recorded at all (an ad hoc request: its caller tells the user)."""
         try:
             plan = self.plan(spec)
         except FaultSpecError as exc:
-            self.ctl.record(EventKind.FAULT_FAILED, fault_id=fault_id, kind=spec.kind.value,
-                            target=str(spec.target), error=str(exc))
+            if raise_refused:
+                raise
+            self.ctl.record(EventKind.FAULT_FAILED, fault_id=spec.option(deadman.ID_OPTION) or self._take_id(),
+                            kind=spec.kind.value, target=str(spec.target), trigger=str(spec.trigger),
+                            error=str(exc), refused=True)
             return None, str(exc)
-        fault = ActiveFault(fault_id, spec, plan, time.time(), self.ctl.gen)
+        fault_id = deadman.fault_id(plan.spec)
+        if spec.option(deadman.ID_OPTION) is None:
+            self._take_id()
+        fault = ActiveFault(fault_id, plan.spec, plan, time.time(), self.ctl.gen)
         self.ctl.record(
             EventKind.FAULT_INJECTED, fault_id=fault_id, kind=spec.kind.value, target=str(spec.target),
             trigger=str(spec.trigger), ranks=list(plan.ranks), nodes=list(plan.nodes),
             at_step=self.ctl.committed_step, gen=self.ctl.gen, emulated=plan.emulated,
-            duration=spec.duration, commands=[str(c) for c in plan.apply],
+            duration=deadman.duration_of(spec) if plan.revertible else None,
+            commands=[str(c) for c in plan.apply], guarded=bool(plan.deadman),
         )
         self.faults.append(fault)
         try:
-            for cmd in plan.deadman:
-                self.transport_for(cmd).spawn_detached(cmd.argv, timeout=10.0)
-            run_commands(plan.apply, self.transport_for)
-        except (PlanError, OSError) as exc:
+            deadman.apply_guarded(plan, self.transport_for)
+        except (PlanError, TransportError, OSError) as exc:
+            # apply_guarded has reverted what was applied and cancelled the switches.
             self.ctl.record(EventKind.FAULT_FAILED, fault_id=fault_id, error=str(exc))
-            fault.detected = True  # nothing to detect: it never took effect
+            fault.detected = fault.reverted = True  # nothing to detect: it never took effect
             return fault, str(exc)
-        if plan.revertible and spec.duration is not None:
-            fault.revert_at = fault.injected_t + spec.duration
+        if plan.revertible:
+            fault.revert_at = fault.injected_t + deadman.duration_of(spec)
         return fault, None
 
     def revert(self, fault: ActiveFault) -> None:
-        fault.reverted = True
+        fault.reverted, fault.reverted_t = True, time.time()
         try:
-            run_commands(fault.plan.revert, self.transport_for)
-        except (PlanError, OSError) as exc:
+            deadman.revert_guarded(fault.plan, self.transport_for)
+        except (PlanError, TransportError, OSError) as exc:
+            # The switch stays armed when the revert failed: it reverts after duration + grace.
             self.ctl.record(EventKind.FAULT_FAILED, fault_id=fault.fault_id, error=f"revert: {exc}")
             return
         self.ctl.record(EventKind.FAULT_REVERTED, fault_id=fault.fault_id)
@@ -102,11 +256,30 @@ class Injector:
         for fault in self.faults:
             if fault.plan.revertible and not fault.reverted:
                 self.revert(fault)
+        self._drop_unfired()
+
+    def _drop_unfired(self) -> None:
+        """Remove the fault files of in-step faults no step picked up (the job ended first), so
+        nothing of the run is left in the hosts' shared memory."""
+        topo = self.ctl.topology()
+        for fault in self.faults:
+            if not (fault.spec.kind is FaultKind.CRASH_RANK or fault.spec.kind.family is FaultFamily.GPU):
+                continue
+            for rank in fault.plan.ranks:
+                cmd = next((c for c in fault.plan.apply if c.argv[-2:-1] == (in_step_fault_path(topo, rank),)), None)
+                if cmd is None:
+                    continue
+                try:
+                    self.transport_for(cmd).run(("rm", "-f", "--", in_step_fault_path(topo, rank)), timeout=10.0)
+                except (TransportError, OSError):
+                    pass
 
     def attribute(self, ranks: set[int], nodes: set[int]) -> list[str]:
         """Faults a detected failure is blamed on: undetected faults that hit these ranks or nodes,
-        else every undetected fault (a partition shows up as a hang anywhere)."""
-        open_faults = [f for f in self.faults if not f.detected]
+        else every undetected fault (a partition shows up as a hang anywhere). A fault the job has
+        survived (a bandwidth limit, one reverted before it did harm) is not blamed for a later
+        failure: a fault that breaks the job is noticed within the hang limit."""
+        open_faults = [f for f in self.faults if not f.detected and not self._survived(f)]
         hits = [f for f in open_faults if set(f.plan.ranks) & ranks or set(f.plan.nodes) & nodes]
         chosen = hits or open_faults
         for f in chosen:

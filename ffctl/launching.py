@@ -6,18 +6,32 @@ run record, starts the controller and returns the final status.
 """
 from __future__ import annotations
 
+import os
 import platform
 import shlex
+import signal
+import subprocess
 import sys
-from dataclasses import dataclass
-from typing import Any, Callable
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Callable
 
-from fault_injectors import FaultSpecError, NodePlace, RankPlace, Topology, make_plan
+from fault_injectors import FaultSpecError, NodePlace, RankPlace, Target, TargetMode, Topology
+from fault_injectors.network import preflight
+from fault_injectors.schedule import parse_chaos
+from fault_injectors.spec import FaultSpec
+from fault_injectors.transport import LocalTransport
 from ffctl import __version__
-from ffctl.errors import BadInput
+from ffctl.errors import BadInput, InfraError
+from ffctl.injector import chaos_faults, plan_fault
 from ffctl.launchspec import LaunchSpec, SpecError
 from runs.events import RunStatus
 from runs.store import RunStore, RunStoreError, new_run_id, validate_run_id
+
+if TYPE_CHECKING:
+    from ffctl.sandbox import NetnsSandbox
+
+SANDBOX_NETNS = "netns"
+CHAOS_PREVIEW = 5  # chaos faults `--dry-run` lists
 
 
 @dataclass(frozen=True)
@@ -54,6 +68,9 @@ def plan_launch(spec: LaunchSpec) -> LaunchPlan:
     if (spec.runs_dir / run_id).exists():
         raise BadInput(f"run id {run_id!r} already exists in {str(spec.runs_dir)!r}")
     topo = _static_topology(spec, run_id, hosts)
+    sandbox = _preview_sandbox(spec, run_id) if spec.sandbox is not None else None
+    if sandbox is not None:
+        topo = _sandbox_topology(spec, run_id, sandbox)
     lines = [f"run {run_id}: {spec.nnodes} node(s) x {spec.nproc_per_node} rank(s), {spec.steps} steps, "
              f"recovery {spec.recovery}" + (f", checkpoint every {spec.ckpt_every}" if spec.ckpt_every else "")
              + (f", {spec.spares} warm spare(s) per node" if spec.spares else "")]
@@ -62,15 +79,78 @@ def plan_launch(spec: LaunchSpec) -> LaunchPlan:
         ranks = [r for r in range(spec.world_size) if r // spec.nproc_per_node == n]
         where = f"`{spec.remote_python} -m ffctl.agent` over SSH on {hosts[n]}" if hosts else \
             f"`{sys.executable} -m ffctl.agent` on localhost"
+        if sandbox is not None:
+            place = topo.node(n)
+            where = (f"`ip netns exec {place.netns} {sys.executable} -m ffctl.agent` on localhost "
+                     f"(address {place.address}, interface {place.interface})")
         lines.append(f"node {n}: agent {where}, ranks {ranks}: {worker}")
-    for fault in spec.injects:
-        try:
-            plan = make_plan(fault, topo)
-        except FaultSpecError as exc:
-            raise BadInput(f"--inject {fault.kind.value}: {exc}") from None
-        lines.append(f"fault {fault} (pids resolved when it fires):")
-        lines += [f"  {line}" for line in plan.describe()[1:]]
+    if sandbox is not None:
+        lines.insert(1, f"sandbox: bridge {sandbox.bridge} on {sandbox.subnet}, the controller's store on "
+                        f"{sandbox.controller_address}, one network namespace per node (removed at exit)")
+    lines += _fault_lines(spec, topo, probe=hosts is None)
     return LaunchPlan(spec, run_id, tuple(lines))
+
+
+def _preview_sandbox(spec: LaunchSpec, run_id: str) -> NetnsSandbox:
+    from ffctl.sandbox import NetnsSandbox, SandboxError, require_root
+
+    if spec.sandbox != SANDBOX_NETNS:
+        raise BadInput(f"--sandbox {spec.sandbox!r}: the only sandbox is {SANDBOX_NETNS!r}")
+    if spec.hostfile is not None:
+        raise BadInput("--sandbox netns puts local nodes in namespaces; it cannot be combined with --hosts")
+    try:
+        require_root()
+        return NetnsSandbox(run_id, spec.nnodes).preview()
+    except SandboxError as exc:
+        raise BadInput(str(exc)) from None
+
+
+def _sandbox_topology(spec: LaunchSpec, run_id: str, sb: NetnsSandbox) -> Topology:
+    # The layout `execute` will create (the same run id picks the same free subnet).
+    nodes = tuple(sb.node_place(n, 10_000 + n) for n in range(spec.nnodes))
+    ranks = tuple(RankPlace(r, r // spec.nproc_per_node, 20_000 + r) for r in range(spec.world_size))
+    return Topology(run_id, nodes, ranks, controller_address=sb.controller_address)
+
+
+def _probe_transport(cmd: Any) -> LocalTransport:
+    # Launch-time preflight runs on this machine itself: the namespaces do not exist yet, and
+    # they will share this kernel, its tools and its qdiscs.
+    return LocalTransport(cmd.host, None)
+
+
+def _checked(fault: FaultSpec, topo: Topology, fault_id: str, what: str, probe: bool) -> list[str]:
+    """Plan one fault as the injector will, preflight it where that needs no live process, and
+    return its dry-run lines; a fault that cannot work is bad input (exit 2, nothing started)."""
+    try:
+        plan = plan_fault(fault, topo, fault_id)
+        if probe:
+            # The namespace-free twin of the plan: tools, iptables, the kernel's qdiscs.
+            local = replace(topo, nodes=tuple(replace(n, netns=None, interface="lo") for n in topo.nodes))
+            preflight(plan_fault(fault, local, fault_id), _probe_transport)
+    except FaultSpecError as exc:
+        raise BadInput(f"{what}: {exc}") from None
+    return [f"  {line}" for line in plan.describe()[1:]]
+
+
+def _fault_lines(spec: LaunchSpec, topo: Topology, probe: bool) -> list[str]:
+    """Every scheduled and chaos fault checked up front, with the commands each host will run.
+    Fault ids are given as the injector gives them: scheduled faults first, in order."""
+    lines: list[str] = []
+    for i, fault in enumerate(spec.injects, start=1):
+        body = _checked(fault, topo, f"f{i}", f"--inject {fault.kind.value}", probe)
+        lines.append(f"fault f{i}: {fault} (pids resolved when it fires):")
+        lines += body
+    if spec.chaos:
+        try:
+            chaos = parse_chaos(spec.chaos)
+        except FaultSpecError as exc:
+            raise BadInput(f"--chaos: {exc}") from None
+        for kind in chaos.kinds:  # every kind it may draw must be possible here
+            _checked(FaultSpec(kind, Target(TargetMode.ONE)), topo, "chaos", f"--chaos kinds={kind.value}", probe)
+        lines.append(f"chaos {chaos}: faults drawn at run time, from fault f{len(spec.injects) + 1} on; the first:")
+        for _, (t, fault) in zip(range(CHAOS_PREVIEW), chaos_faults(chaos)):
+            lines.append(f"  t={t:g}s {fault.kind.value} {fault.target} seed={fault.seed}")
+    return lines
 
 
 def run_info(plan: LaunchPlan) -> dict[str, Any]:
@@ -82,7 +162,7 @@ def run_info(plan: LaunchPlan) -> dict[str, Any]:
         "spec": {"nnodes": spec.nnodes, "nproc_per_node": spec.nproc_per_node, "steps": spec.steps,
                  "seed": spec.seed, "model": spec.model, "recovery": spec.recovery, "ckpt_every": spec.ckpt_every,
                  "spares": spec.spares, "injects": [str(f) for f in spec.injects], "script": list(spec.script),
-                 "sandbox": spec.sandbox},
+                 "sandbox": spec.sandbox, "chaos": spec.chaos},
         "hosts": ["localhost"] * spec.nnodes,
         "versions": {"ffctl": __version__, "torch": torch.__version__, "python": platform.python_version()},
     }
@@ -96,6 +176,8 @@ def execute(plan: LaunchPlan, view: Callable[[dict[str, Any]], None]) -> tuple[R
         from ffctl.ssh_nodes import execute_over_ssh
 
         return execute_over_ssh(plan.spec, plan.run_id, run_info(plan), view)
+    if plan.spec.sandbox is not None:
+        return _execute_in_sandbox(plan, view)
     try:
         record = RunStore.create(plan.spec.runs_dir, plan.run_id, run_info(plan))
     except RunStoreError as exc:
@@ -103,3 +185,60 @@ def execute(plan: LaunchPlan, view: Callable[[dict[str, Any]], None]) -> tuple[R
     nodes = LocalNodes(record.path / "logs")
     status = Controller(plan.spec, record, nodes, view).run()
     return status, record
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def _execute_in_sandbox(plan: LaunchPlan, view: Callable[[dict[str, Any]], None]) -> tuple[RunStatus, RunStore]:
+    """Run with every local node in its own network namespace, and remove them however it ends."""
+    from ffctl.controller import Controller
+    from ffctl.nodes import LocalNodes
+    from ffctl.sandbox import NetnsSandbox, SandboxError, list_namespaces
+
+    previous = signal.getsignal(signal.SIGTERM)
+    # SIGTERM unwinds like Ctrl-C from here on, so the namespaces go in either case.
+    signal.signal(signal.SIGTERM, _interrupt)
+    sb = NetnsSandbox(plan.run_id, plan.spec.nnodes)
+    try:
+        try:
+            sb.create()
+        except SandboxError as exc:
+            raise InfraError(f"--sandbox netns: {exc}") from None
+        try:
+            record = RunStore.create(plan.spec.runs_dir, plan.run_id, run_info(plan))
+        except RunStoreError as exc:
+            raise BadInput(str(exc)) from None
+        # The store listens on the bridge only: the namespaces reach it there, nothing else does.
+        spec = replace(plan.spec, address=sb.controller_address)
+        nodes = LocalNodes(record.path / "logs", addresses=sb.addresses(), namespaces=sb.namespaces(),
+                           interfaces=sb.interfaces())
+        status = Controller(spec, record, nodes, view).run()
+        return status, record
+    finally:
+        # A second Ctrl-C or SIGTERM must not cut the clean-up short.
+        sigint = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        try:
+            kill_inside(list_namespaces(sb.prefix))
+            sb.destroy()
+        finally:
+            signal.signal(signal.SIGINT, sigint)
+            signal.signal(signal.SIGTERM, previous)
+
+
+def kill_inside(namespaces: list[str]) -> None:
+    """SIGKILL whatever still runs inside the namespaces (a namespace with a process in it
+    outlives `ip netns del`). The agents have stopped their ranks by now; this is the backstop."""
+    for ns in namespaces:
+        try:
+            out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, timeout=10,
+                                 check=False).stdout
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        for word in out.split():
+            try:
+                os.kill(int(word), signal.SIGKILL)
+            except (ValueError, ProcessLookupError, PermissionError):
+                pass

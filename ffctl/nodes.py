@@ -84,6 +84,12 @@ class LocalNodes:
     def interface(self, node: int) -> str | None:
         return self._ifaces.get(node, "lo" if node not in self._netns else None)
 
+    def has_gpu(self) -> bool:
+        """Local nodes have this machine's devices: without one, GPU faults run emulated."""
+        import torch
+
+        return bool(torch.cuda.is_available())
+
     def start(self, cfg: AgentConfig) -> LocalNodeProcess:
         argv = [sys.executable, "-m", "ffctl.agent"]
         ns = self.netns(cfg.node)

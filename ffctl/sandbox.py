@@ -172,6 +172,12 @@ class NetnsSandbox:
         node = self.nodes[index]
         return NodePlace(index, host, node.address, agent_pid, netns=node.netns, interface=node.interface)
 
+    def preview(self) -> NetnsSandbox:
+        """Pick the subnet `create` would use, creating nothing (for `--dry-run` and checks)."""
+        if self._subnet is None:
+            self._subnet = pick_subnet(self.run_id)
+        return self
+
     # --- lifecycle ---
 
     def create(self) -> NetnsSandbox:

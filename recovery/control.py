@@ -54,34 +54,47 @@ def send(store: dist.Store, queue: str, msg: dict[str, Any]) -> None:
 
 
 class Receiver:
-    """The single consumer of a queue. Never blocks: a message whose producer reserved an index
-    and then died (SIGKILL between `add` and `set`) is skipped after `gap_timeout` seconds."""
+    """The single consumer of a queue. Never blocks, and one slow or dead producer holds nobody
+    up: an index reserved but not yet written is passed over and looked at again on every poll
+    (first, before newer ones), then given up after `gap_timeout` seconds (its producer died
+    between `add` and `set`, e.g. a rank SIGKILLed or SIGSTOPped mid-send).
+
+    Passing over it keeps each producer's own order: a producer sends one message at a time,
+    so every index after its unwritten one belongs to someone else."""
 
     def __init__(self, store: dist.Store, queue: str, gap_timeout: float = 2.0) -> None:
         self.store = store
         self.queue = queue
-        self.seen = 0
+        self.seen = 0  # highest index looked at
         self.gap_timeout = gap_timeout
-        self._gap_since: float | None = None
+        self._missing: dict[int, float] = {}  # index -> when it was first found unwritten
+
+    def _take(self, idx: int) -> dict[str, Any] | None:
+        key = f"{self.queue}/{idx}"
+        if not self.store.check([key]):
+            return None
+        msg: dict[str, Any] = json.loads(self.store.get(key))
+        self.store.delete_key(key)
+        return msg
 
     def poll(self, max_items: int = 1000) -> list[dict[str, Any]]:
-        produced = self.store.add(f"{self.queue}/n", 0)
         out: list[dict[str, Any]] = []
+        now = time.monotonic()
+        for idx in sorted(self._missing):
+            msg = self._take(idx)
+            if msg is not None:
+                out.append(msg)
+                del self._missing[idx]
+            elif now - self._missing[idx] >= self.gap_timeout:
+                del self._missing[idx]  # its producer died between reserving and writing
+        produced = self.store.add(f"{self.queue}/n", 0)
         while self.seen < produced and len(out) < max_items:
-            key = f"{self.queue}/{self.seen + 1}"
-            if not self.store.check([key]):
-                now = time.monotonic()
-                if self._gap_since is None:
-                    self._gap_since = now
-                if now - self._gap_since < self.gap_timeout:
-                    break  # still in flight; keep order and look again next poll
-                self.seen += 1  # its producer died between reserving and writing
-                self._gap_since = None
-                continue
-            self._gap_since = None
-            out.append(json.loads(self.store.get(key)))
-            self.store.delete_key(key)
             self.seen += 1
+            msg = self._take(self.seen)
+            if msg is None:
+                self._missing[self.seen] = now  # still in flight: look again next poll
+            else:
+                out.append(msg)
         return out
 
 

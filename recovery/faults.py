@@ -62,7 +62,7 @@ class InStepFaults:
             raise InjectedDeviceError(f"CUDA error: unspecified launch failure ({'Xid 79' if not arg else arg}, "
                                       f"{'device' if cuda else 'emulated'} gpu-xid)")
         if kind == "gpu-oom":
-            mb = int(arg or 0) or 1 << 40
+            mb = int(arg or 0) or 1 << 20  # no size given: a TiB, more than any device has
             if cuda:
                 self._hog.append(torch.empty(mb << 20, dtype=torch.uint8, device="cuda"))
             raise torch.OutOfMemoryError(f"CUDA out of memory: tried to allocate {mb} MiB (emulated gpu-oom)")

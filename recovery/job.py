@@ -216,10 +216,26 @@ class Job:
     def _train(self, step_fn: Callable[[StepContext], float], start: int, steps: int) -> None:
         for step in range(start + 1, steps + 1):
             t0 = time.perf_counter()
-            self.faults.check()
-            loss = float(step_fn(StepContext(step, self)))
+            try:
+                self.faults.check()
+                loss = float(step_fn(StepContext(step, self)))
+            except PeerFailure:
+                raise
+            except Exception as exc:
+                self._report_error(step, exc)
+                raise
             dt = time.perf_counter() - t0
             self._commit(step, loss, dt)
+
+    def _report_error(self, step: int, exc: Exception) -> None:
+        """Tell the controller that the step raised (a device error, an OOM, a bug), with the
+        error's first line: it learns at once, not when this process has finished unwinding."""
+        lines = str(exc).strip().splitlines()
+        text = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+        try:
+            self._send("error", gen=self.group.gen if self.group else self.env.gen, step=step, error=text[:500])
+        except Exception:  # noqa: BLE001 - the controller may be gone; the exit still tells the agent
+            pass
 
     def _commit(self, step: int, loss: float, dt: float) -> None:
         self.last_committed = step

@@ -25,7 +25,7 @@ def register(app: typer.Typer) -> None:
         host: Annotated[Optional[str], typer.Option(help="Target host.")] = None,
         duration: Annotated[Optional[float], typer.Option(help="Seconds until the fault is reverted.")] = None,
         option: Annotated[Optional[list[str]], typer.Option("--option", "-o", help="Kind-specific key=value (rate=1mbit, delay=100ms).")] = None,
-        all_: Annotated[bool, typer.Option("--all", help="With `revert`: remove everything ffctl left.")] = False,
+        all_: Annotated[bool, typer.Option("--all", help="With `revert`: remove everything ffctl left (with --run: that run's).")] = False,
         hosts: Annotated[Optional[Path], typer.Option("--hosts", help="Hostfile (with `revert --all`).")] = None,
         runs_dir: Annotated[Path, typer.Option("--runs-dir", envvar="FFCTL_RUNS_DIR")] = Path("ffctl-runs"),
         dry_run: Annotated[bool, typer.Option("--dry-run", help="Print each host's commands, change nothing.")] = False,
@@ -37,7 +37,8 @@ def register(app: typer.Typer) -> None:
 
             if not all_:
                 raise BadInput("inject revert: say --all (remove everything ffctl left on the hosts)")
-            lines = revert_everything(hosts, dry_run=dry_run)
+            # With --run, only that run's switches and sandbox: other runs keep theirs.
+            lines = revert_everything(hosts, dry_run=dry_run, run_id=run)
             render_plan(lines, console)
             return EXIT_OK
         try:

@@ -33,6 +33,8 @@ def register(app: typer.Typer) -> None:
         ckpt_every: Annotated[int, typer.Option("--ckpt-every", help="Disk checkpoint every N steps (0: never).")] = 0,
         spares: Annotated[int, typer.Option(help="Warm spare workers per node.")] = 0,
         inject: Annotated[Optional[list[str]], typer.Option("--inject", help="Scheduled fault KIND:key=value,...")] = None,
+        chaos: Annotated[Optional[str], typer.Option("--chaos", help="Seeded random faults: mtbf=SECONDS,seed=N[,kinds=K1|K2][,until=S][,duration=S].")] = None,
+        sandbox: Annotated[Optional[str], typer.Option("--sandbox", help="netns: each local node in its own network namespace (root), so network faults are real.")] = None,
         run_id: Annotated[Optional[str], typer.Option("--run-id", help="Run id (default: time-based).")] = None,
         runs_dir: Annotated[Path, typer.Option("--runs-dir", envvar="FFCTL_RUNS_DIR", help="Where run records go.")] = Path("ffctl-runs"),
         heartbeat_timeout: Annotated[float, typer.Option("--heartbeat-timeout", help="Node loss after this many seconds without heartbeat.")] = 1.0,
@@ -57,6 +59,7 @@ def register(app: typer.Typer) -> None:
             runs_dir=runs_dir, script=tuple(script or ()), heartbeat_timeout=heartbeat_timeout, hang_min_s=hang_timeout,
             hostfile=hosts, accept_new_host_keys=accept_new_host_keys, master_addr=master_addr,
             remote_python=remote_python, remote_runs_dir=remote_runs_dir,
+            chaos=chaos, sandbox=sandbox,
         )
         plan = plan_launch(spec)
         console = make_console()
