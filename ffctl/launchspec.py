@@ -20,6 +20,7 @@ class LaunchSpec:
     steps: int = 60
     seed: int = 0
     model: str = "tiny"
+    optimizer: str = "adamw"  # built-in workload: adamw (replicated) or sharded (ZeRO-1)
     recovery: str = Strategy.PEER
     ckpt_every: int = 0
     spares: int = 0

@@ -54,6 +54,11 @@ class StepContext:
     def allreduce(self, tensor: torch.Tensor) -> torch.Tensor:
         return self.job.allreduce(tensor)
 
+    def allgather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's `tensor` (same shape on all ranks), in rank order."""
+        assert self.job.group is not None
+        return self.job.group.allgather(tensor)
+
 
 def _exit_on_term(signum: int, frame: Any) -> None:
     # SIGTERM from the agent is an orderly shutdown: unwind so the slots are fenced and closed.

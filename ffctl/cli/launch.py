@@ -28,7 +28,8 @@ def register(app: typer.Typer) -> None:
         nproc_per_node: Annotated[int, typer.Option("--nproc-per-node", "--nproc_per_node", help="Ranks per node.")] = 2,
         steps: Annotated[int, typer.Option(help="Training steps of the built-in workload.")] = 60,
         seed: Annotated[int, typer.Option(help="Seed: same seed, same losses.")] = 0,
-        model: Annotated[str, typer.Option(help="Built-in GPT size: tiny, small or base.")] = "tiny",
+        model: Annotated[str, typer.Option(help="Built-in GPT size: tiny, small, medium or base.")] = "tiny",
+        optimizer: Annotated[str, typer.Option(help="Built-in GPT optimizer: adamw, or sharded (ZeRO-1).")] = "adamw",
         recovery: Annotated[str, typer.Option(help="peer | restart-memory | restart-disk | none")] = "peer",
         ckpt_every: Annotated[int, typer.Option("--ckpt-every", help="Disk checkpoint every N steps (0: never).")] = 0,
         spares: Annotated[int, typer.Option(help="Warm spare workers per node.")] = 0,
@@ -47,14 +48,16 @@ def register(app: typer.Typer) -> None:
         remote_runs_dir: Annotated[str, typer.Option("--remote-runs-dir", help="Per-run files (logs, checkpoints) on the hosts.")] = "/tmp/ffctl-runs",
     ) -> int:
         """Train on local nodes (the built-in GPT, or SCRIPT), inject faults, recover, and record it."""
-        if model not in ("tiny", "small", "base"):
-            raise BadInput(f"--model {model!r}: use tiny, small or base")
+        if model not in ("tiny", "small", "medium", "base"):
+            raise BadInput(f"--model {model!r}: use tiny, small, medium or base")
+        if optimizer not in ("adamw", "sharded"):
+            raise BadInput(f"--optimizer {optimizer!r}: use adamw or sharded")
         try:
             faults = tuple(parse_spec(s) for s in inject or [])
         except FaultSpecError as exc:
             raise BadInput(f"--inject: {exc}") from None
         spec = LaunchSpec(
-            nnodes=nnodes, nproc_per_node=nproc_per_node, steps=steps, seed=seed, model=model,
+            nnodes=nnodes, nproc_per_node=nproc_per_node, steps=steps, seed=seed, model=model, optimizer=optimizer,
             recovery=recovery, ckpt_every=ckpt_every, spares=spares, injects=faults, run_id=run_id,
             runs_dir=runs_dir, script=tuple(script or ()), heartbeat_timeout=heartbeat_timeout, hang_min_s=hang_timeout,
             hostfile=hosts, accept_new_host_keys=accept_new_host_keys, master_addr=master_addr,
