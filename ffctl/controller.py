@@ -11,7 +11,6 @@ import datetime
 import signal
 import socket
 import statistics
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,13 +18,13 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-from fault_injectors import FaultSpec, LocalTransport, NodePlace, RankPlace, Topology
+from fault_injectors import LocalTransport, NodePlace, RankPlace, Topology
 from fault_injectors.plan import HostCommand
 from ffctl.agent import AgentConfig
 from ffctl.decide import Decision, Inventory, decide, ring_holder
 from ffctl.injector import Injector
 from ffctl.launchspec import LaunchSpec
-from ffctl.nodes import NodeLauncher, NodeProcess
+from ffctl.nodes import LocalNodes, NodeLauncher, NodeProcess
 from recovery import control, disk
 from recovery.jobenv import JobEnv, Strategy
 from runs.events import EventKind, RunStatus
@@ -36,6 +35,7 @@ AGENT_START_TIMEOUT = 60.0
 ABORT_ACK_TIMEOUT = 5.0
 PHASE_TIMEOUT = 120.0
 STARTUP_HANG_S = 120.0
+STARTUP_HEARTBEAT_S = 10.0
 
 
 class RecoveryAbandoned(Exception):
@@ -318,10 +318,18 @@ class Controller:
             value = self.store.add(control.heartbeat_key(n), 0)
             if value != st.hb_value:
                 st.hb_value, st.hb_seen = value, now
-            elif now - st.hb_seen > self.spec.heartbeat_timeout:
+            elif now - st.hb_seen > self._heartbeat_limit():
                 st.up = False
                 self.record(EventKind.NODE_LOST, node=n, reason="heartbeat")
                 self._fail(Failure("node-lost", nodes={n}))
+
+    def _heartbeat_limit(self) -> float:
+        # While the job starts, every host imports torch in several processes at once and an
+        # agent can be starved of CPU for more than a second; a node lost then costs nothing to
+        # wait for, so allow a longer silence until the first step is committed.
+        if self.recorded_step.get(0) is None and self.gen == 0:
+            return max(self.spec.heartbeat_timeout, STARTUP_HEARTBEAT_S)
+        return self.spec.heartbeat_timeout
 
     def _check_hang(self) -> None:
         if self.phase != "running" or self.pending is not None:
@@ -530,12 +538,26 @@ class Controller:
                 self.pids[r] = None  # gone with their node; no agent is left to report the exit
         if self.spec.recovery == Strategy.PEER:
             lost |= self._collect_survivors(old_gen, lost)
+            # Nodes lost while survivors were acknowledging belong to this recovery too.
+            newly = {n for n, st in self.nodes.items() if not st.up} - lost_nodes
+            if newly:
+                lost_nodes |= newly
+                self._wire_ring()
+                for r, n in self.members.items():
+                    if n in newly:
+                        lost.add(r)
+                        self.pids[r] = None
             self._kill({r for r in lost if self.pids.get(r)})  # e.g. a rank whose restore failed
         else:
             lost = set(self.members)
             self._kill(lost)
         decision = self._decide(lost, lost_nodes)
         new_gen = old_gen + 1
+        if decision is None and self.committed_step == 0:
+            # Nothing was trained yet: starting over from step 0 loses nothing.
+            decision = Decision(0, "none", {r: {"kind": "none"} for r in self.members})
+            self._kill(set(self.members) - lost)
+            lost = set(self.members)
         if decision is None:
             self.fatal_reason = (f"no copy of the state of rank(s) {sorted(lost)} survives and there is no "
                                  f"complete disk checkpoint: the job stops")
@@ -634,6 +656,11 @@ class Controller:
                 pass
         for st in self.nodes.values():
             st.proc.stop(timeout=15.0)
+        if isinstance(self.launcher, LocalNodes):
+            # Agents wipe their slots on the way out, but one SIGKILLed with its node (and never
+            # restarted, or restarted after others moved in) cannot: sweep the run's names here.
+            for path in Path("/dev/shm").glob(f"ffctl-{self.rec.run_id}-*"):
+                path.unlink(missing_ok=True)
         self.store = None
         if self._sock is not None:
             self._sock.close()
@@ -647,6 +674,3 @@ def launch(spec: LaunchSpec, record: RunStore, nodes: NodeLauncher,
            view: Callable[[dict[str, Any]], None] | None = None) -> RunStatus:
     return Controller(spec, record, nodes, view).run()
 
-
-__all__ = ["Controller", "FaultSpec", "launch"]
-_ = sys

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import datetime
 import threading
-import time
 from typing import Any
 
 import torch

@@ -62,8 +62,8 @@ def main(argv: list[str] | None = None) -> None:
     except InfraError as exc:
         typer.echo(f"ffctl: error: {exc}", err=True)
         sys.exit(EXIT_INFRA)
-    except click_exc.Abort:
+    except typer.Abort:
         sys.exit(130)
-    except click_exc.Exit as exc:
-        sys.exit(exc.exit_code)
+    except typer.Exit as exc:
+        sys.exit(getattr(exc, "exit_code", 0))
     sys.exit(result if isinstance(result, int) else 0)

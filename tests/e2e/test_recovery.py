@@ -57,7 +57,7 @@ def test_peer_kill_rank_then_kill_node_is_bit_exact(workdir: Path, baseline: lis
     assert node_fault["kind"] == "kill-node" and node_fault["restore_source"] == "peer-memory"
     for f in rep["faults"]:
         assert f["recovered"] and f["lost_steps"] <= 1
-        assert 0 < f["detection_s"] < 1.0  # process exit / agent exit, seen in well under a second
+        assert 0 < f["detection_s"] < 3.0  # process or agent exit: seconds at most, not a timeout
     # Survivors stayed in their processes: only the lost ranks were respawned.
     decided = [e for e in res.events if e.kind is EventKind.RECOVERY_DECIDED]
     assert decided[0].get("ranks") == [1] and decided[1].get("ranks") == [2, 3]
