@@ -239,7 +239,9 @@ class Injector:
             fault.detected = fault.reverted = True  # nothing to detect: it never took effect
             return fault, str(exc)
         if plan.revertible:
-            fault.revert_at = fault.injected_t + deadman.duration_of(spec)
+            # The duration counts from when the fault took effect: applying over SSH can take
+            # seconds, and a 3 s partition must partition for 3 s.
+            fault.revert_at = time.time() + deadman.duration_of(spec)
         return fault, None
 
     def revert(self, fault: ActiveFault) -> None:
