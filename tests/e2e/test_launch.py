@@ -5,21 +5,16 @@ import json
 import os
 import signal
 
-import uuid
 from pathlib import Path
 
 import pytest
 
 from runs.events import EventKind
 from tests.helpers.launch import (
-    assert_nothing_left, launch, run_ffctl, shm_left, start_launch, wait_event, wait_step,
+    assert_nothing_left, launch, rid, run_ffctl, shm_left, start_launch, wait_step,
 )
 
 pytestmark = pytest.mark.slow
-
-
-def rid(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:6]}"
 
 
 @pytest.fixture(scope="module")

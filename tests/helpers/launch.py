@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,11 @@ class Result:
     def events(self) -> list[Event]:
         assert self.run_id is not None
         return list(iter_events(self.runs_dir / self.run_id / "events.jsonl"))
+
+
+def rid(prefix: str) -> str:
+    """A run id no other test (or concurrent test run) uses: shared memory names include it."""
+    return f"{prefix}-{uuid.uuid4().hex[:6]}"
 
 
 def ffctl_argv(*args: str) -> list[str]:
