@@ -516,14 +516,18 @@ class Controller:
         self.store.set(control.gen_abort_key(gen), "1")
 
     def _kill(self, ranks: set[int], grace: float = 3.0) -> None:
+        """Ask the agents to stop these ranks. Their pids stay known until the agents report the
+        exits: a next generation must not open while an old process could still join it."""
         by_node: dict[int, list[int]] = {}
         for r in ranks:
             if self.pids.get(r):
                 by_node.setdefault(self.members[r], []).append(r)
-            self.pids[r] = None
         for node, rs in by_node.items():
             if self.nodes[node].up:
                 self._send(node, {"type": "kill", "ranks": rs, "grace": grace})
+            else:
+                for r in rs:
+                    self.pids[r] = None  # no agent left to stop or report it
 
     def _recover_once(self, failure: Failure, ids: list[str]) -> None:
         old_gen = self.gen
@@ -583,7 +587,8 @@ class Controller:
         if needed:
             self._wait_agents(needed)
         wait_dead = lambda: all(self.pids.get(r) is None for r in respawn)  # noqa: E731
-        self.wait_for(wait_dead, 10.0, "teardown", abandon_on_failure=False)
+        if not self.wait_for(wait_dead, 15.0, "teardown", abandon_on_failure=False):
+            raise FatalRun(f"rank(s) {[r for r in respawn if self.pids.get(r)]} did not stop within 15s")
         if self.pending is not None:
             if self.pending.ranks <= set(respawn) and self.pending.nodes <= lost_nodes:
                 self.pending = None  # exits of ranks we are replacing anyway

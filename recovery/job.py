@@ -175,6 +175,11 @@ class Job:
             self._send("restored", gen=gen, step=step, source=source["kind"])
         self.last_committed = step
         self._awaiting_copy = None  # a restored step's copies are already where the plan found them
+        if step == 0 and self.writer is not None:
+            # The initial state is a step too: a rank lost in step 1 is restored from step 0
+            # rather than leaving no common step at all.
+            self.writer.begin(capture(self.entries, 0, self.env.rank, self.group.world_size))
+            self._awaiting_copy = 0
         return step
 
     def _fetch(self, step: int, source: dict[str, Any]) -> SlotContent | None:
@@ -257,6 +262,3 @@ class Job:
             disk.save(self.env.ckpt_dir, cap)
             self._send("ckpt", step=step)
 
-
-def ckpt_dir_of(run_dir: Path) -> Path:
-    return run_dir / "checkpoints"

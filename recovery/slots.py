@@ -118,11 +118,14 @@ class SlotWriter:
             current[1].close()
         fd = os.open(self.paths[slot], os.O_RDWR | os.O_CREAT, 0o600)
         try:
+            fresh = os.fstat(fd).st_size == 0
             if os.fstat(fd).st_size < size:
                 os.ftruncate(fd, size)
             mm = mmap.mmap(fd, size)
         finally:
             os.close(fd)
+        if fresh:
+            ACK.pack_into(mm, ACK_OFFSET, -1)  # zero would read as "step 0 is replicated"
         self._maps[slot] = (size, mm)
         return mm
 
