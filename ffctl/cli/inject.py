@@ -18,7 +18,7 @@ from runs.store import RunStoreError, open_run
 def register(app: typer.Typer) -> None:
     @app.command("inject")
     def inject(
-        kind: Annotated[str, typer.Argument(help="Fault kind (see DESIGN's fault table), or `revert`.")],
+        kind: Annotated[str, typer.Argument(help="Fault kind (kill-rank, kill-node, gpu-error, net-partition, ...: README's fault table), or `revert`.")],
         run: Annotated[Optional[str], typer.Option("--run", help="Run id of the running job.")] = None,
         rank: Annotated[Optional[int], typer.Option(help="Target rank.")] = None,
         node: Annotated[Optional[int], typer.Option(help="Target node.")] = None,
