@@ -32,6 +32,7 @@ POLL_S = 0.02
 HEARTBEAT_S = 0.2
 STORE_GRACE_S = 5.0
 TERM_GRACE_S = 5.0
+SPARE_REFILL_DELAY_S = 5.0
 # The AgentConfig JSON when it cannot come as the first stdin line (agents started over SSH).
 CONFIG_ENV = "FFCTL_AGENT_CONFIG"
 
@@ -106,6 +107,7 @@ class Agent:
         self.spares: list[subprocess.Popen[bytes]] = []
         self.warm: set[subprocess.Popen[bytes]] = set()
         self.reported_spares: tuple[int, int] = (-1, -1)
+        self.last_spawn = float("-inf")
         self.stopping = threading.Event()
         self.lock = threading.Lock()
         self._wipe_slots()  # a (re)started node is an empty node
@@ -161,7 +163,10 @@ class Agent:
 
     def _top_up_spares(self) -> None:
         self.spares = [p for p in self.spares if p.poll() is None]
-        while len(self.spares) < self.cfg.spares and not self.stopping.is_set():
+        # A new spare spends seconds of CPU importing torch; right after a replacement that would
+        # slow the recovering job down, so refill once it has settled.
+        settling = time.monotonic() - self.last_spawn < SPARE_REFILL_DELAY_S
+        while len(self.spares) < self.cfg.spares and not self.stopping.is_set() and not settling:
             self.spares.append(self._start_spare())
         ready = sum(1 for p in self.spares if self._spare_ready(p))
         if (ready, len(self.spares)) != self.reported_spares:
@@ -169,6 +174,8 @@ class Agent:
             self._report("spares", count=ready, total=len(self.spares))
 
     def spawn(self, gen: int, ranks: list[dict[str, Any]]) -> None:
+        if gen > 0:
+            self.last_spawn = time.monotonic()
         pids = {}
         for spec in ranks:
             rank = int(spec["rank"])

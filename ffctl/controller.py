@@ -36,6 +36,7 @@ ABORT_ACK_TIMEOUT = 5.0
 PHASE_TIMEOUT = 120.0
 STARTUP_HANG_S = 120.0
 STARTUP_HEARTBEAT_S = 10.0
+NODE_RESTART_DELAY_S = 5.0
 
 
 class RecoveryAbandoned(Exception):
@@ -104,6 +105,7 @@ class Controller:
         self.started = time.time()
         self._req = 0
         self.notice: str | None = None  # said on screen once: a fallback, a fatal reason
+        self.deferred_restarts: dict[int, float] = {}  # node -> when to restart its agent
         self._incarnation: dict[int, int] = {}
         self._view_at = 0.0
         self.injector = Injector(self, transport_for or self._local_transport,
@@ -486,6 +488,10 @@ class Controller:
             self.injector.tick(self.committed_step, time.time() - self.started)
             if self.pending is not None:
                 self._recover()
+            for n, due in list(self.deferred_restarts.items()):
+                if time.monotonic() >= due:
+                    del self.deferred_restarts[n]
+                    self._start_agent(n)
             if world <= self.gen_msgs.get(("done", self.gen), set()):
                 return RunStatus.COMPLETED
             self._show()
@@ -581,9 +587,15 @@ class Controller:
                     restore_source=decision.restore_source, strategy=self.spec.recovery, ranks=respawn,
                     placement={str(r): self.members[r] for r in respawn},
                     lost_both_copies=list(decision.lost_both_copies))
-        for n in sorted(lost_nodes):
-            self._start_agent(n)
         needed = sorted({self.members[r] for r in respawn} & lost_nodes)
+        for n in sorted(lost_nodes):
+            self.deferred_restarts.pop(n, None)
+            if n in needed:
+                self._start_agent(n)
+            else:
+                # Its ranks run on spares elsewhere: bring the node back once the job has
+                # resumed, so its start-up does not compete with the recovery.
+                self.deferred_restarts[n] = time.monotonic() + NODE_RESTART_DELAY_S
         if needed:
             self._wait_agents(needed)
         wait_dead = lambda: all(self.pids.get(r) is None for r in respawn)  # noqa: E731

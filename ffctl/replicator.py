@@ -12,7 +12,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from recovery.peer import ChannelError, PeerClient
-from recovery.slots import read_header, read_slot, write_ack
+from recovery.slots import read_header, write_ack
 
 if TYPE_CHECKING:
     from ffctl.agent import Agent
@@ -78,16 +78,15 @@ class Replicator:
             self.sent[path] = (header.step, header.seq)
             write_ack(path, header.step)
             return
-        content = read_slot(path)
-        if content is None:
-            return
         if self.client is None:
             assert self.target is not None
             self.client = PeerClient(self.target[0], self.target[1], self.token, timeout=5.0)
         rank = int(path.name.rsplit("-r", 1)[1].split("-s")[0])
-        self.client.put(rank, content)
+        held = self.client.put_slot(rank, path)
+        if held is None:
+            return  # rewritten while in flight: the newer content goes on the next pass
         self.sent[path] = (header.step, header.seq)
-        write_ack(path, content.step)
+        write_ack(path, held)
 
     def _report_progress(self, files: list[Any]) -> None:
         if self.target is None:

@@ -5,6 +5,11 @@ job token, so only the job's own agents and ranks can read or plant snapshots. F
 4-byte length, a JSON header and an optional payload. `PeerStore` is the server side an agent
 runs: it serves its own ranks' slots from shared memory and holds replicas of its ring
 neighbour's slots in memory.
+
+Streaming a slot happens every step, so it copies as little as it can: the sender hands the
+slot file to the kernel (`sendfile`), and the receiver reads straight into a buffer it keeps per
+(rank, slot) and checks the checksum there. A slot torn by its writer during the transfer fails
+that check and is not kept.
 """
 from __future__ import annotations
 
@@ -16,10 +21,12 @@ import socket
 import socketserver
 import struct
 import threading
+import zlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from recovery.slots import SlotContent, read_slot
+from recovery.slots import DATA_OFFSET, SlotContent, read_header, read_slot
 
 _LEN = struct.Struct(">I")
 
@@ -29,14 +36,18 @@ class ChannelError(Exception):
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    chunks, got = [], 0
-    while got < n:
-        chunk = sock.recv(min(n - got, 1 << 20))
-        if not chunk:
+    buf = bytearray(n)
+    _recv_into(sock, memoryview(buf))
+    return bytes(buf)
+
+
+def _recv_into(sock: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:], min(len(view) - got, 1 << 22))
+        if not n:
             raise ChannelError("connection closed mid-frame")
-        chunks.append(chunk)
-        got += len(chunk)
-    return b"".join(chunks)
+        got += n
 
 
 def send_frame(sock: socket.socket, header: dict[str, Any], payload: bytes = b"") -> None:
@@ -46,13 +57,18 @@ def send_frame(sock: socket.socket, header: dict[str, Any], payload: bytes = b""
         sock.sendall(payload)
 
 
-def recv_frame(sock: socket.socket) -> tuple[dict[str, Any], bytes]:
+def recv_header(sock: socket.socket) -> dict[str, Any]:
     (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
     if n > 1 << 20:
         raise ChannelError("frame header too large")
-    header = json.loads(_recv_exact(sock, n))
-    payload = _recv_exact(sock, int(header.get("len", 0))) if header.get("len") else b""
-    return header, payload
+    header: dict[str, Any] = json.loads(_recv_exact(sock, n))
+    return header
+
+
+def recv_frame(sock: socket.socket) -> tuple[dict[str, Any], bytes]:
+    header = recv_header(sock)
+    length = int(header.get("len", 0))
+    return header, (_recv_exact(sock, length) if length else b"")
 
 
 def _mac(token: str, nonce: bytes, role: bytes) -> bytes:
@@ -77,13 +93,27 @@ def _server_handshake(sock: socket.socket, token: str) -> bool:
     return True
 
 
+@dataclass
+class _Replica:
+    step: int
+    crc: int
+    meta_len: int
+    length: int
+    buf: bytearray
+
+    def content(self) -> SlotContent:
+        view = memoryview(self.buf)
+        return SlotContent(self.step, bytes(view[: self.meta_len]), bytes(view[self.meta_len : self.length]), self.crc)
+
+
 class PeerStore:
     """An agent's snapshot server: local slots from shared memory, neighbour replicas in memory."""
 
     def __init__(self, address: str, token: str, local_slot: Callable[[int, int], Path]) -> None:
         self.token = token
         self.local_slot = local_slot  # (rank, slot index) -> path of this node's slot file
-        self.replicas: dict[tuple[int, int], SlotContent] = {}  # (rank, slot) -> content
+        self.replicas: dict[tuple[int, int], _Replica] = {}  # (rank, slot) -> verified copy
+        self._buffers: dict[tuple[int, int], bytearray] = {}  # reused from step to step
         self.lock = threading.Lock()
         store = self
 
@@ -94,8 +124,13 @@ class PeerStore:
                     if not _server_handshake(self.request, store.token):
                         return
                     while True:
-                        header, payload = recv_frame(self.request)
-                        reply, body = store.serve(header, payload)
+                        header = recv_header(self.request)
+                        if header.get("op") == "put":
+                            reply, body = store.receive(header, self.request), b""
+                        else:
+                            length = int(header.get("len", 0))
+                            payload = _recv_exact(self.request, length) if length else b""
+                            reply, body = store.serve(header, payload)
                         send_frame(self.request, reply, body)
                 except (ChannelError, OSError, ValueError):
                     return
@@ -114,33 +149,44 @@ class PeerStore:
         self.server.shutdown()
         self.server.server_close()
 
+    def receive(self, header: dict[str, Any], sock: socket.socket) -> dict[str, Any]:
+        """Read a streamed slot into this (rank, slot)'s buffer; keep it only if it verifies."""
+        rank, step, length = int(header["rank"]), int(header["step"]), int(header["len"])
+        meta_len, crc = int(header["meta_len"]), int(header["crc"])
+        key = (rank, step % 2)
+        with self.lock:
+            self.replicas.pop(key, None)  # the old copy of this slot is being overwritten
+            buf = self._buffers.get(key)
+            if buf is None or len(buf) < length:
+                buf = self._buffers[key] = bytearray(length)
+        view = memoryview(buf)
+        _recv_into(sock, view[:length])
+        if zlib.crc32(view[meta_len:length], zlib.crc32(view[:meta_len])) != crc:
+            return {"ok": False, "error": "checksum mismatch"}
+        with self.lock:
+            self.replicas[key] = _Replica(step, crc, meta_len, length, buf)
+        return {"ok": True}
+
     def find(self, rank: int, step: int, where: str) -> SlotContent | None:
         slot = step % 2
         if where == "local":
             content = read_slot(self.local_slot(rank, slot))
         else:
             with self.lock:
-                content = self.replicas.get((rank, slot))
+                replica = self.replicas.get((rank, slot))
+                content = replica.content() if replica is not None else None
         return content if content is not None and content.step == step else None
 
     def inventory(self) -> dict[str, dict[str, list[int]]]:
         """Valid steps held per rank: {"local": {rank: [steps]}, "replica": {rank: [steps]}}."""
         out: dict[str, dict[str, list[int]]] = {"local": {}, "replica": {}}
         with self.lock:
-            for (rank, _), content in self.replicas.items():
-                out["replica"].setdefault(str(rank), []).append(content.step)
+            for (rank, _), replica in self.replicas.items():
+                out["replica"].setdefault(str(rank), []).append(replica.step)
         return out
 
     def serve(self, header: dict[str, Any], payload: bytes) -> tuple[dict[str, Any], bytes]:
         op = header.get("op")
-        if op == "put":
-            meta_len = int(header["meta_len"])
-            content = SlotContent(int(header["step"]), payload[:meta_len], payload[meta_len:], int(header["crc"]))
-            if not content.verify():
-                return {"ok": False, "error": "checksum mismatch"}, b""
-            with self.lock:
-                self.replicas[(int(header["rank"]), content.step % 2)] = content
-            return {"ok": True}, b""
         if op == "get":
             content = self.find(int(header["rank"]), int(header["step"]), str(header.get("where", "local")))
             if content is None:
@@ -159,12 +205,35 @@ class PeerClient:
         except OSError as exc:
             raise ChannelError(f"snapshot peer {address}:{port} unreachable: {exc}") from None
 
+    def _put_header(self, rank: int, step: int, crc: int, meta_len: int, length: int) -> None:
+        raw = json.dumps({"op": "put", "rank": rank, "step": step, "crc": crc, "meta_len": meta_len,
+                          "len": length}).encode()
+        self.sock.sendall(_LEN.pack(len(raw)) + raw)
+
     def put(self, rank: int, content: SlotContent) -> None:
-        header = {"op": "put", "rank": rank, "step": content.step, "crc": content.crc, "meta_len": len(content.meta)}
-        send_frame(self.sock, header, content.meta + content.shard)
+        length = len(content.meta) + len(content.shard)
+        self._put_header(rank, content.step, content.crc, len(content.meta), length)
+        self.sock.sendall(content.meta)
+        self.sock.sendall(content.shard)
         reply, _ = recv_frame(self.sock)
         if not reply.get("ok"):
             raise ChannelError(f"peer refused replica of rank {rank} step {content.step}: {reply.get('error')}")
+
+    def put_slot(self, rank: int, path: Path) -> int | None:
+        """Stream a valid slot file straight from shared memory. Returns the step the peer now
+        holds, or None when the slot was not valid or changed while it was sent."""
+        before = read_header(path)
+        if before is None or not before.valid:
+            return None
+        length = before.meta_len + before.shard_len
+        self._put_header(rank, before.step, before.crc, before.meta_len, length)
+        with open(path, "rb") as fh:
+            self.sock.sendfile(fh, offset=DATA_OFFSET, count=length)
+        reply, _ = recv_frame(self.sock)
+        after = read_header(path)
+        if not reply.get("ok") or after is None or after.seq != before.seq:
+            return None
+        return before.step
 
     def get(self, rank: int, step: int, where: str) -> SlotContent | None:
         send_frame(self.sock, {"op": "get", "rank": rank, "step": step, "where": where})

@@ -74,23 +74,47 @@ def _store(tmp_path: Path, token: str = "t" * 64) -> PeerStore:
     return PeerStore("127.0.0.1", token, lambda rank, slot: slot_path(str(tmp_path), "r", 0, rank, slot)).start()
 
 
+def _content(step: int, meta: bytes, shard: bytes) -> SlotContent:
+    import zlib
+
+    return SlotContent(step, meta, shard, zlib.crc32(shard, zlib.crc32(meta)))
+
+
 def test_channel_round_trip_and_checksum(tmp_path: Path) -> None:
     store = _store(tmp_path)
     try:
-        import zlib
-
-        good = SlotContent(7, b"meta", b"shard-bytes", zlib.crc32(b"shard-bytes", zlib.crc32(b"meta")))
         client = PeerClient(store.address, store.port, "t" * 64)
-        client.put(2, good)
+        seven, eight = _content(7, b"meta", b"shard-bytes"), _content(8, b"meta8", b"other-shard")
+        client.put(2, seven)
+        client.put(2, eight)
         got = client.get(2, 7, "replica")
-        assert got == good and got.verify()
-        assert client.get(2, 8, "replica") is None
+        assert got == seven and got.verify()
+        assert client.get(2, 9, "replica") is None
+        # A copy that fails its checksum is refused; its slot then holds nothing, never a torn
+        # copy, and the other slot (step 8) is untouched.
         with pytest.raises(ChannelError, match="checksum"):
-            client.put(2, SlotContent(9, b"meta", b"tampered", good.crc))
-        assert store.inventory()["replica"] == {"2": [7]}
+            client.put(2, SlotContent(9, b"meta", b"tampered", seven.crc))
+        assert store.inventory()["replica"] == {"2": [8]}
+        assert client.get(2, 8, "replica") == eight
         client.close()
     finally:
         store.stop()
+
+
+def test_slot_streamed_from_shared_memory(tmp_path: Path) -> None:
+    _, _, entries = _state()
+    writer = SlotWriter(str(tmp_path), "r", 0, 1)
+    writer.begin(capture(entries, 6, 1, 2))
+    writer.fence()
+    store = _store(tmp_path)
+    try:
+        client = PeerClient(store.address, store.port, "t" * 64)
+        assert client.put_slot(1, writer.paths[0]) == 6
+        assert client.get(1, 6, "replica") == read_slot(writer.paths[0])
+        client.close()
+    finally:
+        store.stop()
+        writer.close()
 
 
 def test_channel_refuses_a_wrong_token(tmp_path: Path) -> None:
