@@ -170,7 +170,7 @@ class Controller:
     def _agent_config(self, node: int) -> AgentConfig:
         argv = tuple(self.spec.script) if self.spec.script else (
             "-m", "ffctl.workload.train", "--model", self.spec.model, "--steps", str(self.spec.steps),
-            "--seed", str(self.spec.seed), "--optimizer", self.spec.optimizer)
+            "--seed", str(self.spec.seed), "--optimizer", self.spec.optimizer, "--batch", str(self.spec.batch))
         env = {"GLOO_SOCKET_IFNAME": self.launcher.interface(node) or "lo", **dict(self.spec.extra_env)}
         return AgentConfig(
             run_id=self.rec.run_id, node=node, nnodes=self.spec.nnodes, store_host=self.spec.address,

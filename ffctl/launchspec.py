@@ -21,6 +21,7 @@ class LaunchSpec:
     seed: int = 0
     model: str = "tiny"
     optimizer: str = "adamw"  # built-in workload: adamw (replicated) or sharded (ZeRO-1)
+    batch: int = 0  # built-in workload: sequences per rank per step (0: the model size's default)
     recovery: str = Strategy.PEER
     ckpt_every: int = 0
     spares: int = 0
@@ -60,6 +61,8 @@ class LaunchSpec:
             raise SpecError("--recovery restart-disk needs --ckpt-every N (N >= 1)")
         if self.hang_min_s <= 0:
             raise SpecError(f"--hang-timeout {self.hang_min_s:g}: must be positive")
+        if self.batch < 0:
+            raise SpecError(f"--batch {self.batch}: must not be negative")
         if self.spares < 0:
             raise SpecError(f"--spares {self.spares}: must not be negative")
         if self.script and not self.script[0].startswith("-m") and not os.path.isfile(self.script[0]):

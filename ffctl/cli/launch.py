@@ -30,6 +30,7 @@ def register(app: typer.Typer) -> None:
         seed: Annotated[int, typer.Option(help="Seed: same seed, same losses.")] = 0,
         model: Annotated[str, typer.Option(help="Built-in GPT size: tiny, small, medium or base.")] = "tiny",
         optimizer: Annotated[str, typer.Option(help="Built-in GPT optimizer: adamw, or sharded (ZeRO-1).")] = "adamw",
+        batch: Annotated[int, typer.Option(help="Built-in GPT: sequences per rank per step (0: the size's default).")] = 0,
         recovery: Annotated[str, typer.Option(help="peer | restart-memory | restart-disk | none")] = "peer",
         ckpt_every: Annotated[int, typer.Option("--ckpt-every", help="Disk checkpoint every N steps (0: never).")] = 0,
         spares: Annotated[int, typer.Option(help="Warm spare workers per node.")] = 0,
@@ -57,7 +58,7 @@ def register(app: typer.Typer) -> None:
         except FaultSpecError as exc:
             raise BadInput(f"--inject: {exc}") from None
         spec = LaunchSpec(
-            nnodes=nnodes, nproc_per_node=nproc_per_node, steps=steps, seed=seed, model=model, optimizer=optimizer,
+            nnodes=nnodes, nproc_per_node=nproc_per_node, steps=steps, seed=seed, model=model, optimizer=optimizer, batch=batch,
             recovery=recovery, ckpt_every=ckpt_every, spares=spares, injects=faults, run_id=run_id,
             runs_dir=runs_dir, script=tuple(script or ()), heartbeat_timeout=heartbeat_timeout, hang_min_s=hang_timeout,
             hostfile=hosts, accept_new_host_keys=accept_new_host_keys, master_addr=master_addr,

@@ -66,6 +66,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--optimizer", default="adamw", choices=["adamw", "sharded"],
                         help="adamw (replicated) or sharded (ZeRO-1: each rank owns a slice of the state)")
+    parser.add_argument("--batch", type=int, default=0, help="sequences per rank per step (0: the size's default)")
     args = parser.parse_args(argv)
 
     torch.set_num_threads(1)  # same kernels, same reduction order: bit-identical runs
@@ -83,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
         job.register("optim", opt.state_dict, opt.load_state_dict, replicated=True)
 
     def step_fn(ctx: StepContext) -> float:
-        x, y = batch(ctx.step, ctx.rank, args.seed, cfg.batch, cfg.block)
+        x, y = batch(ctx.step, ctx.rank, args.seed, args.batch or cfg.batch, cfg.block)
         model.zero_grad(set_to_none=False)
         loss = model(x, y)
         loss.backward()
