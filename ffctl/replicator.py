@@ -12,7 +12,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from recovery.peer import ChannelError, PeerClient
-from recovery.slots import read_header, write_ack
+from recovery.slots import HeaderWatch, write_ack
 
 if TYPE_CHECKING:
     from ffctl.agent import Agent
@@ -27,6 +27,7 @@ class Replicator:
         self.target: tuple[str, int] | None = None
         self.client: PeerClient | None = None
         self.sent: dict[Any, tuple[int, int]] = {}  # slot path -> (step, seq) sent
+        self.watches: dict[Any, HeaderWatch] = {}
         self.reported = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ffctl-replicator", daemon=True)
@@ -48,6 +49,8 @@ class Replicator:
         self._thread.join(timeout=2.0)
         if self.client is not None:
             self.client.close()
+        for watch in self.watches.values():
+            watch.close()
 
     def _run(self) -> None:
         files: list[Any] = []
@@ -57,6 +60,8 @@ class Replicator:
             if now >= next_scan:
                 files = self.agent._slot_files()  # ranks come and go; rescan now and then
                 next_scan = now + 0.2
+                for gone in set(self.watches) - set(files):
+                    self.watches.pop(gone).close()
             for path in files:
                 try:
                     self._maybe_send(path)
@@ -68,8 +73,18 @@ class Replicator:
             self._report_progress(files)
             self._stop.wait(PERIOD_S)
 
+    def _watch(self, path: Any) -> HeaderWatch | None:
+        watch = self.watches.get(path)
+        if watch is None:
+            try:
+                watch = self.watches[path] = HeaderWatch(path)
+            except (OSError, ValueError):  # not created or not sized yet
+                return None
+        return watch
+
     def _maybe_send(self, path: Any) -> None:
-        header = read_header(path)
+        watch = self._watch(path)
+        header = watch.read() if watch is not None else None
         if header is None or not header.valid or self.sent.get(path) == (header.step, header.seq):
             return
         if self.target is None:
