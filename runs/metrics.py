@@ -90,29 +90,33 @@ def _first(events: Iterable[Event], pred: Any) -> Event | None:
     return None
 
 
-def final_losses(events: list[Event]) -> dict[int, float]:
-    """Loss of every step as the job finally committed it: a rollback to s forgets steps past s."""
-    losses: dict[int, float] = {}
+def _final_values(events: list[Event], field: str) -> dict[int, float]:
+    """Each step's `field` as the job finally committed it. A decision to restore step s sets
+    steps past s aside (they will be recomputed) and brings back steps up to s that an earlier,
+    abandoned decision had set aside: restoring s means s and everything before it stand."""
+    values: dict[int, float] = {}
+    aside: dict[int, float] = {}
     for ev in events:
         if ev.kind is EventKind.STEP:
-            losses[int(ev.get("step"))] = float(ev.get("loss"))
+            step = int(ev.get("step"))
+            values[step] = float(ev.get(field, 0.0))
+            aside.pop(step, None)
         elif ev.kind is EventKind.RECOVERY_DECIDED and ev.get("restore_step") is not None:
             s = int(ev.get("restore_step"))
-            for step in [k for k in losses if k > s]:
-                del losses[step]
-    return losses
+            for step in [k for k in values if k > s]:
+                aside[step] = values.pop(step)
+            for step in [k for k in aside if k <= s]:
+                values[step] = aside.pop(step)
+    return values
+
+
+def final_losses(events: list[Event]) -> dict[int, float]:
+    """Loss of every step as the job finally committed it."""
+    return _final_values(events, "loss")
 
 
 def _final_step_times(events: list[Event]) -> dict[int, float]:
-    times: dict[int, float] = {}
-    for ev in events:
-        if ev.kind is EventKind.STEP:
-            times[int(ev.get("step"))] = float(ev.get("step_time_s", 0.0))
-        elif ev.kind is EventKind.RECOVERY_DECIDED and ev.get("restore_step") is not None:
-            s = int(ev.get("restore_step"))
-            for step in [k for k in times if k > s]:
-                del times[step]
-    return times
+    return _final_values(events, "step_time_s")
 
 
 def _fault_metrics(inj: Event, events: list[Event], world_size: int, end_t: float) -> FaultMetrics:

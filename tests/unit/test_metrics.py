@@ -652,3 +652,20 @@ def test_straggler_commit_after_detection_under_recovery_none() -> None:
     f = only_fault(compute("none", b.events))
     assert f.at_step == 17
     assert f.recovered is False and f.recovery_s is None and f.resumed_at is None
+
+
+def test_an_abandoned_deeper_rollback_does_not_lose_a_committed_step() -> None:
+    """Restore to 30 fails, restore to 29 fails, then disk brings back step 30: step 30's loss,
+    committed before the fault, stands, and replay resumes at 31."""
+    b = StreamBuilder()
+    b.run_started(world_size=WORLD, strategy="peer")
+    b.steps(1, 30)
+    b.failure_detected([], gen=0, dt=0.05)
+    b.recovery_decided([], gen=1, restore_step=30, dt=0.05)
+    b.recovery_decided([], gen=2, restore_step=29, dt=0.05)
+    b.recovery_decided([], gen=3, restore_step=30, dt=0.05)
+    b.steps(31, 40, gen=3)
+    b.run_finished("completed", dt=0.05)
+    losses = final_losses(b.events)
+    assert sorted(losses) == list(range(1, 41))
+    assert losses[30] == loss_at(30, 0)
