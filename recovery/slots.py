@@ -90,13 +90,7 @@ def read_header(path: Path) -> SlotHeader | None:
             raw = fh.read(ACK_OFFSET + ACK.size)
     except FileNotFoundError:
         return None
-    if len(raw) < ACK_OFFSET + ACK.size:
-        return None
-    magic, state, step, meta_len, shard_len, crc, seq = HEADER.unpack_from(raw, 0)
-    if magic != MAGIC:
-        return None
-    (rep,) = ACK.unpack_from(raw, ACK_OFFSET)
-    return SlotHeader(state, step, meta_len, shard_len, crc, seq, rep)
+    return parse_header(raw)
 
 
 def read_slot(path: Path) -> SlotContent | None:
