@@ -1,9 +1,9 @@
 """The controller: the `ffctl launch` process.
 
 It hosts torch's TCPStore (the control plane), starts one agent per node, opens generations,
-detects failures (a rank's exit, a lost node, a hang, an error raised in a step), coordinates
-recovery with the selected strategy, fires scheduled faults, shows live progress and is the
-only writer of the run record.
+detects failures (a rank's exit, a lost node, a hang, an error raised in a step), hands each to
+the recovery coordinator (`ffctl.coordinator`) for the selected strategy, fires scheduled faults,
+shows live progress and is the only writer of the run record.
 """
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ import torch.distributed as dist
 from fault_injectors import LocalTransport, NodePlace, RankPlace, Topology
 from fault_injectors.plan import HostCommand
 from ffctl.agent import AgentConfig
-from ffctl.decide import Decision, Inventory, decide, ring_holder
+from ffctl.coordinator import FatalRun, RecoveryAbandoned, RecoveryCoordinator
+from ffctl.decide import Decision, ring_holder
 from ffctl.injector import Injector
 from ffctl.launchspec import LaunchSpec
 from ffctl.nodes import LocalNodes, NodeLauncher, NodeProcess
@@ -32,19 +33,9 @@ from runs.metrics import compute
 from runs.store import RunStore
 
 AGENT_START_TIMEOUT = 60.0
-ABORT_ACK_TIMEOUT = 5.0
 PHASE_TIMEOUT = 120.0
 STARTUP_HANG_S = 120.0
 STARTUP_HEARTBEAT_S = 10.0
-NODE_RESTART_DELAY_S = 5.0
-
-
-class RecoveryAbandoned(Exception):
-    """A new failure arrived while recovering: start the recovery over."""
-
-
-class FatalRun(Exception):
-    """The run cannot go on (recovery none, no usable state, infrastructure gone)."""
 
 
 @dataclass
@@ -103,7 +94,6 @@ class Controller:
         self.pending: Failure | None = None
         self.phase = "starting"
         self.started = time.time()
-        self._req = 0
         self.notice: str | None = None  # said on screen once: a fallback, a fatal reason
         self.deferred_restarts: dict[int, float] = {}  # node -> when to restart its agent
         self._incarnation: dict[int, int] = {}
@@ -113,12 +103,13 @@ class Controller:
         self.store: dist.TCPStore | None = None
         self._sock: socket.socket | None = None
         self.inbox: control.Receiver | None = None
+        self.coordinator = RecoveryCoordinator(self)
 
     # -- record & view ------------------------------------------------------------------------
     def record(self, kind: EventKind, /, t: float | None = None, **data: Any) -> None:
         self.rec.append(kind, t=t, **data)
 
-    def _show(self, force: bool = False) -> None:
+    def show(self, force: bool = False) -> None:
         now = time.monotonic()
         if not force and now - self._view_at < 0.1:
             return
@@ -201,7 +192,7 @@ class Controller:
         """A timestamp taken on `node`'s clock, on the controller's clock."""
         return t - self.clock_offsets.get(node, 0.0)
 
-    def _send(self, node: int, msg: dict[str, Any]) -> None:
+    def send(self, node: int, msg: dict[str, Any]) -> None:
         assert self.store is not None
         control.send(self.store, control.agent_queue(node, self._incarnation.get(node, 0)), msg)
 
@@ -250,7 +241,7 @@ class Controller:
                         agent_up_at=self.agent_time(st.node, float(msg["time"])))
             st.hb_seen = time.monotonic()
             if self.phase != "starting":
-                self._wire_ring()  # a node came back: it holds replicas again
+                self.wire_ring()  # a node came back: it holds replicas again
         elif kind == "spares":
             st = self.nodes[int(msg["node"])]
             st.spares_total = int(msg.get("total", msg["count"]))
@@ -370,12 +361,12 @@ class Controller:
                 raise RecoveryAbandoned(what)
             if time.monotonic() > deadline:
                 return False
-            self._show()
+            self.show()
             time.sleep(0.005)
         return True
 
     # -- lifecycle ----------------------------------------------------------------------------
-    def _start_agent(self, node: int) -> None:
+    def start_agent(self, node: int) -> None:
         st = self.nodes.get(node)
         if st is not None:
             st.proc.stop(timeout=2.0)
@@ -383,7 +374,7 @@ class Controller:
         proc = self.launcher.start(self._agent_config(node))
         self.nodes[node] = NodeState(node, proc)
 
-    def _wait_agents(self, nodes: list[int]) -> None:
+    def wait_agents(self, nodes: list[int]) -> None:
         ok = self.wait_for(lambda: all(self.nodes[n].up for n in nodes), AGENT_START_TIMEOUT,
                            "agents starting", abandon_on_failure=False)
         if not ok:
@@ -392,24 +383,24 @@ class Controller:
                            f"(see {self.rec.path / 'logs'})")
         for n in nodes:
             self.nodes[n].hb_seen = time.monotonic()
-        self._wire_ring()
+        self.wire_ring()
 
-    def _wire_ring(self) -> None:
+    def wire_ring(self) -> None:
         live = sorted(n for n, st in self.nodes.items() if st.up)
         for n in live:
             holder = ring_holder(n, live) if self.spec.recovery in (Strategy.PEER, Strategy.RESTART_MEMORY) else None
             peer = self.nodes[holder].peer if holder is not None else None
-            self._send(n, {"type": "neighbor", "address": peer[0] if peer else None, "port": peer[1] if peer else None})
+            self.send(n, {"type": "neighbor", "address": peer[0] if peer else None, "port": peer[1] if peer else None})
 
     def _spawn(self, gen: int, ranks: list[int]) -> None:
         by_node: dict[int, list[int]] = {}
         for r in ranks:
             by_node.setdefault(self.members[r], []).append(r)
         for node, rs in by_node.items():
-            self._send(node, {"type": "spawn", "gen": gen,
-                              "ranks": [{"rank": r, "env": self._rank_env(r, gen)} for r in rs]})
+            self.send(node, {"type": "spawn", "gen": gen,
+                             "ranks": [{"rank": r, "env": self._rank_env(r, gen)} for r in rs]})
 
-    def _open_generation(self, gen: int, decision: Decision | None, respawn: list[int]) -> None:
+    def open_generation(self, gen: int, decision: Decision | None, respawn: list[int]) -> None:
         assert self.store is not None
         plan = {"gen": gen, "world_size": self.spec.world_size, "strategy": self.spec.recovery,
                 "restore_step": decision.restore_step if decision else 0,
@@ -418,7 +409,7 @@ class Controller:
         control.publish_plan(self.store, gen, plan)
         self._spawn(gen, respawn)
 
-    def _await_generation(self, gen: int, respawn: list[int], restore_step: int, source: str) -> None:
+    def await_generation(self, gen: int, respawn: list[int], restore_step: int, source: str) -> None:
         world = set(self.members)
         # Spawned means started and ready to join (torch imported), not merely forked.
         spawned = lambda: set(respawn) <= self.gen_msgs.get(("started", gen), set())  # noqa: E731
@@ -450,12 +441,12 @@ class Controller:
                         steps=self.spec.steps, seed=self.spec.seed, model=self.spec.model,
                         script=list(self.spec.script), spares=self.spec.spares, ckpt_every=self.spec.ckpt_every)
             for n in range(self.spec.nnodes):
-                self._start_agent(n)
-            self._wait_agents(list(range(self.spec.nnodes)))
-            self._open_generation(0, None, sorted(self.members))
+                self.start_agent(n)
+            self.wait_agents(list(range(self.spec.nnodes)))
+            self.open_generation(0, None, sorted(self.members))
             self.phase = "running"
             try:
-                self._await_generation(0, sorted(self.members), 0, "none")
+                self.await_generation(0, sorted(self.members), 0, "none")
             except RecoveryAbandoned:
                 pass  # a rank failed while starting: the loop recovers it
             self.last_progress = time.monotonic()
@@ -470,7 +461,7 @@ class Controller:
         finally:
             signal.signal(signal.SIGTERM, previous)
             self.phase = status.value
-            self._show(force=True)
+            self.show(force=True)
             self._teardown()
             self.record(EventKind.RUN_FINISHED, status=status.value, steps_completed=self.committed_step,
                         reason=reason or self.fatal_reason)
@@ -487,178 +478,15 @@ class Controller:
             self._check_hang()
             self.injector.tick(self.committed_step, time.time() - self.started)
             if self.pending is not None:
-                self._recover()
+                self.coordinator.recover()
             for n, due in list(self.deferred_restarts.items()):
                 if time.monotonic() >= due:
                     del self.deferred_restarts[n]
-                    self._start_agent(n)
+                    self.start_agent(n)
             if world <= self.gen_msgs.get(("done", self.gen), set()):
                 return RunStatus.COMPLETED
-            self._show()
+            self.show()
             time.sleep(0.005)
-
-    # -- recovery -----------------------------------------------------------------------------
-    def _recover(self) -> None:
-        while self.pending is not None:
-            failure, self.pending = self.pending, None
-            self.phase = "recovering"
-            ids = self.injector.attribute(failure.ranks, failure.nodes)
-            self.record(EventKind.FAILURE_DETECTED, t=failure.t, fault_ids=ids, cause=failure.cause,
-                        ranks=sorted(failure.ranks), nodes=sorted(failure.nodes), gen=self.gen,
-                        detail=failure.detail)
-            self._abort(self.gen)
-            if self.spec.recovery == Strategy.NONE:
-                self.fatal_reason = f"{failure.cause} and --recovery none: the job stops"
-                self.record(EventKind.RECOVERY_FAILED, fault_ids=ids, reason=self.fatal_reason)
-                raise FatalRun(self.fatal_reason)
-            try:
-                self._recover_once(failure, ids)
-            except RecoveryAbandoned:
-                continue  # the new failure is pending: abort this generation too and start over
-        self.phase = "running"
-
-    def _abort(self, gen: int) -> None:
-        assert self.store is not None
-        self.store.set(control.gen_abort_key(gen), "1")
-
-    def _kill(self, ranks: set[int], grace: float = 3.0) -> None:
-        """Ask the agents to stop these ranks. Their pids stay known until the agents report the
-        exits: a next generation must not open while an old process could still join it."""
-        by_node: dict[int, list[int]] = {}
-        for r in ranks:
-            if self.pids.get(r):
-                by_node.setdefault(self.members[r], []).append(r)
-        for node, rs in by_node.items():
-            if self.nodes[node].up:
-                self._send(node, {"type": "kill", "ranks": rs, "grace": grace})
-            else:
-                for r in rs:
-                    self.pids[r] = None  # no agent left to stop or report it
-
-    def _recover_once(self, failure: Failure, ids: list[str]) -> None:
-        old_gen = self.gen
-        lost_nodes = set(failure.nodes) | {n for n, st in self.nodes.items() if not st.up}
-        for n in lost_nodes:
-            self.nodes[n].up = False
-        self._wire_ring()  # survivors must not wait on a dead neighbour's copy
-        lost = set(failure.ranks) | {r for r, n in self.members.items() if n in lost_nodes}
-        lost |= {r for r, pid in self.pids.items() if pid is None}
-        for r in lost:
-            if self.members[r] in lost_nodes:
-                self.pids[r] = None  # gone with their node; no agent is left to report the exit
-        if self.spec.recovery == Strategy.PEER:
-            lost |= self._collect_survivors(old_gen, lost)
-            # Nodes lost while survivors were acknowledging belong to this recovery too.
-            newly = {n for n, st in self.nodes.items() if not st.up} - lost_nodes
-            if newly:
-                lost_nodes |= newly
-                self._wire_ring()
-                for r, n in self.members.items():
-                    if n in newly:
-                        lost.add(r)
-                        self.pids[r] = None
-            self._kill({r for r in lost if self.pids.get(r)})  # e.g. a rank whose restore failed
-        else:
-            lost = set(self.members)
-            self._kill(lost)
-        decision = self._decide(lost, lost_nodes)
-        new_gen = old_gen + 1
-        if decision is None and self.committed_step == 0:
-            # Nothing was trained yet: starting over from step 0 loses nothing.
-            decision = Decision(0, "none", {r: {"kind": "none"} for r in self.members})
-            self._kill(set(self.members) - lost)
-            lost = set(self.members)
-        if decision is None:
-            self.fatal_reason = (f"no copy of the state of rank(s) {sorted(lost)} survives and there is no "
-                                 f"complete disk checkpoint: the job stops")
-            self.notice = self.fatal_reason
-            self.record(EventKind.RECOVERY_FAILED, fault_ids=ids, reason=self.fatal_reason)
-            raise FatalRun(self.fatal_reason)
-        if decision.restore_source == "disk" and self.spec.recovery != Strategy.RESTART_DISK:
-            self.notice = (f"every memory copy of rank(s) {list(decision.lost_both_copies) or sorted(lost)} is "
-                           f"gone: falling back to the disk checkpoint of step {decision.restore_step}")
-            self._show(force=True)
-            # Survivors hold no memory copy of the disk step: every rank restarts from disk.
-            self._kill(set(self.members) - lost)
-            lost = set(self.members)
-        respawn = sorted(lost)
-        self._place(respawn, lost_nodes)
-        self.record(EventKind.RECOVERY_DECIDED, fault_ids=ids, gen=new_gen, restore_step=decision.restore_step,
-                    restore_source=decision.restore_source, strategy=self.spec.recovery, ranks=respawn,
-                    placement={str(r): self.members[r] for r in respawn},
-                    lost_both_copies=list(decision.lost_both_copies))
-        needed = sorted({self.members[r] for r in respawn} & lost_nodes)
-        for n in sorted(lost_nodes):
-            self.deferred_restarts.pop(n, None)
-            if n in needed:
-                self._start_agent(n)
-            else:
-                # Its ranks run on spares elsewhere: bring the node back once the job has
-                # resumed, so its start-up does not compete with the recovery.
-                self.deferred_restarts[n] = time.monotonic() + NODE_RESTART_DELAY_S
-        if needed:
-            self._wait_agents(needed)
-        wait_dead = lambda: all(self.pids.get(r) is None for r in respawn)  # noqa: E731
-        if not self.wait_for(wait_dead, 15.0, "teardown", abandon_on_failure=False):
-            raise FatalRun(f"rank(s) {[r for r in respawn if self.pids.get(r)]} did not stop within 15s")
-        if self.pending is not None:
-            if self.pending.ranks <= set(respawn) and self.pending.nodes <= lost_nodes:
-                self.pending = None  # exits of ranks we are replacing anyway
-            else:
-                raise RecoveryAbandoned("another rank failed while recovering")
-        self._open_generation(new_gen, decision, respawn)
-        self._await_generation(new_gen, respawn, decision.restore_step, decision.restore_source)
-
-    def _collect_survivors(self, old_gen: int, lost: set[int]) -> set[int]:
-        """Wait for survivors to acknowledge the abort; return those that are stuck (hung,
-        stopped) and were killed, plus any that exited meanwhile."""
-        survivors = set(self.members) - lost
-        acked = lambda: survivors <= (self.gen_msgs.get(("aborted", old_gen), set())  # noqa: E731
-                                      | {r for r in survivors if self.pids.get(r) is None})
-        self.wait_for(acked, ABORT_ACK_TIMEOUT, "abort", abandon_on_failure=False)
-        gone = survivors - self.gen_msgs.get(("aborted", old_gen), set())
-        self._kill(gone, grace=0.5)
-        if self.pending is not None:  # exits seen meanwhile belong to this failure
-            gone |= self.pending.ranks
-            self.pending = None
-        return gone
-
-    def _place(self, ranks: list[int], lost_nodes: set[int]) -> None:
-        """Ranks of a lost node go to warm spares on surviving nodes when there are any (no wait
-        for the node to come back); otherwise they wait for the node's restarted agent."""
-        # A spare still warming up is further along than a node restart, so count it too.
-        free = {n: st.spares_total for n, st in self.nodes.items() if st.up and n not in lost_nodes}
-        for r in ranks:
-            if self.members[r] in lost_nodes and free:
-                n = max(free, key=lambda k: (free[k], -k))
-                if free[n] > 0:
-                    self.members[r] = n
-                    free[n] -= 1
-
-    def _decide(self, lost: set[int], lost_nodes: set[int]) -> Decision | None:
-        if self.spec.recovery == Strategy.RESTART_DISK:
-            return decide(self.spec.recovery, self.members, lost, lost_nodes, {}, sorted(self.nodes), self.disk_step)
-        self._req += 1
-        req = self._req
-        live = [n for n, st in self.nodes.items() if st.up]
-        for n in live:
-            self._send(n, {"type": "inventory", "req": req})
-        self.wait_for(lambda: all((n, req) in self.inventories for n in live), 10.0, "inventory",
-                      abandon_on_failure=False)
-        invs = {}
-        for n in live:
-            msg = self.inventories.get((n, req))
-            if msg is None:
-                continue
-            peer = self.nodes[n].peer or ("", 0)
-            invs[n] = Inventory(
-                n, peer[0], peer[1],
-                {int(r): frozenset(s) for r, s in msg["local"].items()},
-                {int(r): frozenset(s) for r, s in msg["replica"].items()},
-            )
-        # Nodes that restarted hold nothing from before; count them as lost for the decision.
-        return decide(self.spec.recovery, self.members, lost, lost_nodes, invs, sorted(self.nodes), self.disk_step,
-                      frozenset(self.bad_sources))
 
     def _teardown(self) -> None:
         try:
@@ -668,7 +496,7 @@ class Controller:
         for n, st in self.nodes.items():
             try:
                 if st.up and self.store is not None:
-                    self._send(n, {"type": "stop"})
+                    self.send(n, {"type": "stop"})
             except Exception:
                 pass
         for st in self.nodes.values():
