@@ -19,20 +19,15 @@ from tests.helpers.multihost import (
     one_line,
     ssh_config_text,
 )
-from tests.helpers.sshd import leftovers, skip_reason, sshd_cluster
+from tests.helpers.sshd import checked_sshd_cluster
 
 pytestmark = [pytest.mark.root, pytest.mark.timeout(300)]
 
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Site]:
-    reason = skip_reason()
-    if reason:
-        pytest.skip(reason)
-    with sshd_cluster(2, setenv=SETENV) as cluster:
-        uid = cluster.uid
+    with checked_sshd_cluster(2, setenv=SETENV) as cluster:
         yield make_site(cluster, tmp_path_factory.mktemp("doctor-cli"))
-    assert leftovers(uid) == [], "the sshd helper left things behind"
 
 
 def doctor(site: Site, *args: str, home: Path | None = None) -> tuple[int, str, str]:

@@ -13,7 +13,10 @@ Everything is torn down on exit, including after a failure half-way through setu
 process in the namespaces is killed, the namespaces, veths and bridge are deleted and the temp
 directory (keys included) is removed. Tests only ever touch those 10.x.y addresses.
 
-Test modules skip with `skip_reason()` when this cannot work (not root, no sshd, no ``ip``).
+Test modules get a cluster from `checked_sshd_cluster(n)`, which skips when this cannot work
+(`skip_reason()`: not root, no sshd, no ``ip``) and fails if anything outlived the teardown.
+`no_ssh_agent` (an autouse fixture, imported by the modules that want it) and
+`empty_known_hosts()` are the SSH client-side setup those modules share.
 """
 from __future__ import annotations
 
@@ -31,6 +34,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Mapping, Sequence
+
+import pytest
 
 SSHD = "/usr/sbin/sshd"
 NS_PREFIX = "ffssh-"
@@ -299,6 +304,38 @@ def sshd_cluster(
             hosts=tuple(hosts), workdir=workdir, ssh_config=ssh_config, known_hosts=known_hosts,
             user_key=user_key, bridge=bridge, prefix=prefix, uid=uid,
         )
+
+
+@contextlib.contextmanager
+def checked_sshd_cluster(
+    n: int = 2, *, setenv: Mapping[str, str] | None = None,
+    host_setenv: Mapping[int, Mapping[str, str]] | None = None,
+) -> Iterator[SSHCluster]:
+    """`sshd_cluster` for a test module's fixture, so each module need not repeat the guards:
+    skip where sshd namespaces cannot be built here, and once the cluster is torn down, fail if
+    it left anything behind (namespaces, links, processes, its temp dir)."""
+    reason = skip_reason()
+    if reason:
+        pytest.skip(reason)
+    with sshd_cluster(n, setenv=setenv, host_setenv=host_setenv) as cluster:
+        uid = cluster.uid
+        yield cluster
+    assert leftovers(uid) == [], "the sshd helper left things behind"
+
+
+@pytest.fixture(autouse=True)
+def no_ssh_agent(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hide any SSH agent from a test, so only the keys the tests generate may be offered, never
+    a developer's. Autouse in every test module that imports it."""
+    monkeypatch.delenv("SSH_AUTH_SOCK", raising=False)
+
+
+def empty_known_hosts(directory: Path) -> Path:
+    """An empty ``known_hosts`` in `directory`, so that every host key is unknown to a client
+    that uses it (the cluster's own known_hosts knows them all)."""
+    known = directory / "known_hosts"
+    known.write_text("")
+    return known
 
 
 def _reap(proc: subprocess.Popen[bytes]) -> None:

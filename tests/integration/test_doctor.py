@@ -17,7 +17,8 @@ from ffctl.hostfile import HostEntry
 from ffctl.render.doctor import render_doctor
 from ffctl.ssh import SSHTransport
 from tests.conftest import ROOT, needs_root
-from tests.helpers.sshd import SSHCluster, leftovers, skip_reason, sshd_cluster
+from tests.helpers.sshd import SSHCluster, checked_sshd_cluster, empty_known_hosts
+from tests.helpers.sshd import no_ssh_agent  # noqa: F401 - autouse fixture
 
 pytestmark = [pytest.mark.root, pytest.mark.timeout(180)]
 
@@ -28,18 +29,8 @@ PYTHON = sys.executable
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[SSHCluster]:
-    reason = skip_reason()
-    if reason:
-        pytest.skip(reason)
-    with sshd_cluster(2, setenv={"PYTHONPATH": str(ROOT)}) as c:
-        uid = c.uid
+    with checked_sshd_cluster(2, setenv={"PYTHONPATH": str(ROOT)}) as c:
         yield c
-    assert leftovers(uid) == [], "the sshd helper left things behind"
-
-
-@pytest.fixture(autouse=True)
-def no_ssh_agent(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("SSH_AUTH_SOCK", raising=False)
 
 
 def _transport(cluster: SSHCluster, name: str) -> SSHTransport:
@@ -130,8 +121,7 @@ def test_unreachable_host(cluster: SSHCluster) -> None:
 @needs_root
 def test_refused_port_and_unknown_key_are_errors_not_exceptions(cluster: SSHCluster, tmp_path: Path) -> None:
     refused = SSHTransport(HostEntry("node0", port=2222), ssh_config=cluster.ssh_config)
-    empty = tmp_path / "known_hosts"
-    empty.write_text("")
+    empty = empty_known_hosts(tmp_path)
     unknown = SSHTransport(HostEntry("node1"), ssh_config=cluster.ssh_config, known_hosts=empty)
     reports = check_hosts([refused, unknown], python=PYTHON)
     assert [r.host for r in reports] == ["node0", "node1"]

@@ -27,7 +27,7 @@ from tests.helpers.multihost import (
     make_site,
     processes_under,
 )
-from tests.helpers.sshd import leftovers, skip_reason, sshd_cluster
+from tests.helpers.sshd import checked_sshd_cluster
 
 pytestmark = [pytest.mark.root, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -37,13 +37,8 @@ LONG_STEPS = 300  # tiny steps take ~20 ms: a job that outlasts a fault applied 
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Site]:
-    reason = skip_reason()
-    if reason:
-        pytest.skip(reason)
-    with sshd_cluster(2, setenv=SETENV) as cluster:
-        uid = cluster.uid
+    with checked_sshd_cluster(2, setenv=SETENV) as cluster:
         yield make_site(cluster, tmp_path_factory.mktemp("multihost"))
-    assert leftovers(uid) == [], "the sshd helper left things behind"
 
 
 @pytest.fixture

@@ -25,26 +25,16 @@ from ffctl.ssh import (
     resolve_settings,
 )
 from tests.conftest import needs_root
-from tests.helpers.sshd import SSHCluster, generate_ed25519, leftovers, skip_reason, sshd_cluster
+from tests.helpers.sshd import SSHCluster, checked_sshd_cluster, empty_known_hosts, generate_ed25519
+from tests.helpers.sshd import no_ssh_agent  # noqa: F401 - autouse fixture
 
 pytestmark = [pytest.mark.root, pytest.mark.timeout(120)]
 
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[SSHCluster]:
-    reason = skip_reason()
-    if reason:
-        pytest.skip(reason)
-    with sshd_cluster(2) as c:
-        uid = c.uid
+    with checked_sshd_cluster(2) as c:
         yield c
-    assert leftovers(uid) == [], "the sshd helper left things behind"
-
-
-@pytest.fixture(autouse=True)
-def no_ssh_agent(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Only the keys the tests generate may be offered, never a developer's agent.
-    monkeypatch.delenv("SSH_AUTH_SOCK", raising=False)
 
 
 @pytest.fixture
@@ -179,8 +169,7 @@ def test_require_command(node0: SSHTransport) -> None:
 
 @needs_root
 def test_unknown_host_key_is_refused(cluster: SSHCluster, tmp_path: Path) -> None:
-    known = tmp_path / "known_hosts"
-    known.write_text("")
+    known = empty_known_hosts(tmp_path)
     transport = SSHTransport(HostEntry("node0"), ssh_config=cluster.ssh_config, known_hosts=known)
     with pytest.raises(HostKeyUnknown) as info:
         transport.connect()
