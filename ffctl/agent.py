@@ -24,6 +24,7 @@ from typing import Any
 import psutil
 
 from ffctl.replicator import Replicator
+from ffctl.workerenv import worker_env
 from recovery import control
 from recovery.peer import PeerStore
 from recovery.slots import read_header, slot_path
@@ -54,6 +55,7 @@ class AgentConfig:
     shm_dir: str = "/dev/shm"
     spares: int = 0
     incarnation: int = 0
+    keep_freed_memory: bool = True  # see ffctl.workerenv
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -141,7 +143,8 @@ class Agent:
         try:
             proc = subprocess.Popen(
                 [self.cfg.python, "-m", "ffctl.spare"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                stderr=log, cwd=self.cfg.cwd or None, env={**os.environ, **self.cfg.worker_env},
+                stderr=log, cwd=self.cfg.cwd or None,
+                env=worker_env(os.environ, self.cfg.worker_env, self.cfg.keep_freed_memory),
             )
         finally:
             log.close()

@@ -168,6 +168,7 @@ class Controller:
             store_port=self.port, address=self.launcher.address(node), token=self.token,
             log_dir=str(self.rec.path / "logs" / str(node)), worker_argv=argv, worker_env=env,
             cwd=str(Path.cwd()), spares=self.spec.spares, incarnation=self._incarnation.get(node, 0),
+            keep_freed_memory=self.spec.keep_freed_memory,
         )
 
     def _rank_env(self, rank: int, gen: int) -> dict[str, str]:

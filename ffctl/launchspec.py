@@ -41,6 +41,7 @@ class LaunchSpec:
     pg_timeout: float = 120.0
     address: str = "127.0.0.1"  # where the controller's store listens
     extra_env: tuple[tuple[str, str], ...] = field(default=())
+    keep_freed_memory: bool = True  # workers keep freed memory rather than fault it in each step
 
     @property
     def world_size(self) -> int:

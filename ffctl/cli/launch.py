@@ -47,6 +47,7 @@ def register(app: typer.Typer) -> None:
         master_addr: Annotated[Optional[str], typer.Option("--master-addr", "--master_addr", help="This machine's address the hosts reach the controller on (default: found over SSH).")] = None,
         remote_python: Annotated[str, typer.Option("--remote-python", help="Python (with torch and ffctl) on the hosts.")] = "python3",
         remote_runs_dir: Annotated[str, typer.Option("--remote-runs-dir", help="Per-run files (logs, checkpoints) on the hosts.")] = "/tmp/ffctl-runs",
+        keep_freed_memory: Annotated[bool, typer.Option("--keep-freed-memory/--release-freed-memory", help="Ranks keep freed memory instead of faulting it in again every step (glibc settings; left alone where the host sets an allocator).")] = True,
     ) -> int:
         """Train on local nodes (the built-in GPT, or SCRIPT), inject faults, recover, and record it."""
         if model not in ("tiny", "small", "medium", "base"):
@@ -63,7 +64,7 @@ def register(app: typer.Typer) -> None:
             runs_dir=runs_dir, script=tuple(script or ()), heartbeat_timeout=heartbeat_timeout, hang_min_s=hang_timeout,
             hostfile=hosts, accept_new_host_keys=accept_new_host_keys, master_addr=master_addr,
             remote_python=remote_python, remote_runs_dir=remote_runs_dir,
-            chaos=chaos, sandbox=sandbox,
+            chaos=chaos, sandbox=sandbox, keep_freed_memory=keep_freed_memory,
         )
         plan = plan_launch(spec)
         console = make_console()

@@ -4,14 +4,14 @@ from __future__ import annotations
 import json
 import os
 import signal
-
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from runs.events import EventKind
 from tests.helpers.launch import (
-    assert_nothing_left, launch, rid, run_ffctl, shm_left, start_launch, wait_step,
+    TIMEOUT, assert_nothing_left, ffctl_argv, launch, rid, run_ffctl, shm_left, start_launch, wait_step,
 )
 
 pytestmark = pytest.mark.slow
@@ -180,3 +180,33 @@ def test_controller_sigkill_keeps_record_and_takes_everything_down(workdir: Path
     out = run_ffctl(workdir, "report", run_id, "--json")
     assert out.returncode == 0 and json.loads(out.stdout)["status"] == "running"
 
+
+
+ENV_SCRIPT = '''
+import json, os, sys
+from recovery import Job
+job = Job.from_env()
+keys = [k for k in os.environ if k.startswith("MALLOC_")]
+with open(sys.argv[1], "w") as fh:
+    json.dump({k: os.environ[k] for k in keys}, fh)
+job.run(lambda ctx: 0.0, 2)
+'''
+
+
+@pytest.mark.parametrize("flag, host_env, expected", [
+    ([], {}, {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}),
+    (["--release-freed-memory"], {}, {}),
+    ([], {"MALLOC_ARENA_MAX": "2"}, {"MALLOC_ARENA_MAX": "2"}),  # the host's choice wins
+])
+def test_ranks_keep_freed_memory_unless_told_or_configured(
+        workdir: Path, tmp_path: Path, flag: list[str], host_env: dict[str, str], expected: dict[str, str]) -> None:
+    script, out = tmp_path / "env_dump.py", tmp_path / "env.json"
+    script.write_text(ENV_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    proc = subprocess.run(
+        ffctl_argv("launch", "--run-id", rid("malloc"), "--runs-dir", str(workdir / "runs"), "--nnodes", "1",
+                   "--nproc-per-node", "1", "--recovery", "none", *flag, str(script), str(out)),
+        cwd=workdir, capture_output=True, text=True, timeout=TIMEOUT, env={**env, **host_env})
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(out.read_text()) == expected
+    assert_nothing_left(workdir)
