@@ -1,6 +1,7 @@
 """Streams a node's snapshot slots to its ring neighbour's agent (node n -> node n+1 mod N).
 
-A background thread watches the headers of the node's slots; each newly valid slot is read
+A background thread watches the headers of the node's slots, woken by the ranks' doorbell when
+a slot becomes valid (and every SCAN_S in case a ring was lost); each newly valid slot is read
 (seqlock-consistent), sent over the authenticated channel, verified by the receiver's checksum,
 and acknowledged in the slot's header so the rank knows its step is safe off-node. The agent
 also reports each step held off-node once, as a `replicated` message (a snapshot_taken event).
@@ -11,13 +12,15 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+from recovery.doorbell import Doorbell
 from recovery.peer import ChannelError, PeerClient
 from recovery.slots import HeaderWatch, write_ack
 
 if TYPE_CHECKING:
     from ffctl.agent import Agent
 
-PERIOD_S = 0.002
+SCAN_S = 0.05  # look at the headers this often even without a ring
+RESCAN_FILES_S = 0.2
 
 
 class Replicator:
@@ -30,6 +33,7 @@ class Replicator:
         self.watches: dict[Any, HeaderWatch] = {}
         self.reported = 0
         self._stop = threading.Event()
+        self.bell = Doorbell(agent.cfg.run_id, agent.cfg.node)
         self._thread = threading.Thread(target=self._run, name="ffctl-replicator", daemon=True)
 
     def set_target(self, address: str | None, port: int | None) -> None:
@@ -47,6 +51,7 @@ class Replicator:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=2.0)
+        self.bell.close()
         if self.client is not None:
             self.client.close()
         for watch in self.watches.values():
@@ -59,7 +64,7 @@ class Replicator:
             now = time.monotonic()
             if now >= next_scan:
                 files = self.agent._slot_files()  # ranks come and go; rescan now and then
-                next_scan = now + 0.2
+                next_scan = now + RESCAN_FILES_S
                 for gone in set(self.watches) - set(files):
                     self.watches.pop(gone).close()
             for path in files:
@@ -71,7 +76,8 @@ class Replicator:
                     self.client = None
                     self._stop.wait(0.05)
             self._report_progress(files)
-            self._stop.wait(PERIOD_S)
+            # Without a doorbell (its name taken) fall back to polling often.
+            self.bell.wait(SCAN_S if self.bell.listening else 0.002)
 
     def _watch(self, path: Any) -> HeaderWatch | None:
         watch = self.watches.get(path)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from recovery.doorbell import Ringer
 from recovery.snapshot import Capture
 
 MAGIC = b"FFS1"
@@ -124,6 +125,7 @@ class SlotWriter:
 
     def __init__(self, shm_dir: str, run_id: str, node: int, rank: int) -> None:
         self.paths = [slot_path(shm_dir, run_id, node, rank, s) for s in (0, 1)]
+        self._bell = Ringer(run_id, node)  # tells the agent to stream now, so it need not poll
         self._maps: list[tuple[int, mmap.mmap] | None] = [None, None]
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -161,6 +163,7 @@ class SlotWriter:
         crc = zlib.crc32(memoryview(mm)[base : base + cap.shard_len], zlib.crc32(cap.meta))
         HEADER.pack_into(mm, 0, MAGIC, VALID, cap.step, len(cap.meta), cap.shard_len, crc, self._seq)
         self.last_written = cap.step
+        self._bell.ring()
 
     def begin(self, cap: Capture) -> None:
         self.fence()
@@ -198,3 +201,4 @@ class SlotWriter:
             if entry is not None:
                 entry[1].close()
         self._maps = [None, None]
+        self._bell.close()

@@ -1,0 +1,71 @@
+"""The ranks' doorbell to their agent: a ring wakes the agent, a missing agent costs nothing."""
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+from recovery.doorbell import Doorbell, Ringer
+
+
+def _run_id() -> str:
+    return f"bell-{uuid.uuid4().hex[:6]}"
+
+
+def test_a_ring_wakes_the_waiter_before_its_timeout() -> None:
+    run = _run_id()
+    bell, ringer = Doorbell(run, 0), Ringer(run, 0)
+    try:
+        assert bell.listening
+        timer = threading.Timer(0.2, ringer.ring)
+        timer.start()
+        t0 = time.monotonic()
+        assert bell.wait(30.0)
+        assert time.monotonic() - t0 < 10.0
+        timer.join()
+    finally:
+        bell.close()
+        ringer.close()
+
+
+def test_pending_rings_are_consumed_and_silence_times_out() -> None:
+    run = _run_id()
+    bell, ringer = Doorbell(run, 3), Ringer(run, 3)
+    try:
+        for _ in range(5):
+            ringer.ring()
+        assert bell.wait(5.0)
+        assert not bell.wait(0.05)  # all five were taken by one wait
+    finally:
+        bell.close()
+        ringer.close()
+
+
+def test_rings_go_to_their_own_node_only() -> None:
+    run = _run_id()
+    bell0, ringer1 = Doorbell(run, 0), Ringer(run, 1)
+    try:
+        ringer1.ring()
+        assert not bell0.wait(0.1)
+    finally:
+        bell0.close()
+        ringer1.close()
+
+
+def test_ringing_with_no_agent_is_silent_and_a_taken_name_falls_back_to_polling() -> None:
+    run = _run_id()
+    ringer = Ringer(run, 0)
+    ringer.ring()  # nobody listens: no error
+    first, second = Doorbell(run, 0), Doorbell(run, 0)
+    try:
+        assert first.listening and not second.listening
+        t0 = time.monotonic()
+        assert not second.wait(0.05)
+        assert time.monotonic() - t0 >= 0.04
+    finally:
+        first.close()
+        second.close()
+        ringer.close()
+    again = Doorbell(run, 0)  # the name is free once its holder closed
+    assert again.listening
+    again.close()
