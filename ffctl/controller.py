@@ -85,6 +85,7 @@ class Controller:
         self.last_loss: float | None = None
         self.last_progress = time.monotonic()
         self.gen_msgs: dict[tuple[str, int], set[int]] = {}  # (kind, gen) -> ranks
+        self.restore_how: dict[int, dict[int, str]] = {}  # gen -> rank -> kept | received | gathered
         self.aborted_at: dict[int, int] = {}
         self.ckpt_reports: dict[int, set[int]] = {}
         self.disk_step: int | None = None
@@ -262,6 +263,8 @@ class Controller:
                 self._fail(Failure("step-error", {int(rank)}, t=now, detail=str(msg.get("error"))))
         elif kind in ("started", "joined", "restored", "done"):
             self.gen_msgs.setdefault((kind, int(msg["gen"])), set()).add(int(rank))
+            if kind == "restored" and msg.get("how"):
+                self.restore_how.setdefault(int(msg["gen"]), {})[int(rank)] = str(msg["how"])
         elif kind == "aborted":
             self.aborted_at[int(rank)] = int(msg["step"])
             self.gen_msgs.setdefault(("aborted", int(msg["gen"])), set()).add(int(rank))
@@ -428,7 +431,10 @@ class Controller:
             if not self.wait_for(restored, PHASE_TIMEOUT, "restore"):
                 self._fail(Failure("restore-timeout"))
                 raise RecoveryAbandoned("restore")
-            self.record(EventKind.RESTORE_DONE, gen=gen, step=restore_step, source=source)
+            how = self.restore_how.get(gen, {})
+            # Which ranks kept their live state, received it from one that did, or gathered it.
+            self.record(EventKind.RESTORE_DONE, gen=gen, step=restore_step, source=source,
+                        transfer={k: sorted(r for r, h in how.items() if h == k) for k in sorted(set(how.values()))})
         self.last_progress = time.monotonic()
 
     def run(self) -> RunStatus:

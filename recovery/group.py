@@ -92,14 +92,37 @@ class Generation:
     def wait(self, work: Any, what: str) -> None:
         done = threading.Event()
         wake = self._wake
-        work.get_future().add_done_callback(lambda _f: (done.set(), wake.set()))
+        errors: list[BaseException] = []
+
+        def finished(*_: Any) -> None:
+            done.set()
+            wake.set()
+
+        try:
+            work.get_future().add_done_callback(finished)
+            blocked_on_thread = False
+        except RuntimeError:
+            # gloo's point-to-point work has no future: block on it on a thread of its own,
+            # left behind like a dropped group if the generation is aborted.
+            def block() -> None:
+                try:
+                    work.wait()
+                except Exception as exc:  # noqa: BLE001 - handed to the waiting rank below
+                    errors.append(exc)
+                finished()
+
+            threading.Thread(target=block, name=f"ffctl-{what}-{self.gen}", daemon=True).start()
+            blocked_on_thread = True
         while not done.is_set():
             if self.watcher.aborted.is_set():
                 raise PeerFailure(self.gen, f"{what} aborted: the controller opened a new generation")
             wake.wait(0.05)
             wake.clear()
         try:
-            work.wait()
+            if errors:
+                raise errors[0]
+            if not blocked_on_thread:
+                work.wait()
         except Exception as exc:  # gloo reports a dead peer as a RuntimeError
             raise PeerFailure(self.gen, f"{what} failed: {str(exc).splitlines()[0][:200]}") from None
 
@@ -111,6 +134,21 @@ class Generation:
         outs = [torch.empty_like(tensor) for _ in range(self.world_size)]
         self.wait(self.pg.allgather([outs], [tensor]), "allgather")
         return outs
+
+    def allgather_into(self, tensor: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Every rank's `tensor` into row r of `rows` (world_size x numel): no concatenation after."""
+        self.wait(self.pg.allgather([list(rows.unbind(0))], [tensor]), "allgather")
+        return rows
+
+    def send(self, tensor: torch.Tensor, dsts: list[int], tag: int = 0) -> None:
+        """Send `tensor` to each of `dsts`, all posted before any is waited on."""
+        works = [self.pg.send([tensor], dst, tag) for dst in dsts]
+        for work in works:
+            self.wait(work, "send")
+
+    def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> torch.Tensor:
+        self.wait(self.pg.recv([tensor], src, tag), "recv")
+        return tensor
 
     def barrier(self) -> None:
         self.allreduce(torch.zeros(1))

@@ -18,7 +18,6 @@ import random
 import signal
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -30,7 +29,8 @@ from recovery.group import Generation
 from recovery.jobenv import JobEnv, Strategy
 from recovery.peer import ChannelError, PeerClient
 from recovery.slots import SlotContent, SlotWriter, read_slot, slot_path
-from recovery.snapshot import StateEntry, assemble, capture, read_meta
+from recovery.restore import restore
+from recovery.snapshot import StateEntry, capture
 
 PLAN_TIMEOUT = 600.0
 ACK_TIMEOUT = 2.0
@@ -171,8 +171,8 @@ class Job:
         step = int(plan.get("restore_step") or 0)
         if step > 0:
             source = plan["sources"][str(self.env.rank)]
-            self._restore(gen, step, source)
-            self._send("restored", gen=gen, step=step, source=source["kind"])
+            how = self._restore(gen, step, source)
+            self._send("restored", gen=gen, step=step, source=source["kind"], how=how)
         self.last_committed = step
         self._awaiting_copy = None  # a restored step's copies are already where the plan found them
         if step == 0 and self.writer is not None:
@@ -198,10 +198,10 @@ class Job:
         node = int(source.get("node", self.env.node))
         return read_slot(slot_path(self.env.shm_dir, self.env.run_id, node, self.env.rank, step % 2))
 
-    def _restore(self, gen: int, step: int, source: dict[str, Any]) -> None:
+    def _restore(self, gen: int, step: int, source: dict[str, Any]) -> str:
         content = self._fetch(step, source)
         ok = content is not None and content.step == step and content.verify()
-        # Every rank must learn whether all shards are usable before anyone assembles state.
+        # Every rank must learn whether all copies are usable before anyone loads state.
         assert self.group is not None
         flags = self.group.allreduce(torch.tensor([0.0 if ok else 1.0]))
         if flags.item() > 0:
@@ -210,18 +210,7 @@ class Job:
                 self._send("restore_failed", gen=gen, step=step, source=source["kind"], reason=why)
             raise PeerFailure(gen, f"state for step {step} unusable on some rank ({why if not ok else 'peer'})")
         assert content is not None
-        meta = read_meta(content.meta)
-        chunk = meta["layout"].chunk
-        mine = torch.zeros(chunk, dtype=torch.uint8)
-        if content.shard:
-            mine[: len(content.shard)] = torch.frombuffer(bytearray(content.shard), dtype=torch.uint8)
-        parts = self.group.allgather(mine)
-        whole = torch.cat(parts)[: meta["layout"].total]
-        states = assemble(meta, whole)
-        for entry in self.entries:
-            if entry.name not in states:
-                raise RecoveryError(f"snapshot of step {step} has no state {entry.name!r}")
-            entry.set(states[entry.name])
+        return restore(self.group, self.entries, content)
 
     def _train(self, step_fn: Callable[[StepContext], float], start: int, steps: int) -> None:
         for step in range(start + 1, steps + 1):

@@ -82,6 +82,37 @@ class Layout:
         return start, min(self.total, start + self.chunk)
 
 
+def slice_pieces(layout: Layout, tensors: tuple[torch.Tensor, ...], index: int) -> list[tuple[int, torch.Tensor]]:
+    """(offset within the slice, uint8 source) for every tensor byte range in slice `index` of
+    the replicated byte string (rank `index`'s share)."""
+    lo, hi = layout.shard(index)
+    pieces, pos = [], 0
+    for t, (_, _, nbytes) in zip(tensors, layout.specs):
+        a, b = max(lo, pos), min(hi, pos + nbytes)
+        if a < b:
+            pieces.append((a - lo, as_bytes(t)[a - pos : b - pos]))
+        pos += nbytes
+    return pieces
+
+
+@dataclass(frozen=True)
+class Replicated:
+    """The replicated entries of the live state, by reference: their structure and tensors."""
+
+    skeletons: dict[str, Any]
+    layout: Layout
+    tensors: tuple[torch.Tensor, ...]
+
+
+def replicated(entries: list[StateEntry], world_size: int) -> Replicated:
+    tensors: list[torch.Tensor] = []
+    skeletons = {e.name: _flatten(e.get(), tensors) for e in entries if e.replicated}
+    specs = tuple((str(t.dtype).removeprefix("torch."), tuple(t.shape), t.numel() * t.element_size()) for t in tensors)
+    total = sum(s[2] for s in specs)
+    layout = Layout(specs=specs, total=total, chunk=-(-total // world_size) if world_size else total)
+    return Replicated(skeletons, layout, tuple(tensors))
+
+
 @dataclass(frozen=True)
 class Capture:
     """One step's state, captured by reference (tensors still live) until copied into a slot."""
@@ -95,14 +126,7 @@ class Capture:
 
     def shard_pieces(self) -> list[tuple[int, torch.Tensor]]:
         """(offset within the shard, uint8 source) for every tensor byte range in this rank's slice."""
-        lo, hi = self.layout.shard(self.rank)
-        pieces, pos = [], 0
-        for t, (_, _, nbytes) in zip(self.tensors, self.layout.specs):
-            a, b = max(lo, pos), min(hi, pos + nbytes)
-            if a < b:
-                pieces.append((a - lo, as_bytes(t)[a - pos : b - pos]))
-            pos += nbytes
-        return pieces
+        return slice_pieces(self.layout, self.tensors, self.rank)
 
     @property
     def shard_len(self) -> int:
@@ -111,42 +135,42 @@ class Capture:
 
 
 def capture(entries: list[StateEntry], step: int, rank: int, world_size: int) -> Capture:
-    tensors: list[torch.Tensor] = []
-    skeletons: dict[str, Any] = {}
-    unique: dict[str, Any] = {}
-    for entry in entries:
-        if entry.replicated:
-            skeletons[entry.name] = _flatten(entry.get(), tensors)
-        else:
-            unique[entry.name] = entry.get()
-    specs = tuple((str(t.dtype).removeprefix("torch."), tuple(t.shape), t.numel() * t.element_size()) for t in tensors)
-    total = sum(s[2] for s in specs)
-    layout = Layout(specs=specs, total=total, chunk=-(-total // world_size) if world_size else total)
+    rep = replicated(entries, world_size)
+    unique = {e.name: e.get() for e in entries if not e.replicated}
     buf = io.BytesIO()
     # Unique state is small (RNG, counters, a sharded optimizer's part); torch.save clones it now,
     # so later in-place updates cannot tear it.
     torch.save(unique, buf)
     meta = pickle.dumps(
-        {"step": step, "rank": rank, "world_size": world_size, "layout": layout,
-         "skeletons": skeletons, "unique": buf.getvalue()},
+        {"step": step, "rank": rank, "world_size": world_size, "layout": rep.layout,
+         "skeletons": rep.skeletons, "unique": buf.getvalue()},
         protocol=pickle.HIGHEST_PROTOCOL,
     )
-    return Capture(step, rank, world_size, layout, tuple(tensors), meta)
+    return Capture(step, rank, world_size, rep.layout, rep.tensors, meta)
 
 
 def read_meta(meta: bytes) -> dict[str, Any]:
     return pickle.loads(meta)
 
 
-def assemble(meta: dict[str, Any], replicated: bytes | torch.Tensor) -> dict[str, Any]:
-    """Every entry's state from the meta of any rank and the whole replicated byte string."""
+def unique_states(meta: dict[str, Any]) -> dict[str, Any]:
+    """The entries kept whole by their rank (RNG, a sharded optimizer's shard, ...)."""
+    states: dict[str, Any] = torch.load(io.BytesIO(meta["unique"]), weights_only=False)
+    return states
+
+
+def assemble(meta: dict[str, Any], replicated: bytes | torch.Tensor, copy: bool = True) -> dict[str, Any]:
+    """Every entry's state from the meta of any rank and the whole replicated byte string.
+    `copy=False` when `replicated` is a fresh buffer the caller gives away: the tensors are then
+    views of it rather than copies (an optimizer adopts loaded tensors as they are)."""
     layout: Layout = meta["layout"]
     raw = replicated if isinstance(replicated, torch.Tensor) else torch.frombuffer(bytearray(replicated), dtype=torch.uint8)
     tensors, pos = [], 0
     for dtype, shape, nbytes in layout.specs:
-        piece = raw[pos : pos + nbytes].clone()
+        piece = raw[pos : pos + nbytes]
+        piece = piece.clone() if copy else piece
         tensors.append(piece.view(getattr(torch, dtype)).reshape(shape))
         pos += nbytes
     states = {name: _unflatten(sk, tensors) for name, sk in meta["skeletons"].items()}
-    states.update(torch.load(io.BytesIO(meta["unique"]), weights_only=False))
+    states.update(unique_states(meta))
     return states

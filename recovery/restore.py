@@ -1,0 +1,110 @@
+"""Putting the state of the restore step back on every rank of a new generation.
+
+Each rank starts from its own copy of step s (its 1/W slice of the replicated state and its whole
+unique state), read from its agent, the ring neighbour or disk. Then:
+
+1. every rank learns every slice's checksum, taken from the copy that holds the slice;
+2. each rank checks its live replicated state against all of them. A survivor that stopped at
+   step s matches ("kept"); a replacement, a rank that got one step further, or a step function
+   that changed state before its first collective does not;
+3. when some rank matches, each rank that does not receives the whole replicated state from
+   one that does, point to point, checks it slice by slice and loads it ("received"). Ranks that
+   match take back only their unique state (RNG, data position, a sharded optimizer's part);
+4. when none matches (restart strategies: every process is new), all ranks allgather their slices
+   and load the whole ("gathered").
+
+Case 3 moves the replicated state once per replacement instead of to every rank, so recovery
+time does not grow with the world size.
+"""
+from __future__ import annotations
+
+import zlib
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from recovery.errors import RecoveryError
+from recovery.slots import SlotContent
+from recovery.snapshot import (
+    Layout, StateEntry, as_bytes, assemble, read_meta, replicated, slice_pieces, unique_states,
+)
+
+if TYPE_CHECKING:
+    from recovery.group import Generation
+
+KEPT, RECEIVED, GATHERED = "kept", "received", "gathered"
+TAG = 17  # point-to-point tag of the state transfer
+
+
+def _slice_crcs(layout: Layout, tensors: tuple[torch.Tensor, ...], world: int, want: list[int] | None = None) -> list[int]:
+    """crc32 of each slice; stops at the first that differs from `want`."""
+    out: list[int] = []
+    for index in range(world):
+        crc = 0
+        for _, piece in slice_pieces(layout, tensors, index):
+            crc = zlib.crc32(piece.numpy(), crc)
+        out.append(crc)
+        if want is not None and crc != want[index]:
+            break
+    return out
+
+
+def _set(entries: list[StateEntry], states: dict[str, Any], only_unique: bool = False) -> None:
+    for entry in entries:
+        if only_unique and entry.replicated:
+            continue
+        if entry.name not in states:
+            raise RecoveryError(f"snapshot has no state {entry.name!r}")
+        entry.set(states[entry.name])
+
+
+def restore(group: Generation, entries: list[StateEntry], content: SlotContent) -> str:
+    """Load step `content.step` on this rank; every rank of the group calls it together.
+    Returns how this rank got its replicated state: "kept", "received" or "gathered"."""
+    meta = read_meta(content.meta)
+    layout: Layout = meta["layout"]
+    world, rank = group.world_size, group.rank
+    sums = group.allgather(torch.tensor([zlib.crc32(content.shard)], dtype=torch.int64))
+    want = [int(t.item()) for t in sums]
+
+    live = replicated(entries, world)
+    matches = live.layout == layout and _slice_crcs(live.layout, live.tensors, world, want) == want
+    flags = group.allgather(torch.tensor([1 if matches else 0], dtype=torch.int64))
+    keepers = [r for r, f in enumerate(flags) if int(f.item())]
+    needers = [r for r, f in enumerate(flags) if not int(f.item())]
+
+    if not keepers:
+        whole = _gather(group, layout, content.shard)
+        _set(entries, assemble(meta, whole, copy=False))
+        return GATHERED
+    source = {n: keepers[i % len(keepers)] for i, n in enumerate(needers)}
+    if matches:
+        mine = [n for n in needers if source[n] == rank]
+        if mine:
+            whole = torch.cat([as_bytes(t) for t in live.tensors]) if live.tensors else torch.empty(0, dtype=torch.uint8)
+            group.send(whole, mine, TAG)
+        _set(entries, unique_states(meta), only_unique=True)
+        return KEPT
+    whole = group.recv(torch.empty(layout.total, dtype=torch.uint8), source[rank], TAG)
+    if _slice_crcs(layout, _as_tensors(whole, layout), world) != want:
+        raise RecoveryError(f"state for step {content.step} from rank {source[rank]} fails its checksums")
+    _set(entries, assemble(meta, whole, copy=False))
+    return RECEIVED
+
+
+def _as_tensors(whole: torch.Tensor, layout: Layout) -> tuple[torch.Tensor, ...]:
+    # The received byte string as the layout's pieces, so slices are checked the same way.
+    out, pos = [], 0
+    for _, _, nbytes in layout.specs:
+        out.append(whole[pos : pos + nbytes])
+        pos += nbytes
+    return tuple(out)
+
+
+def _gather(group: Generation, layout: Layout, shard: bytes) -> torch.Tensor:
+    mine = torch.zeros(layout.chunk, dtype=torch.uint8)
+    if shard:
+        mine[: len(shard)] = torch.frombuffer(bytearray(shard), dtype=torch.uint8)
+    rows = torch.empty(group.world_size, layout.chunk, dtype=torch.uint8)
+    group.allgather_into(mine, rows)
+    return rows.reshape(-1)[: layout.total]
