@@ -7,15 +7,16 @@
 
 Per step the library commits, snapshots into the agent's shared memory (the copy overlaps the
 next step and is fenced before the next collective, so before the next optimizer update), and
-reports progress. When a peer fails, the collective is aborted, the rank waits for the next
-generation's plan, rebuilds its process group and restores the plan's step: survivors from their
-own slot, replacements from the local agent, the ring neighbour or disk.
+reports the step once its snapshot is durable. When a peer fails, the collective is aborted, the
+rank waits for the next generation's plan, rebuilds its process group and restores the plan's
+step (`recovery.restore`): from its own slot, the local agent, the ring neighbour or disk.
 """
 from __future__ import annotations
 
 import os
 import random
 import signal
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -30,10 +31,11 @@ from recovery.jobenv import JobEnv, Strategy
 from recovery.peer import ChannelError, PeerClient
 from recovery.slots import SlotContent, SlotWriter, read_slot, slot_path
 from recovery.restore import restore
-from recovery.snapshot import StateEntry, capture
+from recovery.snapshot import Capture, StateEntry, capture
 
 PLAN_TIMEOUT = 600.0
 ACK_TIMEOUT = 2.0
+ACK_POLL_S = 0.001
 
 
 @dataclass
@@ -79,11 +81,11 @@ class Job:
         self.env = env
         self.entries: list[StateEntry] = [StateEntry("rng", _rng_state, _set_rng_state, replicated=False)]
         self.store = control.connect(env.store_host, env.store_port, timeout=60.0)
+        self._send_lock = threading.Lock()  # step reports also go out from the snapshot thread
         self.group: Generation | None = None
         self.writer = SlotWriter(env.shm_dir, env.run_id, env.node, env.rank) if env.memory_snapshots else None
         self.faults = InStepFaults(env.fault_dir, env.run_id, env.rank)
         self.last_committed = 0
-        self._awaiting_copy: int | None = None  # step of our own snapshot not yet known off-node
         self._ack_degraded = False
         signal.signal(signal.SIGTERM, _exit_on_term)
         self._send("started", gen=env.gen, pid=os.getpid())
@@ -110,17 +112,29 @@ class Job:
         return self.group.allreduce(tensor)
 
     def fence(self) -> None:
-        if self.writer is None:
-            return
-        self.writer.fence()
-        if self.env.replicate and self._awaiting_copy is not None:
-            self._wait_replicated(self._awaiting_copy)
-            self._awaiting_copy = None
+        """Wait until the previous step's snapshot is durable (copied, and held by the ring
+        neighbour when there is one) and reported."""
+        if self.writer is not None:
+            self.writer.fence()
+
+    def _snapshot(self, cap: Capture, report: Callable[[], None] | None = None) -> None:
+        assert self.writer is not None
+
+        def durable() -> None:
+            if self.env.replicate:
+                self._wait_replicated(cap.step)
+            if report is not None:
+                # The controller hears of the step once it can be restored, so a fault fired
+                # "at step k" finds step k in memory rather than racing its copy.
+                report()
+
+        self.writer.begin(cap, then=durable)
 
     def _wait_replicated(self, step: int) -> None:
-        # The ring neighbour must hold step k before this rank can take part in step k+1's
-        # collective; then a node loss never costs more than one step. If the neighbour is gone,
-        # stop waiting (the controller will fall back) and retry once it has caught up.
+        # On the snapshot thread. The ring neighbour must hold step k before this rank takes
+        # part in step k+1's collective (the fence waits for this thread); then a node loss
+        # never costs more than one step. If the neighbour is gone, stop waiting (the controller
+        # will fall back) and wait again once it has caught up.
         assert self.writer is not None
         deadline = time.monotonic() + (0.2 if self._ack_degraded else ACK_TIMEOUT)
         while self.writer.replicated_step(step) < step:
@@ -129,8 +143,16 @@ class Job:
             if time.monotonic() > deadline:
                 self._ack_degraded = True
                 return
-            time.sleep(0.0005)
+            time.sleep(ACK_POLL_S)
         self._ack_degraded = False
+
+    def _settle_snapshot(self) -> None:
+        """Let an in-flight snapshot finish after a peer failure; it may have seen the abort."""
+        if self.writer is not None:
+            try:
+                self.writer.fence()
+            except PeerFailure:
+                pass
 
     # -- the loop ----------------------------------------------------------------------------
     def run(self, step_fn: Callable[[StepContext], float], steps: int) -> None:
@@ -142,14 +164,14 @@ class Job:
                 try:
                     start = self._join(gen, plan)
                     self._train(step_fn, start, steps)
+                    self.fence()  # the last step's report goes before "done"
                     self._send("done", gen=gen, step=self.last_committed)
                     return
                 except PeerFailure as exc:
                     if self.env.strategy != Strategy.PEER:
                         # Restart strategies tear every rank down; exit and let the agent respawn.
                         raise RecoveryError(str(exc)) from None
-                    if self.writer is not None:
-                        self.writer.fence()
+                    self._settle_snapshot()
                     self._send("aborted", gen=gen, step=self.last_committed, reason=exc.reason)
                     gen += 1
         finally:
@@ -159,7 +181,8 @@ class Job:
                 self.writer.close()
 
     def _send(self, kind: str, **fields: Any) -> None:
-        control.send(self.store, control.CTL_QUEUE, {"type": kind, "rank": self.env.rank, "node": self.env.node, **fields})
+        with self._send_lock:
+            control.send(self.store, control.CTL_QUEUE, {"type": kind, "rank": self.env.rank, "node": self.env.node, **fields})
 
     def _join(self, gen: int, plan: dict[str, Any]) -> int:
         if self.group is not None:
@@ -174,12 +197,10 @@ class Job:
             how = self._restore(gen, step, source)
             self._send("restored", gen=gen, step=step, source=source["kind"], how=how)
         self.last_committed = step
-        self._awaiting_copy = None  # a restored step's copies are already where the plan found them
         if step == 0 and self.writer is not None:
             # The initial state is a step too: a rank lost in step 1 is restored from step 0
             # rather than leaving no common step at all.
-            self.writer.begin(capture(self.entries, 0, self.env.rank, self.group.world_size))
-            self._awaiting_copy = 0
+            self._snapshot(capture(self.entries, 0, self.env.rank, self.group.world_size))
         return step
 
     def _fetch(self, step: int, source: dict[str, Any]) -> SlotContent | None:
@@ -238,15 +259,17 @@ class Job:
 
     def _commit(self, step: int, loss: float, dt: float) -> None:
         self.last_committed = step
-        self._send("step", gen=self.group.gen if self.group else 0, step=step, loss=loss, dt=dt)
+        gen = self.group.gen if self.group else 0
+        report = lambda: self._send("step", gen=gen, step=step, loss=loss, dt=dt)  # noqa: E731
+        if self.writer is None:
+            report()
         needs_disk = self.env.ckpt_every > 0 and step % self.env.ckpt_every == 0 and self.env.ckpt_dir
         if self.writer is None and not needs_disk:
             return
         world = self.group.world_size if self.group else self.env.world_size
         cap = capture(self.entries, step, self.env.rank, world)
         if self.writer is not None:
-            self.writer.begin(cap)
-            self._awaiting_copy = step
+            self._snapshot(cap, report)
         if needs_disk:
             disk.save(self.env.ckpt_dir, cap)
             self._send("ckpt", step=step)

@@ -15,6 +15,7 @@ import threading
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -165,13 +166,16 @@ class SlotWriter:
         self.last_written = cap.step
         self._bell.ring()
 
-    def begin(self, cap: Capture) -> None:
+    def begin(self, cap: Capture, then: Callable[[], None] | None = None) -> None:
+        """Copy `cap` in the background, then call `then` (on the copying thread)."""
         self.fence()
         mm = self._map(cap.step % 2, DATA_OFFSET + len(cap.meta) + cap.shard_len)
 
         def run() -> None:
             try:
                 self._copy(cap, mm)
+                if then is not None:
+                    then()
             except BaseException as exc:  # surfaced by fence()
                 self._error = exc
 
