@@ -23,7 +23,7 @@ from tests.helpers.multihost import (
     processes_under,
     ssh_config_text,
 )
-from tests.helpers.sshd import generate_ed25519, leftovers, skip_reason, sshd_cluster
+from tests.helpers.sshd import checked_sshd_cluster, generate_ed25519
 
 pytestmark = [pytest.mark.root, pytest.mark.timeout(300)]
 
@@ -40,19 +40,13 @@ exec {sys.executable} "$@"
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Site]:
-    reason = skip_reason()
-    if reason:
-        pytest.skip(reason)
-    base = tmp_path_factory.mktemp("multihost-errors")
-    with sshd_cluster(3, setenv=SETENV, host_setenv={1: {"FFCTL_TEST_PYTHON": "bare"},
-                                                        2: {"FFCTL_TEST_PYTHON": "missing"}}) as cluster:
-        uid = cluster.uid
-        made = make_site(cluster, base)
+    with checked_sshd_cluster(3, setenv=SETENV, host_setenv={1: {"FFCTL_TEST_PYTHON": "bare"},
+                                                             2: {"FFCTL_TEST_PYTHON": "missing"}}) as cluster:
+        made = make_site(cluster, tmp_path_factory.mktemp("multihost-errors"))
         python = made.cwd / "hostpython"
         python.write_text(HOST_PYTHON)
         python.chmod(0o755)
         yield made
-    assert leftovers(uid) == [], "the sshd helper left things behind"
 
 
 def launch(site: Site, run_id: str, hosts: Path, *args: str, home: Path | None = None) -> str:
