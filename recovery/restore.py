@@ -9,7 +9,9 @@ unique state), read from its agent, the ring neighbour or disk. Then:
    that changed state before its first collective does not;
 3. when some rank matches, each rank that does not receives the whole replicated state from
    one that does, point to point, checks it slice by slice and loads it ("received"). Ranks that
-   match take back only their unique state (RNG, data position, a sharded optimizer's part);
+   match load their own live tensors inside the snapshot's structure, which puts back its
+   non-tensor values (a learning rate a scheduler moved early in the aborted step), and their
+   unique state (RNG, data position, a sharded optimizer's part);
 4. when none matches (restart strategies: every process is new), all ranks allgather their slices
    and load the whole ("gathered").
 
@@ -26,7 +28,7 @@ import torch
 from recovery.errors import RecoveryError
 from recovery.slots import SlotContent
 from recovery.snapshot import (
-    Layout, StateEntry, as_bytes, assemble, read_meta, replicated, slice_pieces, unique_states,
+    Layout, StateEntry, as_bytes, assemble, read_meta, rebuild, replicated, slice_pieces,
 )
 
 if TYPE_CHECKING:
@@ -49,10 +51,8 @@ def _slice_crcs(layout: Layout, tensors: tuple[torch.Tensor, ...], world: int, w
     return out
 
 
-def _set(entries: list[StateEntry], states: dict[str, Any], only_unique: bool = False) -> None:
+def _set(entries: list[StateEntry], states: dict[str, Any]) -> None:
     for entry in entries:
-        if only_unique and entry.replicated:
-            continue
         if entry.name not in states:
             raise RecoveryError(f"snapshot has no state {entry.name!r}")
         entry.set(states[entry.name])
@@ -83,7 +83,7 @@ def restore(group: Generation, entries: list[StateEntry], content: SlotContent) 
         if mine:
             whole = torch.cat([as_bytes(t) for t in live.tensors]) if live.tensors else torch.empty(0, dtype=torch.uint8)
             group.send(whole, mine, TAG)
-        _set(entries, unique_states(meta), only_unique=True)
+        _set(entries, rebuild(meta, live.tensors))
         return KEPT
     whole = group.recv(torch.empty(layout.total, dtype=torch.uint8), source[rank], TAG)
     if _slice_crcs(layout, _as_tensors(whole, layout), world) != want:

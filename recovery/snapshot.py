@@ -35,6 +35,12 @@ class _TensorRef:
     def __reduce__(self) -> tuple[Any, tuple[int]]:
         return (_TensorRef, (self.index,))
 
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _TensorRef) and other.index == self.index
+
+    def __hash__(self) -> int:
+        return hash(self.index)
+
 
 def _flatten(obj: Any, out: list[torch.Tensor]) -> Any:
     if isinstance(obj, torch.Tensor):
@@ -171,6 +177,12 @@ def assemble(meta: dict[str, Any], replicated: bytes | torch.Tensor, copy: bool 
         piece = piece.clone() if copy else piece
         tensors.append(piece.view(getattr(torch, dtype)).reshape(shape))
         pos += nbytes
-    states = {name: _unflatten(sk, tensors) for name, sk in meta["skeletons"].items()}
+    return rebuild(meta, tuple(tensors))
+
+
+def rebuild(meta: dict[str, Any], tensors: tuple[torch.Tensor, ...]) -> dict[str, Any]:
+    """Every entry's state: the snapshot's structure and non-tensor values (learning rates,
+    counters) around `tensors`, which must hold the snapshot's replicated bytes in layout order."""
+    states = {name: _unflatten(sk, list(tensors)) for name, sk in meta["skeletons"].items()}
     states.update(unique_states(meta))
     return states

@@ -28,18 +28,21 @@ from recovery.snapshot import StateEntry, capture
 
 WORLD = 4
 SNAP_STEP = 3
-# name -> (ranks that lose their state (a fresh replacement), ranks that trained one step more)
-SCENARIOS: dict[str, tuple[set[int], set[int]]] = {
-    "kill-rank": ({1}, set()),
-    "kill-node": ({2, 3}, set()),
-    "survivor-ahead": ({1}, {3}),
-    "all-new": ({0, 1, 2, 3}, set()),
-    "all-ahead": ({1}, {0, 2, 3}),
+# name -> (ranks that lose their state (a fresh replacement), ranks that trained one step more,
+#          ranks whose learning rate a scheduler moved before the aborted step's first collective)
+SCENARIOS: dict[str, tuple[set[int], set[int], set[int]]] = {
+    "kill-rank": ({1}, set(), set()),
+    "kill-node": ({2, 3}, set(), set()),
+    "survivor-ahead": ({1}, {3}, set()),
+    "lr-moved": ({1}, set(), {0, 2, 3}),
+    "all-new": ({0, 1, 2, 3}, set(), set()),
+    "all-ahead": ({1}, {0, 2, 3}, set()),
 }
 EXPECTED = {
     "kill-rank": {0: KEPT, 1: RECEIVED, 2: KEPT, 3: KEPT},
     "kill-node": {0: KEPT, 1: KEPT, 2: RECEIVED, 3: RECEIVED},
     "survivor-ahead": {0: KEPT, 1: RECEIVED, 2: KEPT, 3: RECEIVED},
+    "lr-moved": {0: KEPT, 1: RECEIVED, 2: KEPT, 3: KEPT},
     "all-new": {r: GATHERED for r in range(WORLD)},
     "all-ahead": {r: GATHERED for r in range(WORLD)},
 }
@@ -80,7 +83,8 @@ def _state(trainer: Trainer) -> dict[str, Any]:
     opt = trainer.opt.state_dict()["state"]
     return {"model": {k: v.clone() for k, v in trainer.model.state_dict().items()},
             "optim": {i: {k: v.clone() for k, v in s.items()} for i, s in opt.items()},
-            "rng": torch.get_rng_state()}
+            "rng": torch.get_rng_state(),
+            "lr": torch.tensor([g["lr"] for g in trainer.opt.param_groups])}
 
 
 def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
@@ -105,7 +109,7 @@ def _rank_main(rank: int, port: int) -> None:
         trainer.step(step)
     content, reference = _content(trainer, rank), _state(trainer)
     results: dict[str, tuple[str, bool]] = {}
-    for gen, (name, (fresh, ahead)) in enumerate(SCENARIOS.items()):
+    for gen, (name, (fresh, ahead, lr_moved)) in enumerate(SCENARIOS.items()):
         local = Trainer(seed=0)
         if rank in fresh:  # a replacement: a new process that built the model and nothing more
             local = Trainer(seed=1000 + rank)
@@ -115,6 +119,8 @@ def _rank_main(rank: int, port: int) -> None:
             torch.rand(5)  # the aborted step used this rank's RNG
             if rank in ahead:
                 local.step(SNAP_STEP + 1)
+            if rank in lr_moved:
+                local.opt.param_groups[0]["lr"] = 0.5
         group = Generation(store, "127.0.0.1", port, gen, rank, WORLD, timeout=120.0)
         try:
             how = restore(group, local.entries, content)
