@@ -102,7 +102,6 @@ class Controller:
         self.injector = Injector(self, transport_for or self._local_transport,
                                  scheduled=[s for s in spec.injects])
         self.store: dist.TCPStore | None = None
-        self._sock: socket.socket | None = None
         self.inbox: control.Receiver | None = None
         self.coordinator = RecoveryCoordinator(self)
 
@@ -134,11 +133,17 @@ class Controller:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.spec.address, 0))
         sock.listen(1024)
-        self._sock = sock
-        self.store = dist.TCPStore(
-            self.spec.address, sock.getsockname()[1], is_master=True, wait_for_workers=False,
-            timeout=datetime.timedelta(seconds=30), master_listen_fd=sock.fileno(),
-        )
+        try:
+            self.store = dist.TCPStore(
+                self.spec.address, sock.getsockname()[1], is_master=True, wait_for_workers=False,
+                timeout=datetime.timedelta(seconds=30), master_listen_fd=sock.fileno(),
+            )
+        except BaseException:
+            sock.close()
+            raise
+        # The store's server owns the descriptor now and closes it when the store goes; closing
+        # it here as well could close whatever file has reused the number by then.
+        sock.detach()
         self.inbox = control.Receiver(self.store, control.CTL_QUEUE)
         self.rec.update_run_info(controller={"address": self.spec.address, "port": self.store.port})
 
@@ -513,9 +518,7 @@ class Controller:
             # restarted, or restarted after others moved in) cannot: sweep the run's names here.
             for path in Path("/dev/shm").glob(f"ffctl-{self.rec.run_id}-*"):
                 path.unlink(missing_ok=True)
-        self.store = None
-        if self._sock is not None:
-            self._sock.close()
+        self.store = None  # its server closes the listening socket
 
 
 def _raise_interrupt(signum: int, frame: Any) -> None:
