@@ -30,7 +30,7 @@ from recovery.group import Generation
 from recovery.jobenv import JobEnv, Strategy
 from recovery.peer import ChannelError, PeerClient
 from recovery.slots import SlotContent, SlotWriter, read_slot, slot_path
-from recovery.restore import restore
+from recovery.restore import Unusable, restore
 from recovery.snapshot import Capture, StateEntry, capture
 
 PLAN_TIMEOUT = 600.0
@@ -221,17 +221,14 @@ class Job:
 
     def _restore(self, gen: int, step: int, source: dict[str, Any]) -> str:
         content = self._fetch(step, source)
-        ok = content is not None and content.step == step and content.verify()
-        # Every rank must learn whether all copies are usable before anyone loads state.
         assert self.group is not None
-        flags = self.group.allreduce(torch.tensor([0.0 if ok else 1.0]))
-        if flags.item() > 0:
+        try:
+            return restore(self.group, self.entries, content, step)
+        except Unusable as exc:
             why = "missing" if content is None else "checksum mismatch"
-            if not ok:
+            if exc.mine:
                 self._send("restore_failed", gen=gen, step=step, source=source["kind"], reason=why)
-            raise PeerFailure(gen, f"state for step {step} unusable on some rank ({why if not ok else 'peer'})")
-        assert content is not None
-        return restore(self.group, self.entries, content)
+            raise PeerFailure(gen, f"state for step {step} unusable on some rank ({why if exc.mine else 'peer'})") from None
 
     def _train(self, step_fn: Callable[[StepContext], float], start: int, steps: int) -> None:
         for step in range(start + 1, steps + 1):

@@ -3,7 +3,8 @@
 Each rank starts from its own copy of step s (its 1/W slice of the replicated state and its whole
 unique state), read from its agent, the ring neighbour or disk. Then:
 
-1. every rank learns every slice's checksum, taken from the copy that holds the slice;
+1. in one exchange, every rank learns whether every copy is usable (if not, nobody loads
+   anything) and every slice's checksum, taken from the copy that holds the slice;
 2. each rank checks its live replicated state against all of them. A survivor that stopped at
    step s matches ("kept"); a replacement, a rank that got one step further, or a step function
    that changed state before its first collective does not;
@@ -38,15 +39,15 @@ KEPT, RECEIVED, GATHERED = "kept", "received", "gathered"
 TAG = 17  # point-to-point tag of the state transfer
 
 
-def _slice_crcs(layout: Layout, tensors: tuple[torch.Tensor, ...], world: int, want: list[int] | None = None) -> list[int]:
-    """crc32 of each slice; stops at the first that differs from `want`."""
+def _slice_crcs(layout: Layout, tensors: tuple[torch.Tensor, ...], world: int, want: list[int]) -> list[int]:
+    """crc32 of each slice of the live tensors; stops at the first that differs from `want`."""
     out: list[int] = []
     for index in range(world):
         crc = 0
         for _, piece in slice_pieces(layout, tensors, index):
             crc = zlib.crc32(piece.numpy(), crc)
         out.append(crc)
-        if want is not None and crc != want[index]:
+        if crc != want[index]:
             break
     return out
 
@@ -58,14 +59,28 @@ def _set(entries: list[StateEntry], states: dict[str, Any]) -> None:
         entry.set(states[entry.name])
 
 
-def restore(group: Generation, entries: list[StateEntry], content: SlotContent) -> str:
-    """Load step `content.step` on this rank; every rank of the group calls it together.
-    Returns how this rank got its replicated state: "kept", "received" or "gathered"."""
+class Unusable(Exception):
+    """Some rank's copy of the restore step is missing or corrupt; `mine` says whether this
+    rank's is one of them. Nobody has loaded anything."""
+
+    def __init__(self, mine: bool) -> None:
+        super().__init__("a copy of the restore step is unusable")
+        self.mine = mine
+
+
+def restore(group: Generation, entries: list[StateEntry], content: SlotContent | None, step: int) -> str:
+    """Load `step` on this rank from its copy `content`; every rank of the group calls it
+    together. Returns how this rank got its replicated state: "kept", "received" or "gathered"."""
+    usable = content is not None and content.step == step and content.verify()
+    # One exchange tells every rank whether all copies are usable, and every slice's checksum.
+    table = group.allgather(torch.tensor([int(usable), zlib.crc32(content.shard) if usable else 0], dtype=torch.int64))
+    if not all(int(row[0]) for row in table):
+        raise Unusable(mine=not usable)
+    assert content is not None
+    want = [int(row[1]) for row in table]
     meta = read_meta(content.meta)
     layout: Layout = meta["layout"]
     world, rank = group.world_size, group.rank
-    sums = group.allgather(torch.tensor([zlib.crc32(content.shard)], dtype=torch.int64))
-    want = [int(t.item()) for t in sums]
 
     live = replicated(entries, world)
     matches = live.layout == layout and _slice_crcs(live.layout, live.tensors, world, want) == want
@@ -86,19 +101,10 @@ def restore(group: Generation, entries: list[StateEntry], content: SlotContent) 
         _set(entries, rebuild(meta, live.tensors))
         return KEPT
     whole = group.recv(torch.empty(layout.total, dtype=torch.uint8), source[rank], TAG)
-    if _slice_crcs(layout, _as_tensors(whole, layout), world) != want:
+    if [zlib.crc32(whole[slice(*layout.shard(q))].numpy()) for q in range(world)] != want:
         raise RecoveryError(f"state for step {content.step} from rank {source[rank]} fails its checksums")
     _set(entries, assemble(meta, whole, copy=False))
     return RECEIVED
-
-
-def _as_tensors(whole: torch.Tensor, layout: Layout) -> tuple[torch.Tensor, ...]:
-    # The received byte string as the layout's pieces, so slices are checked the same way.
-    out, pos = [], 0
-    for _, _, nbytes in layout.specs:
-        out.append(whole[pos : pos + nbytes])
-        pos += nbytes
-    return tuple(out)
 
 
 def _gather(group: Generation, layout: Layout, shard: bytes) -> torch.Tensor:

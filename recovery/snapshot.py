@@ -35,12 +35,6 @@ class _TensorRef:
     def __reduce__(self) -> tuple[Any, tuple[int]]:
         return (_TensorRef, (self.index,))
 
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _TensorRef) and other.index == self.index
-
-    def __hash__(self) -> int:
-        return hash(self.index)
-
 
 def _flatten(obj: Any, out: list[torch.Tensor]) -> Any:
     if isinstance(obj, torch.Tensor):

@@ -123,7 +123,7 @@ def _rank_main(rank: int, port: int) -> None:
                 local.opt.param_groups[0]["lr"] = 0.5
         group = Generation(store, "127.0.0.1", port, gen, rank, WORLD, timeout=120.0)
         try:
-            how = restore(group, local.entries, content)
+            how = restore(group, local.entries, content, SNAP_STEP)
         finally:
             group.close()
         results[name] = (how, _same(_state(local), reference))
