@@ -99,14 +99,15 @@ def test_same_rank_failing_twice(workdir: Path, baseline: list[list[float]]) -> 
 
 def test_second_fault_during_recovery(workdir: Path, baseline: list[list[float]]) -> None:
     """A node fault with no spare takes seconds to recover (agent restart, cold ranks); rank 0 of
-    the surviving node is killed the moment that failure is detected, so its death lands in the
-    middle of the first recovery. The controller starts the recovery over with both losses."""
+    the surviving node is killed once that recovery is decided, so its death lands in the middle
+    of it (killed at detection, it can land before the decision and join the first recovery).
+    The controller starts the recovery over with both losses."""
     run_id = rid("double")
     proc = start_launch(workdir, run_id, "--steps", "60", "--seed", "3", "--inject", "kill-node:node=1,step=20")
     events = workdir / "runs" / run_id / "events.jsonl"
     try:
         spawned = wait_event(events, lambda e: e.kind is EventKind.RANKS_SPAWNED)
-        wait_event(events, lambda e: e.kind is EventKind.FAILURE_DETECTED, timeout=300)
+        wait_event(events, lambda e: e.kind is EventKind.RECOVERY_DECIDED, timeout=300)
         os.kill(int(spawned.get("pids")["0"]), signal.SIGKILL)
         proc.wait(timeout=400)
     finally:
