@@ -27,7 +27,7 @@ from ffctl.replicator import Replicator
 from ffctl.workerenv import worker_env
 from recovery import control
 from recovery.peer import PeerStore
-from recovery.slots import read_header, slot_path
+from recovery.slots import NodeBusy, claim_node, read_header, release_node, slot_path
 
 POLL_S = 0.02
 HEARTBEAT_S = 0.2
@@ -112,6 +112,11 @@ class Agent:
         self.last_spawn = float("-inf")
         self.stopping = threading.Event()
         self.lock = threading.Lock()
+        try:
+            self._claim = claim_node(cfg.shm_dir, cfg.run_id, cfg.node)
+        except NodeBusy as exc:
+            self._report("agent_failed", reason=str(exc))
+            raise
         self._wipe_slots()  # a (re)started node is an empty node
         self.peer = PeerStore(cfg.address, cfg.token, self.slot).start()
         self.replicator = Replicator(self, cfg.token)
@@ -301,19 +306,24 @@ class Agent:
             pass
         self.peer.stop()
         self._wipe_slots()
+        release_node(self.cfg.shm_dir, self.cfg.run_id, self.cfg.node, self._claim)
 
 
 def main() -> int:
     text = os.environ.pop(CONFIG_ENV, None)
-    if text is not None:
-        # Started over SSH: the remote wrapper gives us /dev/null for stdin and sends our
-        # process group SIGTERM (then SIGKILL) when the channel closes, so stdin says nothing.
-        # Popped, so the job token in it is not inherited by the workers' environment.
-        agent = Agent(AgentConfig.from_json(text))
-        agent.watch_stdin = False
-        return agent.run()
-    cfg = AgentConfig.from_json(sys.stdin.readline())
-    return Agent(cfg).run()
+    try:
+        if text is not None:
+            # Started over SSH: the remote wrapper gives us /dev/null for stdin and sends our
+            # process group SIGTERM (then SIGKILL) when the channel closes, so stdin says nothing.
+            # Popped, so the job token in it is not inherited by the workers' environment.
+            agent = Agent(AgentConfig.from_json(text))
+            agent.watch_stdin = False
+        else:
+            agent = Agent(AgentConfig.from_json(sys.stdin.readline()))
+    except NodeBusy as exc:
+        print(f"ffctl agent: {exc}", file=sys.stderr)
+        return 2
+    return agent.run()
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from ffctl.launchspec import LaunchSpec
 from ffctl.nodes import LocalNodes, NodeLauncher, NodeProcess
 from recovery import control, disk
 from recovery.jobenv import JobEnv, Strategy
+from recovery.slots import NodeBusy, claim_node, release_node
 from runs.events import EventKind, RunStatus
 from runs.metrics import compute
 from runs.store import RunStore
@@ -64,6 +65,7 @@ class NodeState:
     hb_seen: float = field(default_factory=time.monotonic)
     spares: int = -1  # warm (torch imported) spares
     spares_total: int = 0  # including those still warming up
+    failed: str = ""  # why the agent gave up starting (its own words)
 
 
 class Controller:
@@ -234,6 +236,8 @@ class Controller:
                 self.step_times.append(float(msg["dt"]))
                 self.record(EventKind.STEP, t=now, step=step, loss=float(msg["loss"]),
                             step_time_s=float(msg["dt"]), gen=gen, rank=rank)
+        elif kind == "agent_failed":
+            self.nodes[int(msg["node"])].failed = str(msg["reason"])
         elif kind == "agent_up":
             st = self.nodes[int(msg["node"])]
             st.pid, st.peer, st.up = int(msg["pid"]), (msg["peer_address"], int(msg["peer_port"])), True
@@ -384,8 +388,11 @@ class Controller:
         self.nodes[node] = NodeState(node, proc)
 
     def wait_agents(self, nodes: list[int]) -> None:
-        ok = self.wait_for(lambda: all(self.nodes[n].up for n in nodes), AGENT_START_TIMEOUT,
-                           "agents starting", abandon_on_failure=False)
+        settled = lambda: all(self.nodes[n].up or self.nodes[n].failed for n in nodes)  # noqa: E731
+        ok = self.wait_for(settled, AGENT_START_TIMEOUT, "agents starting", abandon_on_failure=False)
+        for n in nodes:
+            if self.nodes[n].failed:
+                raise FatalRun(f"node {n}: {self.nodes[n].failed}")
         if not ok:
             missing = [n for n in nodes if not self.nodes[n].up]
             raise FatalRun(f"agent of node(s) {missing} did not start within {AGENT_START_TIMEOUT:g}s "
@@ -515,9 +522,21 @@ class Controller:
             st.proc.stop(timeout=15.0)
         if isinstance(self.launcher, LocalNodes):
             # Agents wipe their slots on the way out, but one SIGKILLed with its node (and never
-            # restarted, or restarted after others moved in) cannot: sweep the run's names here.
-            for path in Path("/dev/shm").glob(f"ffctl-{self.rec.run_id}-*"):
-                path.unlink(missing_ok=True)
+            # restarted, or restarted after others moved in) cannot: sweep the run's names here,
+            # node by node, where no live process (another run given the same id) holds them.
+            swept = 0
+            for n in self.nodes:
+                try:
+                    fd = claim_node("/dev/shm", self.rec.run_id, n)
+                except NodeBusy:
+                    continue
+                for path in Path("/dev/shm").glob(f"ffctl-{self.rec.run_id}-n{n}-*"):
+                    path.unlink(missing_ok=True)
+                release_node("/dev/shm", self.rec.run_id, n, fd)
+                swept += 1
+            if swept == len(self.nodes):
+                for path in Path("/dev/shm").glob(f"ffctl-{self.rec.run_id}-fault-*"):
+                    path.unlink(missing_ok=True)
         self.store = None  # its server closes the listening socket
 
 

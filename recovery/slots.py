@@ -8,6 +8,7 @@ slot with torn content; the other slot still holds the step before.
 """
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import struct
@@ -32,6 +33,33 @@ EMPTY, WRITING, VALID = 0, 1, 2
 
 def slot_path(shm_dir: str, run_id: str, node: int, rank: int, slot: int) -> Path:
     return Path(shm_dir) / f"ffctl-{run_id}-n{node}-r{rank}-s{slot}"
+
+
+class NodeBusy(Exception):
+    """Another live process holds this node's slot names (a second run with the same id)."""
+
+
+def claim_node(shm_dir: str, run_id: str, node: int) -> int:
+    """Claim a node's slot names for the caller's lifetime: an flock, which the kernel releases
+    when the holder dies, however it dies. Two runs given the same run id on one host would
+    otherwise wipe and overwrite each other's slots, and a slot of the other run for the same
+    step passes every checksum. Returns the descriptor to keep open (not inherited by children)."""
+    path = Path(shm_dir) / f"ffctl-{run_id}-n{node}.lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise NodeBusy(f"run id {run_id!r} is in use on this host: another ffctl run holds node {node}'s "
+                       f"snapshot slots ({path}); give this run another --run-id") from None
+    return fd
+
+
+def release_node(shm_dir: str, run_id: str, node: int, fd: int) -> None:
+    """Give up a claim, removing the lock file first (while still held, so nobody holds a lock
+    on a name that is gone)."""
+    (Path(shm_dir) / f"ffctl-{run_id}-n{node}.lock").unlink(missing_ok=True)
+    os.close(fd)
 
 
 @dataclass(frozen=True)

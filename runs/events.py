@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, Iterable
 
 
 class EventKind(str, Enum):
@@ -75,3 +75,12 @@ class Event:
         kind = EventKind(raw.pop("event"))
         t = float(raw.pop("t"))
         return cls(kind=kind, t=t, data=raw)
+
+
+def finish_reason(events: Iterable[Event]) -> str:
+    """Why the run ended, in the controller's words ("" when it completed or is still running)."""
+    reason = ""
+    for ev in events:
+        if ev.kind is EventKind.RUN_FINISHED:
+            reason = str(ev.get("reason") or "")
+    return reason

@@ -13,7 +13,7 @@ from ffctl.launching import execute, plan_launch
 from ffctl.launchspec import LaunchSpec
 from ffctl.render.live import LiveView
 from ffctl.render.report import render_plan, render_report
-from runs.events import RunStatus
+from runs.events import RunStatus, finish_reason
 from runs.metrics import compute
 
 
@@ -75,6 +75,8 @@ def register(app: typer.Typer) -> None:
             status, record = execute(plan, view)
         render_report(compute(record.run_id, record.events()).to_dict(), console)
         console.print(f"run {record.run_id}: {status.value} (record in {record.path})", markup=False, highlight=False)
+        if status is RunStatus.FAILED and (reason := finish_reason(record.events())):
+            typer.echo(f"ffctl launch: {reason}", err=True)
         if status is RunStatus.COMPLETED:
             return EXIT_OK
         return EXIT_INTERRUPTED if status is RunStatus.INTERRUPTED else EXIT_EXPECTATION

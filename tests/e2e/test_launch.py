@@ -182,6 +182,37 @@ def test_controller_sigkill_keeps_record_and_takes_everything_down(workdir: Path
 
 
 
+def test_a_second_run_with_the_same_id_on_this_host_is_refused(
+        workdir: Path, baseline: list[list[float]], tmp_path: Path) -> None:
+    # Two runs given the same id (say, two CI jobs with `--run-id ci`) would share shared-memory
+    # slot names on this host: the second must stop before it wipes or writes the first's slots.
+    run_id = rid("same")
+    first = start_launch(workdir, run_id, "--steps", "100000", "--seed", "0", "--spares", "1",
+                         "--inject", "kill-rank:rank=1,step=40")
+    try:
+        wait_step(workdir / "runs", run_id, 3)
+        other = tmp_path / "other"
+        other.mkdir()
+        second = launch(other, run_id, "--steps", "60", "--seed", "0", timeout=120)
+        wait_step(workdir / "runs", run_id, 70)  # recovered from the kill at 40 meanwhile
+        first.send_signal(signal.SIGINT)
+        first.wait(timeout=60)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert second.returncode != 0
+    line = second.stderr.strip().splitlines()[-1]
+    assert f"run id '{run_id}' is in use on this host" in line, second.stderr
+    assert first.returncode == 130
+    rep = json.loads((workdir / "runs" / run_id / "report.json").read_text())
+    # The first run recovered from its own slots, untouched: same losses as the fault-free run.
+    assert rep["loss_by_step"][:60] == baseline
+    (f,) = rep["faults"]
+    assert f["restore_source"] == "local-memory" and f["resumed_at"] is not None
+    assert_nothing_left(workdir)
+    assert_nothing_left(other)
+    assert not shm_left(run_id)
+
 ENV_SCRIPT = '''
 import json, os, sys
 from recovery import Job
