@@ -83,6 +83,7 @@ class Controller:
         self.nodes: dict[int, NodeState] = {}
         self.committed_step = 0
         self.recorded_step: dict[int, int] = {}  # gen -> highest STEP event written
+        self.rank_step: dict[int, int] = {}  # rank -> highest step it reported in this generation
         self.step_times: list[float] = []
         self.last_loss: float | None = None
         self.last_progress = time.monotonic()
@@ -229,6 +230,7 @@ class Controller:
             if gen != self.gen:
                 return
             self.last_progress = time.monotonic()
+            self.rank_step[int(rank)] = max(step, self.rank_step.get(int(rank), 0))
             if step > self.recorded_step.get(gen, -1):
                 self.recorded_step[gen] = step
                 self.committed_step = step
@@ -422,6 +424,7 @@ class Controller:
                 "restore_step": decision.restore_step if decision else 0,
                 "sources": {str(r): s for r, s in (decision.sources.items() if decision else [])}}
         self.gen = gen
+        self.rank_step = {}
         control.publish_plan(self.store, gen, plan)
         self._spawn(gen, respawn)
 
@@ -495,7 +498,11 @@ class Controller:
         while True:
             self.pump()
             self._check_hang()
-            self.injector.tick(self.committed_step, time.time() - self.started)
+            # A fault "at step k" lands once every rank has committed step k (and made it durable),
+            # not when the first one has: the job has completed step k, and no copy of it is still
+            # in flight when the fault hits.
+            everywhere = min((self.rank_step.get(r, 0) for r in self.members), default=0)
+            self.injector.tick(everywhere, time.time() - self.started)
             if self.pending is not None:
                 self.coordinator.recover()
             for n, due in list(self.deferred_restarts.items()):

@@ -3,11 +3,12 @@
 Each rank starts from its own copy of step s (its 1/W slice of the replicated state and its whole
 unique state), read from its agent, the ring neighbour or disk. Then:
 
-1. in one exchange, every rank learns whether every copy is usable (if not, nobody loads
-   anything) and every slice's checksum, taken from the copy that holds the slice;
-2. each rank checks its live replicated state against all of them. A survivor that stopped at
-   step s matches ("kept"); a replacement, a rank that got one step further, or a step function
-   that changed state before its first collective does not;
+1. each rank takes the checksum of every slice of its live replicated state; then, in one
+   exchange, every rank learns whether every copy is usable (if not, nobody loads anything),
+   every slice's checksum in the copy that holds the slice, and so which ranks' live state
+   matches the step. A survivor that stopped at step s matches ("kept"); a replacement, a rank
+   that got one step further, or a step function that changed state before its first
+   collective does not;
 3. when some rank matches, each rank that does not receives the whole replicated state from
    one that does, point to point, checks it slice by slice and loads it ("received"). Ranks that
    match load their own live tensors inside the snapshot's structure, which puts back its
@@ -39,16 +40,14 @@ KEPT, RECEIVED, GATHERED = "kept", "received", "gathered"
 TAG = 17  # point-to-point tag of the state transfer
 
 
-def _slice_crcs(layout: Layout, tensors: tuple[torch.Tensor, ...], world: int, want: list[int]) -> list[int]:
-    """crc32 of each slice of the live tensors; stops at the first that differs from `want`."""
+def _slice_crcs(layout: Layout, tensors: tuple[torch.Tensor, ...], world: int) -> list[int]:
+    """crc32 of each of the W slices of the live tensors."""
     out: list[int] = []
     for index in range(world):
         crc = 0
         for _, piece in slice_pieces(layout, tensors, index):
             crc = zlib.crc32(piece.numpy(), crc)
         out.append(crc)
-        if crc != want[index]:
-            break
     return out
 
 
@@ -72,21 +71,23 @@ def restore(group: Generation, entries: list[StateEntry], content: SlotContent |
     """Load `step` on this rank from its copy `content`; every rank of the group calls it
     together. Returns how this rank got its replicated state: "kept", "received" or "gathered"."""
     usable = content is not None and content.step == step and content.verify()
-    # One exchange tells every rank whether all copies are usable, and every slice's checksum.
-    table = group.allgather(torch.tensor([int(usable), zlib.crc32(content.shard) if usable else 0], dtype=torch.int64))
-    if not all(int(row[0]) for row in table):
-        raise Unusable(mine=not usable)
-    assert content is not None
-    want = [int(row[1]) for row in table]
-    meta = read_meta(content.meta)
-    layout: Layout = meta["layout"]
     world, rank = group.world_size, group.rank
-
+    meta = read_meta(content.meta) if usable and content is not None else None
     live = replicated(entries, world)
-    matches = live.layout == layout and _slice_crcs(live.layout, live.tensors, world, want) == want
-    flags = group.allgather(torch.tensor([1 if matches else 0], dtype=torch.int64))
-    keepers = [r for r, f in enumerate(flags) if int(f.item())]
-    needers = [r for r, f in enumerate(flags) if not int(f.item())]
+    same_layout = meta is not None and live.layout == meta["layout"]
+    mine = _slice_crcs(live.layout, live.tensors, world) if same_layout else [0] * world
+    # One exchange tells every rank whether all copies are usable, every slice's checksum (from
+    # the copy that holds it) and which ranks' live state matches them all.
+    row = [int(usable), zlib.crc32(content.shard) if usable and content is not None else 0, int(same_layout), *mine]
+    table = [[int(v) for v in r.tolist()] for r in group.allgather(torch.tensor(row, dtype=torch.int64))]
+    if not all(r[0] for r in table):
+        raise Unusable(mine=not usable)
+    assert content is not None and meta is not None
+    layout: Layout = meta["layout"]
+    want = [r[1] for r in table]
+    keepers = [q for q, r in enumerate(table) if r[2] and r[3:] == want]
+    needers = [q for q in range(world) if q not in keepers]
+    matches = rank in keepers
 
     if not keepers:
         whole = _gather(group, layout, content.shard)
@@ -94,10 +95,10 @@ def restore(group: Generation, entries: list[StateEntry], content: SlotContent |
         return GATHERED
     source = {n: keepers[i % len(keepers)] for i, n in enumerate(needers)}
     if matches:
-        mine = [n for n in needers if source[n] == rank]
-        if mine:
+        served = [n for n in needers if source[n] == rank]
+        if served:
             whole = torch.cat([as_bytes(t) for t in live.tensors]) if live.tensors else torch.empty(0, dtype=torch.uint8)
-            group.send(whole, mine, TAG)
+            group.send(whole, served, TAG)
         _set(entries, rebuild(meta, live.tensors))
         return KEPT
     whole = group.recv(torch.empty(layout.total, dtype=torch.uint8), source[rank], TAG)
