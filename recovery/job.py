@@ -179,6 +179,9 @@ class Job:
                 self.group.close()
             if self.writer is not None:
                 self.writer.close()
+            # Training is over: a SIGTERM from now on (the agent stopping a rank still tearing
+            # down) ends the process as usual instead of raising inside interpreter shutdown.
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
     def _send(self, kind: str, **fields: Any) -> None:
         with self._send_lock:
