@@ -9,15 +9,15 @@ unique state), read from its agent, the ring neighbour or disk. Then:
    matches the step. A survivor that stopped at step s matches ("kept"); a replacement, a rank
    that got one step further, or a step function that changed state before its first
    collective does not;
-3. when some rank matches, each rank that does not receives the whole replicated state from
+2. when some rank matches, each rank that does not receives the whole replicated state from
    one that does, point to point, checks it slice by slice and loads it ("received"). Ranks that
    match load their own live tensors inside the snapshot's structure, which puts back its
    non-tensor values (a learning rate a scheduler moved early in the aborted step), and their
    unique state (RNG, data position, a sharded optimizer's part);
-4. when none matches (restart strategies: every process is new), all ranks allgather their slices
+3. when none matches (restart strategies: every process is new), all ranks allgather their slices
    and load the whole ("gathered").
 
-Case 3 moves the replicated state once per replacement instead of to every rank, so recovery
+Case 2 moves the replicated state once per replacement instead of to every rank, so recovery
 time does not grow with the world size.
 """
 from __future__ import annotations

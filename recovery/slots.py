@@ -35,6 +35,10 @@ def slot_path(shm_dir: str, run_id: str, node: int, rank: int, slot: int) -> Pat
     return Path(shm_dir) / f"ffctl-{run_id}-n{node}-r{rank}-s{slot}"
 
 
+def _claim_path(shm_dir: str, run_id: str, node: int) -> Path:
+    return Path(shm_dir) / f"ffctl-{run_id}-n{node}.lock"
+
+
 class NodeBusy(Exception):
     """Another live process holds this node's slot names (a second run with the same id)."""
 
@@ -44,7 +48,7 @@ def claim_node(shm_dir: str, run_id: str, node: int) -> int:
     when the holder dies, however it dies. Two runs given the same run id on one host would
     otherwise wipe and overwrite each other's slots, and a slot of the other run for the same
     step passes every checksum. Returns the descriptor to keep open (not inherited by children)."""
-    path = Path(shm_dir) / f"ffctl-{run_id}-n{node}.lock"
+    path = _claim_path(shm_dir, run_id, node)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -58,7 +62,7 @@ def claim_node(shm_dir: str, run_id: str, node: int) -> int:
 def release_node(shm_dir: str, run_id: str, node: int, fd: int) -> None:
     """Give up a claim, removing the lock file first (while still held, so nobody holds a lock
     on a name that is gone)."""
-    (Path(shm_dir) / f"ffctl-{run_id}-n{node}.lock").unlink(missing_ok=True)
+    _claim_path(shm_dir, run_id, node).unlink(missing_ok=True)
     os.close(fd)
 
 
