@@ -10,7 +10,6 @@ from __future__ import annotations
 import datetime
 import signal
 import socket
-import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +25,7 @@ from ffctl.decide import Decision, ring_holder
 from ffctl.injector import Injector
 from ffctl.launchspec import LaunchSpec
 from ffctl.nodes import LocalNodes, NodeLauncher, NodeProcess
+from ffctl.progress import Progress, StepReport
 from recovery import control, disk
 from recovery.jobenv import JobEnv, Strategy
 from recovery.slots import NodeBusy, claim_node, release_node
@@ -81,11 +81,7 @@ class Controller:
         self.members: dict[int, int] = {r: r // spec.nproc_per_node for r in range(spec.world_size)}
         self.pids: dict[int, int | None] = {r: None for r in self.members}
         self.nodes: dict[int, NodeState] = {}
-        self.committed_step = 0
-        self.recorded_step: dict[int, int] = {}  # gen -> highest STEP event written
-        self.rank_step: dict[int, int] = {}  # rank -> highest step it reported in this generation
-        self.step_times: list[float] = []
-        self.last_loss: float | None = None
+        self.progress = Progress()
         self.last_progress = time.monotonic()
         self.gen_msgs: dict[tuple[str, int], set[int]] = {}  # (kind, gen) -> ranks
         self.restore_how: dict[int, dict[int, str]] = {}  # gen -> rank -> kept | received | gathered
@@ -117,11 +113,11 @@ class Controller:
         if not force and now - self._view_at < 0.1:
             return
         self._view_at = now
-        recent = self.step_times[-20:]
+        med = self.progress.median_step_s(last=20)
         self.view({
-            "run_id": self.rec.run_id, "phase": self.phase, "gen": self.gen, "step": self.committed_step,
-            "steps": self.spec.steps, "loss": self.last_loss,
-            "steps_per_s": (1.0 / statistics.median(recent)) if recent else None,
+            "run_id": self.rec.run_id, "phase": self.phase, "gen": self.gen, "step": self.progress.committed_step,
+            "steps": self.spec.steps, "loss": self.progress.last_loss,
+            "steps_per_s": (1.0 / med) if med else None,
             "fault": self.injector.describe_current(), "strategy": self.spec.recovery,
             "notice": self.notice,
         })
@@ -226,18 +222,12 @@ class Controller:
         now = time.time()
         rank = msg.get("rank")
         if kind == "step":
-            gen, step = int(msg["gen"]), int(msg["step"])
-            if gen != self.gen:
-                return
-            self.last_progress = time.monotonic()
-            self.rank_step[int(rank)] = max(step, self.rank_step.get(int(rank), 0))
-            if step > self.recorded_step.get(gen, -1):
-                self.recorded_step[gen] = step
-                self.committed_step = step
-                self.last_loss = float(msg["loss"])
-                self.step_times.append(float(msg["dt"]))
-                self.record(EventKind.STEP, t=now, step=step, loss=float(msg["loss"]),
-                            step_time_s=float(msg["dt"]), gen=gen, rank=rank)
+            rep = StepReport(int(msg["gen"]), int(msg["step"]), int(rank), float(msg["loss"]), float(msg["dt"]))
+            if rep.gen == self.gen:
+                self.last_progress = time.monotonic()
+            if self.progress.report(rep):
+                self.record(EventKind.STEP, t=now, step=rep.step, loss=rep.loss,
+                            step_time_s=rep.dt, gen=rep.gen, rank=rep.rank)
         elif kind == "agent_failed":
             self.nodes[int(msg["node"])].failed = str(msg["reason"])
         elif kind == "agent_up":
@@ -335,18 +325,17 @@ class Controller:
         # While the job starts, every host imports torch in several processes at once and an
         # agent can be starved of CPU for more than a second; a node lost then costs nothing to
         # wait for, so allow a longer silence until the first step is committed.
-        if self.recorded_step.get(0) is None and self.gen == 0:
+        if self.gen == 0 and not self.progress.started(0):
             return max(self.spec.heartbeat_timeout, STARTUP_HEARTBEAT_S)
         return self.spec.heartbeat_timeout
 
     def _check_hang(self) -> None:
         if self.phase != "running" or self.pending is not None:
             return
-        if self.recorded_step.get(self.gen) is None:
+        if not self.progress.started():
             limit = STARTUP_HANG_S
         else:
-            med = statistics.median(self.step_times[-50:]) if self.step_times else 0.0
-            limit = max(10 * med, self.spec.hang_min_s)
+            limit = self.progress.hang_limit(self.spec.hang_min_s)
         if time.monotonic() - self.last_progress > limit:
             self._fail(Failure("hang", detail=f"no step progress for {limit:.1f}s"))
 
@@ -424,7 +413,7 @@ class Controller:
                 "restore_step": decision.restore_step if decision else 0,
                 "sources": {str(r): s for r, s in (decision.sources.items() if decision else [])}}
         self.gen = gen
-        self.rank_step = {}
+        self.progress.open(gen, int(plan["restore_step"]))
         control.publish_plan(self.store, gen, plan)
         self._spawn(gen, respawn)
 
@@ -485,7 +474,7 @@ class Controller:
             self.phase = status.value
             self.show(force=True)
             self._teardown()
-            self.record(EventKind.RUN_FINISHED, status=status.value, steps_completed=self.committed_step,
+            self.record(EventKind.RUN_FINISHED, status=status.value, steps_completed=self.progress.committed_step,
                         reason=reason or self.fatal_reason)
             self.rec.write_json("report.json", compute(self.rec.run_id, self.rec.events()).to_dict())
             self.rec.close()
@@ -501,8 +490,7 @@ class Controller:
             # A fault "at step k" lands once every rank has committed step k (and made it durable),
             # not when the first one has: the job has completed step k, and no copy of it is still
             # in flight when the fault hits.
-            everywhere = min((self.rank_step.get(r, 0) for r in self.members), default=0)
-            self.injector.tick(everywhere, time.time() - self.started)
+            self.injector.tick(self.progress.everywhere(list(self.members)), time.time() - self.started)
             if self.pending is not None:
                 self.coordinator.recover()
             for n, due in list(self.deferred_restarts.items()):

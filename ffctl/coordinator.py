@@ -108,7 +108,7 @@ class RecoveryCoordinator:
             self._kill(lost)
         decision = self._decide(lost, lost_nodes)
         new_gen = old_gen + 1
-        if decision is None and ctl.committed_step == 0:
+        if decision is None and ctl.progress.committed_step == 0:
             # Nothing was trained yet: starting over from step 0 loses nothing.
             decision = Decision(0, "none", {r: {"kind": "none"} for r in ctl.members})
             self._kill(set(ctl.members) - lost)

@@ -13,7 +13,6 @@ after the library's default when it has none.
 from __future__ import annotations
 
 import ipaddress
-import statistics
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterator
@@ -151,8 +150,7 @@ class Injector:
         if fault.reverted_t is not None and self._progress_t > fault.reverted_t:
             return True
         ctl = self.ctl
-        recent = ctl.step_times[-50:]
-        hang_limit = max(10 * statistics.median(recent) if recent else 0.0, ctl.spec.hang_min_s)
+        hang_limit = ctl.progress.hang_limit(ctl.spec.hang_min_s)
         return self._progress_t - fault.injected_t > hang_limit + SURVIVE_MARGIN_S
 
     def _settled(self) -> bool:
@@ -226,7 +224,7 @@ class Injector:
         self.ctl.record(
             EventKind.FAULT_INJECTED, fault_id=fault_id, kind=spec.kind.value, target=str(spec.target),
             trigger=str(spec.trigger), ranks=list(plan.ranks), nodes=list(plan.nodes),
-            at_step=self.ctl.committed_step, gen=self.ctl.gen, emulated=plan.emulated,
+            at_step=self.ctl.progress.committed_step, gen=self.ctl.gen, emulated=plan.emulated,
             duration=deadman.duration_of(spec) if plan.revertible else None,
             commands=[str(c) for c in plan.apply], guarded=bool(plan.deadman),
         )

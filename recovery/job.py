@@ -121,12 +121,16 @@ class Job:
         assert self.writer is not None
 
         def durable() -> None:
-            if self.env.replicate:
-                self._wait_replicated(cap.step)
-            if report is not None:
+            try:
+                if self.env.replicate:
+                    self._wait_replicated(cap.step)
+            finally:
                 # The controller hears of the step once it can be restored, so a fault fired
-                # "at step k" finds step k in memory rather than racing its copy.
-                report()
+                # "at step k" finds step k in memory rather than racing its copy. A failure cut
+                # short the wait for the neighbour's copy: the step is still committed here and
+                # the recovery may restore it, so its loss must reach the run record anyway.
+                if report is not None:
+                    report()
 
         self.writer.begin(cap, then=durable)
 
