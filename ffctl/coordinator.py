@@ -62,7 +62,8 @@ class RecoveryCoordinator:
 
     def _abort(self, gen: int) -> None:
         assert self.ctl.store is not None
-        self.ctl.store.set(control.gen_abort_key(gen), "1")
+        keys = [control.gen_abort_key(gen, r) for r in range(self.ctl.spec.world_size)]
+        self.ctl.store.multi_set(keys, ["1"] * len(keys))
 
     def _kill(self, ranks: set[int], grace: float = 3.0) -> None:
         """Ask the agents to stop these ranks. Their pids stay known until the agents report the

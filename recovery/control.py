@@ -29,8 +29,10 @@ def gen_plan_key(gen: int) -> str:
     return f"gen/{gen}/plan"
 
 
-def gen_abort_key(gen: int) -> str:
-    return f"gen/{gen}/abort"
+def gen_abort_key(gen: int, rank: int) -> str:
+    # One key per rank: each rank's watcher blocks on its own, so the rank can also set it to
+    # wake its watcher when it drops the group (a TCPStore wait cannot be interrupted otherwise).
+    return f"gen/{gen}/abort/{rank}"
 
 
 def heartbeat_key(node: int) -> str:

@@ -193,7 +193,7 @@ class Job:
 
     def _join(self, gen: int, plan: dict[str, Any]) -> int:
         if self.group is not None:
-            self.group.close()  # the old group is dropped, not destroyed: it may still be blocked
+            self.group.close()  # destroyed now, or once its blocked collective ends
         self.group = Generation(self.store, self.env.store_host, self.env.store_port, gen, self.env.rank,
                                 int(plan["world_size"]), self.env.pg_timeout, self.env.backend)
         self.group.barrier()
