@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import datetime
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -90,7 +90,9 @@ class Generation:
     """The process group of one generation and the waits that the controller can interrupt."""
 
     def __init__(self, store: dist.Store, host: str, port: int, gen: int, rank: int, world_size: int,
-                 timeout: float, backend: str = "gloo") -> None:
+                 timeout: float, backend: str = "gloo", meanwhile: Callable[[], None] | None = None) -> None:
+        """Build the group; `meanwhile` runs on this thread while it is being built (work that
+        needs no group, done while waiting for the other ranks to arrive)."""
         self.gen = gen
         self.rank = rank
         self.world_size = world_size
@@ -116,6 +118,12 @@ class Generation:
         # rendezvous would hold the others there for the full timeout, so build on a thread and
         # leave it behind if the controller aborts this generation.
         threading.Thread(target=build, name=f"ffctl-pg-{gen}", daemon=True).start()
+        if meanwhile is not None:
+            try:
+                meanwhile()
+            except BaseException:
+                self.watcher.stop(store)
+                raise
         while not built and not failed:
             if self.watcher.aborted.is_set():
                 raise PeerFailure(gen, "rendezvous aborted: the controller opened a new generation")

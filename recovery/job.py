@@ -30,7 +30,7 @@ from recovery.group import Generation
 from recovery.jobenv import JobEnv, Strategy
 from recovery.peer import ChannelError, PeerClient
 from recovery.slots import SlotContent, SlotWriter, read_slot, slot_path
-from recovery.restore import Unusable, restore
+from recovery.restore import Prepared, Unusable, prepare, restore
 from recovery.snapshot import Capture, StateEntry, capture
 
 PLAN_TIMEOUT = 600.0
@@ -194,14 +194,22 @@ class Job:
     def _join(self, gen: int, plan: dict[str, Any]) -> int:
         if self.group is not None:
             self.group.close()  # destroyed now, or once its blocked collective ends
+        step, world = int(plan.get("restore_step") or 0), int(plan["world_size"])
+        source = plan["sources"][str(self.env.rank)] if step > 0 else {}
+        prepared: list[Prepared] = []
+
+        def fetch_and_check() -> None:
+            # Reading this rank's copy and the checksums of its live state need no group: done
+            # while the group is built, they cost the recovery nothing when others are slower.
+            if step > 0:
+                prepared.append(prepare(self.entries, self._fetch(step, source), step, world))
+
         self.group = Generation(self.store, self.env.store_host, self.env.store_port, gen, self.env.rank,
-                                int(plan["world_size"]), self.env.pg_timeout, self.env.backend)
+                                world, self.env.pg_timeout, self.env.backend, meanwhile=fetch_and_check)
         self.group.barrier()
         self._send("joined", gen=gen)
-        step = int(plan.get("restore_step") or 0)
         if step > 0:
-            source = plan["sources"][str(self.env.rank)]
-            how = self._restore(gen, step, source)
+            how = self._restore(gen, step, source, prepared[0])
             self._send("restored", gen=gen, step=step, source=source["kind"], how=how)
         self.last_committed = step
         if step == 0 and self.writer is not None:
@@ -226,13 +234,12 @@ class Job:
         node = int(source.get("node", self.env.node))
         return read_slot(slot_path(self.env.shm_dir, self.env.run_id, node, self.env.rank, step % 2))
 
-    def _restore(self, gen: int, step: int, source: dict[str, Any]) -> str:
-        content = self._fetch(step, source)
+    def _restore(self, gen: int, step: int, source: dict[str, Any], prepared: Prepared) -> str:
         assert self.group is not None
         try:
-            return restore(self.group, self.entries, content, step)
+            return restore(self.group, self.entries, prepared)
         except Unusable as exc:
-            why = "missing" if content is None else "checksum mismatch"
+            why = "missing" if prepared.content is None else "checksum mismatch"
             if exc.mine:
                 self._send("restore_failed", gen=gen, step=step, source=source["kind"], reason=why)
             raise PeerFailure(gen, f"state for step {step} unusable on some rank ({why if exc.mine else 'peer'})") from None

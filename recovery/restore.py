@@ -3,7 +3,8 @@
 Each rank starts from its own copy of step s (its 1/W slice of the replicated state and its whole
 unique state), read from its agent, the ring neighbour or disk. Then:
 
-1. each rank takes the checksum of every slice of its live replicated state; then, in one
+1. each rank checks its copy and takes the checksum of every slice of its live replicated state
+   (`prepare`: this needs no group, so it runs while the new group is being built); then, in one
    exchange, every rank learns whether every copy is usable (if not, nobody loads anything),
    every slice's checksum in the copy that holds the slice, and so which ranks' live state
    matches the step. A survivor that stopped at step s matches ("kept"); a replacement, a rank
@@ -23,6 +24,7 @@ time does not grow with the world size.
 from __future__ import annotations
 
 import zlib
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -67,18 +69,36 @@ class Unusable(Exception):
         self.mine = mine
 
 
-def restore(group: Generation, entries: list[StateEntry], content: SlotContent | None, step: int) -> str:
-    """Load `step` on this rank from its copy `content`; every rank of the group calls it
-    together. Returns how this rank got its replicated state: "kept", "received" or "gathered"."""
+@dataclass(frozen=True)
+class Prepared:
+    """What a rank can work out before the new group exists: whether its copy is usable and the
+    checksums of its copy and of its live state. Computed while the group is being built."""
+
+    content: SlotContent | None
+    usable: bool
+    meta: dict[str, Any] | None
+    live: Any  # the live replicated state (snapshot.Replicated)
+    row: list[int]  # this rank's row of the exchange
+
+
+def prepare(entries: list[StateEntry], content: SlotContent | None, step: int, world: int) -> Prepared:
     usable = content is not None and content.step == step and content.verify()
-    world, rank = group.world_size, group.rank
     meta = read_meta(content.meta) if usable and content is not None else None
     live = replicated(entries, world)
     same_layout = meta is not None and live.layout == meta["layout"]
     mine = _slice_crcs(live.layout, live.tensors, world) if same_layout else [0] * world
+    shard_crc = zlib.crc32(content.shard) if usable and content is not None else 0
+    return Prepared(content, usable, meta, live, [int(usable), shard_crc, int(same_layout), *mine])
+
+
+def restore(group: Generation, entries: list[StateEntry], prepared: Prepared) -> str:
+    """Load the restore step on this rank from its copy, as `prepare` found it (nothing may have
+    changed the live state since); every rank of the group calls it together. Returns how this
+    rank got its replicated state: "kept", "received" or "gathered"."""
+    world, rank = group.world_size, group.rank
+    content, usable, meta, live, row = prepared.content, prepared.usable, prepared.meta, prepared.live, prepared.row
     # One exchange tells every rank whether all copies are usable, every slice's checksum (from
     # the copy that holds it) and which ranks' live state matches them all.
-    row = [int(usable), zlib.crc32(content.shard) if usable and content is not None else 0, int(same_layout), *mine]
     table = [[int(v) for v in r.tolist()] for r in group.allgather(torch.tensor(row, dtype=torch.int64))]
     if not all(r[0] for r in table):
         raise Unusable(mine=not usable)

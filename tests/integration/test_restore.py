@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from recovery.group import Generation
-from recovery.restore import GATHERED, KEPT, RECEIVED, restore
+from recovery.restore import GATHERED, KEPT, RECEIVED, prepare, restore
 from recovery.slots import SlotContent
 from recovery.snapshot import StateEntry, capture
 
@@ -123,7 +123,7 @@ def _rank_main(rank: int, port: int) -> None:
                 local.opt.param_groups[0]["lr"] = 0.5
         group = Generation(store, "127.0.0.1", port, gen, rank, WORLD, timeout=120.0)
         try:
-            how = restore(group, local.entries, content, SNAP_STEP)
+            how = restore(group, local.entries, prepare(local.entries, content, SNAP_STEP, WORLD))
         finally:
             group.close()
         results[name] = (how, _same(_state(local), reference))
