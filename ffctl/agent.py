@@ -27,6 +27,7 @@ from ffctl.replicator import Replicator
 from ffctl.workerenv import worker_env
 from recovery import control
 from recovery.peer import PeerStore
+from recovery.jobenv import SHM_DIR
 from recovery.slots import NodeBusy, claim_node, read_header, release_node, slot_path
 
 POLL_S = 0.02
@@ -52,7 +53,7 @@ class AgentConfig:
     worker_env: dict[str, str] = field(default_factory=dict)
     python: str = sys.executable
     cwd: str = ""
-    shm_dir: str = "/dev/shm"
+    shm_dir: str = SHM_DIR
     spares: int = 0
     incarnation: int = 0
     keep_freed_memory: bool = True  # see ffctl.workerenv

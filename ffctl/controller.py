@@ -27,7 +27,7 @@ from ffctl.launchspec import LaunchSpec
 from ffctl.nodes import LocalNodes, NodeLauncher, NodeProcess
 from ffctl.progress import Progress, StepReport
 from recovery import control, disk
-from recovery.jobenv import JobEnv, Strategy
+from recovery.jobenv import SHM_DIR, JobEnv, Strategy
 from recovery.slots import NodeBusy, claim_node, release_node
 from runs.events import EventKind, RunStatus
 from runs.metrics import compute
@@ -522,15 +522,15 @@ class Controller:
             swept = 0
             for n in self.nodes:
                 try:
-                    fd = claim_node("/dev/shm", self.rec.run_id, n)
+                    fd = claim_node(SHM_DIR, self.rec.run_id, n)
                 except NodeBusy:
                     continue
-                for path in Path("/dev/shm").glob(f"ffctl-{self.rec.run_id}-n{n}-*"):
+                for path in Path(SHM_DIR).glob(f"ffctl-{self.rec.run_id}-n{n}-*"):
                     path.unlink(missing_ok=True)
-                release_node("/dev/shm", self.rec.run_id, n, fd)
+                release_node(SHM_DIR, self.rec.run_id, n, fd)
                 swept += 1
             if swept == len(self.nodes):
-                for path in Path("/dev/shm").glob(f"ffctl-{self.rec.run_id}-fault-*"):
+                for path in Path(SHM_DIR).glob(f"ffctl-{self.rec.run_id}-fault-*"):
                     path.unlink(missing_ok=True)
         self.store = None  # its server closes the listening socket
 

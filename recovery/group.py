@@ -118,20 +118,19 @@ class Generation:
         # rendezvous would hold the others there for the full timeout, so build on a thread and
         # leave it behind if the controller aborts this generation.
         threading.Thread(target=build, name=f"ffctl-pg-{gen}", daemon=True).start()
-        if meanwhile is not None:
-            try:
+        try:
+            if meanwhile is not None:
                 meanwhile()
-            except BaseException:
-                self.watcher.stop(store)
-                raise
-        while not built and not failed:
-            if self.watcher.aborted.is_set():
-                raise PeerFailure(gen, "rendezvous aborted: the controller opened a new generation")
-            self._wake.wait(0.05)
-            self._wake.clear()
-        if failed:
+            while not built and not failed:
+                if self.watcher.aborted.is_set():
+                    raise PeerFailure(gen, "rendezvous aborted: the controller opened a new generation")
+                self._wake.wait(0.05)
+                self._wake.clear()
+            if failed:
+                raise PeerFailure(gen, f"rendezvous failed: {str(failed[0]).splitlines()[0][:200]}")
+        except BaseException:
             self.watcher.stop(store)  # no group to watch: end its wait rather than leave it blocked
-            raise PeerFailure(gen, f"rendezvous failed: {str(failed[0]).splitlines()[0][:200]}")
+            raise
         self.pg: Any = built[0]
         self._inflight = _Inflight()
         self._timeout = timeout

@@ -201,11 +201,11 @@ class Job:
         def fetch_and_check() -> None:
             # Reading this rank's copy and the checksums of its live state need no group: done
             # while the group is built, they cost the recovery nothing when others are slower.
-            if step > 0:
-                prepared.append(prepare(self.entries, self._fetch(step, source), step, world))
+            prepared.append(prepare(self.entries, self._fetch(step, source), step, world))
 
         self.group = Generation(self.store, self.env.store_host, self.env.store_port, gen, self.env.rank,
-                                world, self.env.pg_timeout, self.env.backend, meanwhile=fetch_and_check)
+                                world, self.env.pg_timeout, self.env.backend,
+                                meanwhile=fetch_and_check if step > 0 else None)
         self.group.barrier()
         self._send("joined", gen=gen)
         if step > 0:

@@ -9,6 +9,8 @@ import os
 from dataclasses import asdict, dataclass, fields
 from typing import Mapping
 
+SHM_DIR = "/dev/shm"  # where slots and in-step fault files live unless configured otherwise
+
 
 class Strategy:
     """Recovery strategies (DESIGN.md): values of `--recovery`."""
@@ -32,14 +34,14 @@ class JobEnv:
     store_port: int
     gen: int
     strategy: str = Strategy.PEER
-    shm_dir: str = "/dev/shm"
+    shm_dir: str = SHM_DIR
     ckpt_dir: str = ""
     ckpt_every: int = 0
     replicate: bool = False  # wait for the ring neighbour's copy before the next update
     token: str = ""
     pg_timeout: float = 60.0
     backend: str = "gloo"
-    fault_dir: str = "/dev/shm"
+    fault_dir: str = SHM_DIR
 
     @property
     def memory_snapshots(self) -> bool:

@@ -32,7 +32,7 @@ import torch
 from recovery.errors import RecoveryError
 from recovery.slots import SlotContent
 from recovery.snapshot import (
-    Layout, StateEntry, as_bytes, assemble, read_meta, rebuild, replicated, slice_pieces,
+    Layout, Replicated, StateEntry, as_bytes, assemble, read_meta, rebuild, replicated, slice_pieces,
 )
 
 if TYPE_CHECKING:
@@ -77,7 +77,7 @@ class Prepared:
     content: SlotContent | None
     usable: bool
     meta: dict[str, Any] | None
-    live: Any  # the live replicated state (snapshot.Replicated)
+    live: Replicated
     row: list[int]  # this rank's row of the exchange
 
 
