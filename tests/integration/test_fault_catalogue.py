@@ -480,6 +480,11 @@ def test_partition_is_reverted_after_the_controller_is_sigkilled(workdir: tuple[
                         "--inject", f"net-partition:node=1,step=5,duration={duration:g}")
     try:
         injected = wait_event(cwd, run_id, lambda ev: ev.kind is EventKind.FAULT_INJECTED, 240, proc)
+        # The injection is recorded before it is applied (the record keeps the intent even if
+        # the controller dies while applying): wait for the rule itself.
+        applied_by = time.monotonic() + 30.0
+        while "FFCTL" not in sh("iptables", "-w", "-S", netns=ns1) and time.monotonic() < applied_by:
+            time.sleep(0.1)
         assert "FFCTL" in sh("iptables", "-w", "-S", netns=ns1)
         time.sleep(2.0)  # in the middle of the partition
         os.kill(proc.pid, signal.SIGKILL)
