@@ -2,8 +2,9 @@
 
 A background thread watches the headers of the node's slots, woken by the ranks' doorbell when
 a slot becomes valid (and every SCAN_S in case a ring was lost); each newly valid slot is read
-(seqlock-consistent), sent over the authenticated channel, verified by the receiver's checksum,
-and acknowledged in the slot's header so the rank knows its step is safe off-node. The agent
+(seqlock-consistent), sent over the authenticated channel with its checksum, committed at the
+receiver only if the writer left it alone meanwhile, and acknowledged in the slot's header so the
+rank knows its step is safe off-node. The agent
 also reports each step held off-node once, as a `replicated` message (a snapshot_taken event).
 """
 from __future__ import annotations

@@ -255,8 +255,7 @@ class Job:
             except Exception as exc:
                 self._report_error(step, exc)
                 raise
-            dt = time.perf_counter() - t0
-            self._commit(step, loss, dt)
+            self._commit(step, loss, t0)
 
     def _report_error(self, step: int, exc: Exception) -> None:
         """Tell the controller that the step raised (a device error, an OOM, a bug), with the
@@ -268,20 +267,21 @@ class Job:
         except Exception:  # noqa: BLE001 - the controller may be gone; the exit still tells the agent
             pass
 
-    def _commit(self, step: int, loss: float, dt: float) -> None:
+    def _commit(self, step: int, loss: float, t0: float) -> None:
+        """Commit `step` (begun at `t0`): capture its snapshot and report it once durable. The
+        step's time includes the capture, so what per-step snapshots cost a step shows in it;
+        a periodic disk checkpoint is written after that, outside it."""
         self.last_committed = step
         gen = self.group.gen if self.group else 0
-        report = lambda: self._send("step", gen=gen, step=step, loss=loss, dt=dt)  # noqa: E731
-        if self.writer is None:
-            report()
         needs_disk = self.env.ckpt_every > 0 and step % self.env.ckpt_every == 0 and self.env.ckpt_dir
-        if self.writer is None and not needs_disk:
-            return
         world = self.group.world_size if self.group else self.env.world_size
-        cap = capture(self.entries, step, self.env.rank, world)
-        if self.writer is not None:
+        cap = capture(self.entries, step, self.env.rank, world) if self.writer is not None or needs_disk else None
+        dt = time.perf_counter() - t0
+        report = lambda: self._send("step", gen=gen, step=step, loss=loss, dt=dt)  # noqa: E731
+        if self.writer is not None and cap is not None:
             self._snapshot(cap, report)
-        if needs_disk:
+        else:
+            report()
+        if needs_disk and cap is not None:
             disk.save(self.env.ckpt_dir, cap)
             self._send("ckpt", step=step)
-

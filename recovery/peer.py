@@ -6,10 +6,13 @@ job token, so only the job's own agents and ranks can read or plant snapshots. F
 runs: it serves its own ranks' slots from shared memory and holds replicas of its ring
 neighbour's slots in memory.
 
-Streaming a slot happens every step, so it copies as little as it can: the sender hands the
-slot file to the kernel (`sendfile`), and the receiver reads straight into a buffer it keeps per
-(rank, slot) and checks the checksum there. A slot torn by its writer during the transfer fails
-that check and is not kept.
+Streaming a slot happens every step, beside training, so it costs as little CPU as it can: the
+sender hands the slot file to the kernel (`sendfile`) and the receiver reads straight into a
+buffer it keeps per (rank, slot). A put is two-phase. The receiver holds the bytes as pending and
+says so; the sender then looks at the slot's seqlock and commits the copy only if the writer did
+not touch the slot meanwhile, so a torn copy is never kept. The receiver does not checksum what it
+got: the slot's checksum travels with the copy and whoever restores from it verifies it before
+use (a checksum per step on every receiver would cost a full pass over the state each step).
 """
 from __future__ import annotations
 
@@ -21,7 +24,6 @@ import socket
 import socketserver
 import struct
 import threading
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -114,6 +116,7 @@ class PeerStore:
         self.local_slot = local_slot  # (rank, slot index) -> path of this node's slot file
         self.replicas: dict[tuple[int, int], _Replica] = {}  # (rank, slot) -> verified copy
         self._buffers: dict[tuple[int, int], bytearray] = {}  # reused from step to step
+        self._pending: dict[tuple[int, int], _Replica] = {}  # received, not yet committed
         self.lock = threading.Lock()
         store = self
 
@@ -127,6 +130,8 @@ class PeerStore:
                         header = recv_header(self.request)
                         if header.get("op") == "put":
                             reply, body = store.receive(header, self.request), b""
+                        elif header.get("op") in ("commit", "drop"):
+                            reply, body = store.settle(header), b""
                         else:
                             length = int(header.get("len", 0))
                             payload = _recv_exact(self.request, length) if length else b""
@@ -150,21 +155,30 @@ class PeerStore:
         self.server.server_close()
 
     def receive(self, header: dict[str, Any], sock: socket.socket) -> dict[str, Any]:
-        """Read a streamed slot into this (rank, slot)'s buffer; keep it only if it verifies."""
+        """Read a streamed slot into this (rank, slot)'s buffer, pending until the sender commits."""
         rank, step, length = int(header["rank"]), int(header["step"]), int(header["len"])
         meta_len, crc = int(header["meta_len"]), int(header["crc"])
         key = (rank, step % 2)
         with self.lock:
             self.replicas.pop(key, None)  # the old copy of this slot is being overwritten
+            self._pending.pop(key, None)
             buf = self._buffers.get(key)
             if buf is None or len(buf) < length:
                 buf = self._buffers[key] = bytearray(length)
-        view = memoryview(buf)
-        _recv_into(sock, view[:length])
-        if zlib.crc32(view[meta_len:length], zlib.crc32(view[:meta_len])) != crc:
-            return {"ok": False, "error": "checksum mismatch"}
+        _recv_into(sock, memoryview(buf)[:length])
         with self.lock:
-            self.replicas[key] = _Replica(step, crc, meta_len, length, buf)
+            self._pending[key] = _Replica(step, crc, meta_len, length, buf)
+        return {"ok": True, "received": True}
+
+    def settle(self, header: dict[str, Any]) -> dict[str, Any]:
+        """The second phase of a put: keep the pending copy ("commit") or forget it ("drop")."""
+        rank, step = int(header["rank"]), int(header["step"])
+        with self.lock:
+            pending = self._pending.pop((rank, step % 2), None)
+            if pending is None or pending.step != step:
+                return {"ok": False, "error": f"no pending copy of rank {rank} step {step}"}
+            if header["op"] == "commit":
+                self.replicas[(rank, step % 2)] = pending
         return {"ok": True}
 
     def find(self, rank: int, step: int, where: str) -> SlotContent | None:
@@ -210,13 +224,18 @@ class PeerClient:
                           "len": length}).encode()
         self.sock.sendall(_LEN.pack(len(raw)) + raw)
 
+    def _settle(self, rank: int, step: int, keep: bool) -> bool:
+        send_frame(self.sock, {"op": "commit" if keep else "drop", "rank": rank, "step": step})
+        reply, _ = recv_frame(self.sock)
+        return keep and bool(reply.get("ok"))
+
     def put(self, rank: int, content: SlotContent) -> None:
         length = len(content.meta) + len(content.shard)
         self._put_header(rank, content.step, content.crc, len(content.meta), length)
         self.sock.sendall(content.meta)
         self.sock.sendall(content.shard)
         reply, _ = recv_frame(self.sock)
-        if not reply.get("ok"):
+        if not reply.get("ok") or not self._settle(rank, content.step, keep=True):
             raise ChannelError(f"peer refused replica of rank {rank} step {content.step}: {reply.get('error')}")
 
     def put_slot(self, rank: int, path: Path) -> int | None:
@@ -230,10 +249,10 @@ class PeerClient:
         with open(path, "rb") as fh:
             self.sock.sendfile(fh, offset=DATA_OFFSET, count=length)
         reply, _ = recv_frame(self.sock)
+        # The peer has copied every byte by now: an unchanged seqlock means an untorn copy.
         after = read_header(path)
-        if not reply.get("ok") or after is None or after.seq != before.seq:
-            return None
-        return before.step
+        intact = bool(reply.get("ok")) and after is not None and after.valid and after.seq == before.seq
+        return before.step if self._settle(rank, before.step, intact) else None
 
     def get(self, rank: int, step: int, where: str) -> SlotContent | None:
         send_frame(self.sock, {"op": "get", "rank": rank, "step": step, "where": where})

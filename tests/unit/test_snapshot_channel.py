@@ -90,15 +90,49 @@ def test_channel_round_trip_and_checksum(tmp_path: Path) -> None:
         got = client.get(2, 7, "replica")
         assert got == seven and got.verify()
         assert client.get(2, 9, "replica") is None
-        # A copy that fails its checksum is refused; its slot then holds nothing, never a torn
-        # copy, and the other slot (step 8) is untouched.
-        with pytest.raises(ChannelError, match="checksum"):
-            client.put(2, SlotContent(9, b"meta", b"tampered", seven.crc))
-        assert store.inventory()["replica"] == {"2": [8]}
+        # The receiver keeps what it was sent with the sender's checksum: a copy damaged on the
+        # way is held, and whoever restores from it finds the checksum wrong before using it.
+        client.put(2, SlotContent(9, b"meta", b"tampered", seven.crc))
+        damaged = client.get(2, 9, "replica")
+        assert damaged is not None and damaged.shard == b"tampered" and not damaged.verify()
+        assert store.inventory()["replica"] == {"2": [8, 9]}
         assert client.get(2, 8, "replica") == eight
         client.close()
     finally:
         store.stop()
+
+
+def test_slot_rewritten_while_streamed_is_not_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The writer reuses a slot while its copy is in flight: the sender sees the seqlock move
+    once the peer holds the bytes and drops the copy, so no torn replica is ever kept."""
+    import recovery.peer as peer
+
+    _, _, entries = _state()
+    writer = SlotWriter(str(tmp_path), "r", 0, 1)
+    writer.begin(capture(entries, 6, 1, 2))
+    writer.fence()
+    store = _store(tmp_path)
+    real_read_header = peer.read_header
+    looks: list[int] = []
+
+    def rewritten_after_first_look(path: Path):  # type: ignore[no-untyped-def]
+        looks.append(1)
+        if len(looks) == 2:  # the look after the peer has copied the bytes
+            writer.begin(capture(entries, 8, 1, 2))
+            writer.fence()
+        return real_read_header(path)
+
+    monkeypatch.setattr(peer, "read_header", rewritten_after_first_look)
+    try:
+        client = PeerClient(store.address, store.port, "t" * 64)
+        assert client.put_slot(1, writer.paths[0]) is None
+        assert store.inventory()["replica"] == {} and client.get(1, 6, "replica") is None
+        assert client.put_slot(1, writer.paths[0]) == 8  # the next pass sends the new content
+        assert client.get(1, 8, "replica") == read_slot(writer.paths[0])
+        client.close()
+    finally:
+        store.stop()
+        writer.close()
 
 
 def test_slot_streamed_from_shared_memory(tmp_path: Path) -> None:
