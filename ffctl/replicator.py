@@ -4,8 +4,10 @@ A background thread watches the headers of the node's slots, woken by the ranks'
 a slot becomes valid (and every SCAN_S in case a ring was lost); each newly valid slot is read
 (seqlock-consistent), sent over the authenticated channel with its checksum, committed at the
 receiver only if the writer left it alone meanwhile, and acknowledged in the slot's header so the
-rank knows its step is safe off-node. The agent
-also reports each step held off-node once, as a `replicated` message (a snapshot_taken event).
+rank knows its step is safe off-node. The agent also reports the newest step held off-node, as a
+`replicated` message (a snapshot_taken event): at once the first time, then at most every
+REPORT_S, since every node reporting every step would make the controller write (and fsync) a
+record line per node per step.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ if TYPE_CHECKING:
 
 SCAN_S = 0.05  # look at the headers this often even without a ring
 RESCAN_FILES_S = 0.2
+REPORT_S = 1.0
 
 
 class Replicator:
@@ -33,6 +36,7 @@ class Replicator:
         self.sent: dict[Any, tuple[int, int]] = {}  # slot path -> (step, seq) sent
         self.watches: dict[Any, HeaderWatch] = {}
         self.reported = 0
+        self._reported_at = 0.0
         self._stop = threading.Event()
         self.bell = Doorbell(agent.cfg.run_id, agent.cfg.node)
         self._thread = threading.Thread(target=self._run, name="ffctl-replicator", daemon=True)
@@ -120,8 +124,9 @@ class Replicator:
         if not by_rank:
             return
         held = min(by_rank.values())
-        if held > self.reported:
-            self.reported = held
+        now = time.monotonic()
+        if held > self.reported and now - self._reported_at >= REPORT_S:
+            self.reported, self._reported_at = held, now
             try:
                 self.agent._report("replicated", step=held, ranks=sorted(int(r) for r in by_rank))
             except Exception:
