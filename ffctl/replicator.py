@@ -115,7 +115,8 @@ class Replicator:
         write_ack(path, held)
 
     def _report_progress(self, files: list[Any]) -> None:
-        if self.target is None:
+        now = time.monotonic()
+        if self.target is None or now - self._reported_at < REPORT_S:
             return
         by_rank: dict[str, int] = {}
         for path, (step, _) in list(self.sent.items()):
@@ -124,8 +125,7 @@ class Replicator:
         if not by_rank:
             return
         held = min(by_rank.values())
-        now = time.monotonic()
-        if held > self.reported and now - self._reported_at >= REPORT_S:
+        if held > self.reported:
             self.reported, self._reported_at = held, now
             try:
                 self.agent._report("replicated", step=held, ranks=sorted(int(r) for r in by_rank))

@@ -274,14 +274,16 @@ class Job:
         self.last_committed = step
         gen = self.group.gen if self.group else 0
         needs_disk = self.env.ckpt_every > 0 and step % self.env.ckpt_every == 0 and self.env.ckpt_dir
-        world = self.group.world_size if self.group else self.env.world_size
-        cap = capture(self.entries, step, self.env.rank, world) if self.writer is not None or needs_disk else None
+        if self.writer is None and not needs_disk:
+            self._send("step", gen=gen, step=step, loss=loss, dt=time.perf_counter() - t0)
+            return
+        cap = capture(self.entries, step, self.env.rank, self.group.world_size if self.group else self.env.world_size)
         dt = time.perf_counter() - t0
         report = lambda: self._send("step", gen=gen, step=step, loss=loss, dt=dt)  # noqa: E731
-        if self.writer is not None and cap is not None:
+        if self.writer is not None:
             self._snapshot(cap, report)
         else:
             report()
-        if needs_disk and cap is not None:
+        if needs_disk:
             disk.save(self.env.ckpt_dir, cap)
             self._send("ckpt", step=step)

@@ -114,7 +114,7 @@ class PeerStore:
     def __init__(self, address: str, token: str, local_slot: Callable[[int, int], Path]) -> None:
         self.token = token
         self.local_slot = local_slot  # (rank, slot index) -> path of this node's slot file
-        self.replicas: dict[tuple[int, int], _Replica] = {}  # (rank, slot) -> verified copy
+        self.replicas: dict[tuple[int, int], _Replica] = {}  # (rank, slot) -> committed copy
         self._buffers: dict[tuple[int, int], bytearray] = {}  # reused from step to step
         self._pending: dict[tuple[int, int], _Replica] = {}  # received, not yet committed
         self.lock = threading.Lock()
@@ -168,7 +168,7 @@ class PeerStore:
         _recv_into(sock, memoryview(buf)[:length])
         with self.lock:
             self._pending[key] = _Replica(step, crc, meta_len, length, buf)
-        return {"ok": True, "received": True}
+        return {"ok": True}
 
     def settle(self, header: dict[str, Any]) -> dict[str, Any]:
         """The second phase of a put: keep the pending copy ("commit") or forget it ("drop")."""

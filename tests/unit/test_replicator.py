@@ -2,7 +2,6 @@
 and reports progress to the controller without a record line per step."""
 from __future__ import annotations
 
-import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +15,7 @@ from ffctl.replicator import Replicator
 from recovery.peer import PeerStore
 from recovery.slots import SlotWriter, read_slot, slot_path
 from recovery.snapshot import StateEntry, capture
+from tests.helpers.netns import wait_for
 
 TOKEN = "t" * 64
 
@@ -46,13 +46,6 @@ def _entries() -> list[StateEntry]:
     return [StateEntry("w", lambda: {"w": weights}, lambda s: None, True)]
 
 
-def _wait(cond: Any, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
-
-
 def test_slots_are_streamed_acknowledged_and_progress_reported_sparingly(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -67,13 +60,13 @@ def test_slots_are_streamed_acknowledged_and_progress_reported_sparingly(
         for step in (1, 2, 3):
             writer.begin(capture(_entries(), step, 0, 1))
             writer.fence()
-            _wait(lambda: writer.replicated_step(step) == step)  # the neighbour holds it
+            assert wait_for(lambda: writer.replicated_step(step) == step, 30.0, 0.01)  # the neighbour holds it
         assert neighbour.find(0, 3, "replica") == read_slot(writer.paths[1])
         assert neighbour.find(0, 2, "replica") == read_slot(writer.paths[0])
         # The first step held off-node is reported at once; later ones wait for REPORT_S.
         assert [(r["type"], r["step"], r["ranks"]) for r in agent.reports] == [("replicated", 1, [0])]
         monkeypatch.setattr(replicator, "REPORT_S", 0.0)
-        _wait(lambda: len(agent.reports) == 2)
+        assert wait_for(lambda: len(agent.reports) == 2, 30.0, 0.01)
         assert agent.reports[-1]["step"] == 3  # the newest step, not each one in between
     finally:
         rep.stop()
