@@ -11,7 +11,7 @@ import pytest
 
 from runs.events import EventKind
 from tests.helpers.launch import (
-    assert_nothing_left, launch, rid, shm_left, start_launch, wait_event, wait_step,
+    assert_nothing_left, crashes, launch, rid, shm_left, start_launch, wait_event, wait_step,
 )
 
 pytestmark = pytest.mark.slow
@@ -59,6 +59,7 @@ def test_peer_kill_rank_then_kill_node_is_bit_exact(workdir: Path, baseline: lis
     exits = {e.get("pid") for e in res.events if e.kind is EventKind.RANK_EXITED and not e.get("expected")}
     first = _pids(res.events)
     assert first[0] not in exits and first[0] == _pids(res.events)[0]
+    assert crashes(res.events) == []  # every survivor and replacement also exits cleanly at the end
     assert any(e.kind is EventKind.SNAPSHOT_TAKEN and e.get("kind") == "memory" for e in res.events)
     assert_nothing_left(workdir)
     assert not shm_left(run_id)

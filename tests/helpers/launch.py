@@ -80,6 +80,13 @@ def wait_step(runs_dir: Path, run_id: str, step: int, timeout: float = 180.0) ->
                       lambda ev: ev.kind is EventKind.STEP and ev.get("step") >= step, timeout)
 
 
+def crashes(events: list[Event]) -> list[Event]:
+    """Rank exits nobody asked for other than a fault's SIGKILL: a rank that died on its own
+    (a signal, an abort at interpreter exit) even though the run went on or completed."""
+    return [e for e in events if e.kind is EventKind.RANK_EXITED and not e.get("expected")
+            and e.get("exitcode") not in (-9, None)]
+
+
 def processes_in(cwd: Path) -> list[psutil.Process]:
     """ffctl processes (controller, agents, ranks, spares) whose working directory is `cwd`."""
     found = []
