@@ -30,7 +30,7 @@ from recovery.group import Generation
 from recovery.jobenv import JobEnv, Strategy
 from recovery.peer import ChannelError, PeerClient
 from recovery.slots import SlotContent, SlotWriter, read_slot, slot_path
-from recovery.restore import Prepared, Unusable, prepare, restore
+from recovery.restore import Prepared, Unusable, agree, prepare, restore
 from recovery.snapshot import Capture, StateEntry, capture
 
 PLAN_TIMEOUT = 600.0
@@ -206,10 +206,15 @@ class Job:
         self.group = Generation(self.store, self.env.store_host, self.env.store_port, gen, self.env.rank,
                                 world, self.env.pg_timeout, self.env.backend,
                                 meanwhile=fetch_and_check if step > 0 else None)
-        self.group.barrier()
-        self._send("joined", gen=gen)
-        if step > 0:
-            how = self._restore(gen, step, source, prepared[0])
+        if step == 0:
+            self.group.barrier()
+            self._send("joined", gen=gen)
+        else:
+            # The exchange of what each rank holds is the group's first collective: it serves as
+            # the barrier too, which saves a round through every rank of the ring.
+            table = agree(self.group, prepared[0])
+            self._send("joined", gen=gen)
+            how = self._restore(gen, step, source, prepared[0], table)
             self._send("restored", gen=gen, step=step, source=source["kind"], how=how)
         self.last_committed = step
         if step == 0 and self.writer is not None:
@@ -234,10 +239,11 @@ class Job:
         node = int(source.get("node", self.env.node))
         return read_slot(slot_path(self.env.shm_dir, self.env.run_id, node, self.env.rank, step % 2))
 
-    def _restore(self, gen: int, step: int, source: dict[str, Any], prepared: Prepared) -> str:
+    def _restore(self, gen: int, step: int, source: dict[str, Any], prepared: Prepared,
+                 table: list[list[int]]) -> str:
         assert self.group is not None
         try:
-            return restore(self.group, self.entries, prepared)
+            return restore(self.group, self.entries, prepared, table)
         except Unusable as exc:
             why = "missing" if prepared.content is None else "checksum mismatch"
             if exc.mine:

@@ -5,21 +5,23 @@ unique state), read from its agent, the ring neighbour or disk. Then:
 
 1. each rank checks its copy and takes the checksum of every slice of its live replicated state
    (`prepare`: this needs no group, so it runs while the new group is being built); then, in one
-   exchange, every rank learns whether every copy is usable (if not, nobody loads anything),
-   every slice's checksum in the copy that holds the slice, and so which ranks' live state
-   matches the step. A survivor that stopped at step s matches ("kept"); a replacement, a rank
-   that got one step further, or a step function that changed state before its first
-   collective does not;
-2. when some rank matches, each rank that does not receives the whole replicated state from
-   one that does, point to point, checks it slice by slice and loads it ("received"). Ranks that
-   match load their own live tensors inside the snapshot's structure, which puts back its
-   non-tensor values (a learning rate a scheduler moved early in the aborted step), and their
-   unique state (RNG, data position, a sharded optimizer's part);
+   exchange (`agree`, the new group's first collective, which doubles as its barrier), every
+   rank learns whether every copy is usable (if not, nobody loads anything), every slice's
+   checksum in the copy that holds the slice, and so which ranks' live state matches the step.
+   A survivor that stopped at step s matches ("kept"); a replacement, a rank that got one step
+   further, or a step function that changed state before its first collective does not;
+2. when some rank matches, each rank that does not receives the slices it lacks (all but its
+   own, which its copy holds), each from a rank that matches, point to point and side by side,
+   checks them and loads the whole ("received"). Slice q comes from rank q when rank q matches,
+   so the transfer is spread over the survivors. Ranks that match load their own live tensors
+   inside the snapshot's structure, which puts back its non-tensor values (a learning rate a
+   scheduler moved early in the aborted step), and their unique state (RNG, data position, a
+   sharded optimizer's part);
 3. when none matches (restart strategies: every process is new), all ranks allgather their slices
    and load the whole ("gathered").
 
-Case 2 moves the replicated state once per replacement instead of to every rank, so recovery
-time does not grow with the world size.
+Case 2 moves the replicated state once per replacement instead of to every rank, and no rank
+sends more than a slice or two of it, so recovery time does not grow with the world size.
 """
 from __future__ import annotations
 
@@ -32,14 +34,14 @@ import torch
 from recovery.errors import RecoveryError
 from recovery.slots import SlotContent
 from recovery.snapshot import (
-    Layout, Replicated, StateEntry, as_bytes, assemble, read_meta, rebuild, replicated, slice_pieces,
+    Layout, Replicated, StateEntry, assemble, read_meta, rebuild, replicated, slice_pieces,
 )
 
 if TYPE_CHECKING:
     from recovery.group import Generation
 
 KEPT, RECEIVED, GATHERED = "kept", "received", "gathered"
-TAG = 17  # point-to-point tag of the state transfer
+TAG = 1 << 20  # point-to-point tag of slice 0 of the state transfer; slice q has TAG + q
 
 
 def _slice_crcs(layout: Layout, tensors: tuple[torch.Tensor, ...], world: int) -> list[int]:
@@ -91,15 +93,20 @@ def prepare(entries: list[StateEntry], content: SlotContent | None, step: int, w
     return Prepared(content, usable, meta, live, [int(usable), shard_crc, int(same_layout), *mine])
 
 
-def restore(group: Generation, entries: list[StateEntry], prepared: Prepared) -> str:
+def agree(group: Generation, prepared: Prepared) -> list[list[int]]:
+    """Every rank's row of `prepare`, in rank order: whether all copies are usable, every
+    slice's checksum (from the copy that holds it) and which ranks' live state matches them all.
+    Every rank of the group calls it together; once it returns, every rank has joined."""
+    return [[int(v) for v in r.tolist()] for r in group.allgather(torch.tensor(prepared.row, dtype=torch.int64))]
+
+
+def restore(group: Generation, entries: list[StateEntry], prepared: Prepared, table: list[list[int]]) -> str:
     """Load the restore step on this rank from its copy, as `prepare` found it (nothing may have
-    changed the live state since); every rank of the group calls it together. Returns how this
-    rank got its replicated state: "kept", "received" or "gathered"."""
+    changed the live state since) and as the group agreed (`table`); every rank of the group
+    calls it together. Returns how this rank got its replicated state: "kept", "received" or
+    "gathered"."""
     world, rank = group.world_size, group.rank
-    content, usable, meta, live, row = prepared.content, prepared.usable, prepared.meta, prepared.live, prepared.row
-    # One exchange tells every rank whether all copies are usable, every slice's checksum (from
-    # the copy that holds it) and which ranks' live state matches them all.
-    table = [[int(v) for v in r.tolist()] for r in group.allgather(torch.tensor(row, dtype=torch.int64))]
+    content, usable, meta, live = prepared.content, prepared.usable, prepared.meta, prepared.live
     if not all(r[0] for r in table):
         raise Unusable(mine=not usable)
     assert content is not None and meta is not None
@@ -113,19 +120,55 @@ def restore(group: Generation, entries: list[StateEntry], prepared: Prepared) ->
         whole = _gather(group, layout, content.shard)
         _set(entries, assemble(meta, whole, copy=False))
         return GATHERED
-    source = {n: keepers[i % len(keepers)] for i, n in enumerate(needers)}
+    senders = _senders(keepers, world)
     if matches:
-        served = [n for n in needers if source[n] == rank]
-        if served:
-            whole = torch.cat([as_bytes(t) for t in live.tensors]) if live.tensors else torch.empty(0, dtype=torch.uint8)
-            group.send(whole, served, TAG)
+        # Every keeper sends the slices it is assigned to every rank that needs them, so the
+        # transfer is spread over the survivors instead of one of them sending the whole state.
+        sends: list[tuple[torch.Tensor, int, int]] = []
+        for q in _mine(senders, rank, layout):
+            part = _slice(layout, live.tensors, q)
+            sends += [(part, n, TAG + q) for n in needers if n != q]
+        group.exchange(sends, [])
         _set(entries, rebuild(meta, live.tensors))
         return KEPT
-    whole = group.recv(torch.empty(layout.total, dtype=torch.uint8), source[rank], TAG)
-    if [zlib.crc32(whole[slice(*layout.shard(q))].numpy()) for q in range(world)] != want:
-        raise RecoveryError(f"state for step {content.step} from rank {source[rank]} fails its checksums")
+    whole = torch.empty(layout.total, dtype=torch.uint8)
+    lo, hi = layout.shard(rank)
+    whole[lo:hi].numpy()[:] = memoryview(content.shard)[: hi - lo]  # this rank's own slice: from its copy
+    wanted = [q for q in range(world) if q != rank and layout.shard(q)[0] < layout.shard(q)[1]]
+    group.exchange([], [(whole[slice(*layout.shard(q))], senders[q], TAG + q) for q in wanted])
+    bad = [q for q in wanted if zlib.crc32(whole[slice(*layout.shard(q))].numpy()) != want[q]]
+    if bad:
+        raise RecoveryError(f"state for step {content.step}: slices {bad} from ranks "
+                            f"{sorted({senders[q] for q in bad})} fail their checksums")
     _set(entries, assemble(meta, whole, copy=False))
     return RECEIVED
+
+
+def _senders(keepers: list[int], world: int) -> dict[int, int]:
+    """Which keeper sends slice q of the replicated state: rank q itself when it is a keeper,
+    the slices of the other ranks spread over the keepers in turn. Every rank works out the
+    same assignment from the same table."""
+    out = {q: q for q in keepers}
+    orphans = [q for q in range(world) if q not in out]
+    out.update({q: keepers[i % len(keepers)] for i, q in enumerate(orphans)})
+    return out
+
+
+def _mine(senders: dict[int, int], rank: int, layout: Layout) -> list[int]:
+    """The non-empty slices this keeper sends."""
+    return [q for q, k in senders.items() if k == rank and layout.shard(q)[0] < layout.shard(q)[1]]
+
+
+def _slice(layout: Layout, tensors: tuple[torch.Tensor, ...], index: int) -> torch.Tensor:
+    """Slice `index` of the live replicated byte string: a view when it lies in one tensor."""
+    pieces = slice_pieces(layout, tensors, index)
+    if len(pieces) == 1:
+        return pieces[0][1]
+    lo, hi = layout.shard(index)
+    out = torch.empty(hi - lo, dtype=torch.uint8)
+    for off, src in pieces:
+        out[off : off + src.numel()] = src
+    return out
 
 
 def _gather(group: Generation, layout: Layout, shard: bytes) -> torch.Tensor:

@@ -3,8 +3,8 @@
 Four ranks train the same small model to step 3 and snapshot it (each rank's copy: its 1/W
 slice of the replicated state and its own RNG). Then, per scenario, some ranks lose or move past
 that state, and `restore` must bring every rank back to step 3 bit for bit, by the cheapest way:
-ranks still at step 3 keep their state, the others receive it from one of them, and when no rank
-is at step 3 all of them gather the slices.
+ranks still at step 3 keep their state, the others receive the slices they lack from them, and
+when no rank is at step 3 all of them gather the slices.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from recovery.group import Generation
-from recovery.restore import GATHERED, KEPT, RECEIVED, prepare, restore
+from recovery.restore import GATHERED, KEPT, RECEIVED, agree, prepare, restore
 from recovery.slots import SlotContent
 from recovery.snapshot import StateEntry, capture
 
@@ -123,7 +123,8 @@ def _rank_main(rank: int, port: int) -> None:
                 local.opt.param_groups[0]["lr"] = 0.5
         group = Generation(store, "127.0.0.1", port, gen, rank, WORLD, timeout=120.0)
         try:
-            how = restore(group, local.entries, prepare(local.entries, content, SNAP_STEP, WORLD))
+            prepared = prepare(local.entries, content, SNAP_STEP, WORLD)
+            how = restore(group, local.entries, prepared, agree(group, prepared))
         finally:
             group.close()
         results[name] = (how, _same(_state(local), reference))
