@@ -19,20 +19,22 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 import torch
 
 from recovery import control, disk
-from recovery.errors import PeerFailure, RecoveryError
+from recovery.errors import PeerFailure, RecoveryError, StepRestart
 from recovery.faults import InStepFaults
 from recovery.group import Generation
 from recovery.jobenv import JobEnv, Strategy
 from recovery.peer import ChannelError, PeerClient
 from recovery.slots import SlotContent, SlotWriter, read_slot, slot_path
-from recovery.restore import Prepared, Unusable, agree, prepare, restore
+from recovery.restore import KEPT, Prepared, Unusable, agree, prepare, restore
 from recovery.snapshot import Capture, StateEntry, capture
 
+T = TypeVar("T")
+CONTINUED = "continued"  # a survivor kept its state and goes on with the step it was in
 PLAN_TIMEOUT = 600.0
 ACK_TIMEOUT = 2.0
 ACK_POLL_S = 0.001
@@ -58,8 +60,7 @@ class StepContext:
 
     def allgather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's `tensor` (same shape on all ranks), in rank order."""
-        assert self.job.group is not None
-        return self.job.group.allgather(tensor)
+        return self.job.allgather(tensor)
 
 
 def _exit_on_term(signum: int, frame: Any) -> None:
@@ -86,6 +87,9 @@ class Job:
         self.writer = SlotWriter(env.shm_dir, env.run_id, env.node, env.rank) if env.memory_snapshots else None
         self.faults = InStepFaults(env.fault_dir, env.run_id, env.rank)
         self.last_committed = 0
+        self._step = 0  # the step being trained
+        self._collectives = 0  # collectives the step has started so far
+        self._retry_input: torch.Tensor | None = None
         self._ack_degraded = False
         signal.signal(signal.SIGTERM, _exit_on_term)
         self._send("started", gen=env.gen, pid=os.getpid())
@@ -107,9 +111,46 @@ class Job:
     def allreduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum `tensor` over the ranks of the current generation, in place. Fences the previous
         step's snapshot first: the optimizer update that follows must not race the copy."""
-        self.fence()
+        def run() -> torch.Tensor:
+            self.fence()
+            return self._group().allreduce(tensor)
+
+        return self._collective(run, tensor)
+
+    def allgather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's `tensor` (same shape on all ranks), in rank order."""
+        return self._collective(lambda: self._group().allgather(tensor), None)
+
+    def _group(self) -> Generation:
         assert self.group is not None
-        return self.group.allreduce(tensor)
+        return self.group
+
+    def _collective(self, run: Callable[[], T], inplace: torch.Tensor | None) -> T:
+        """Run a collective of the current step. When a peer fails during the step's first
+        collective, a survivor has changed nothing yet: once the next generation is joined and
+        restored to the previous step, a survivor whose live state is that step's (checked by
+        the restore, like any "kept" rank) takes up the step where it stopped and repeats only
+        the collective, with its input as it was, rather than computing the step again. Its
+        state at this point, RNG and non-tensor values included, is what a fault-free run has
+        here. Any other case unwinds the step (`StepRestart`), to run again from the start."""
+        first = self._collectives == 0
+        self._collectives += 1
+        if not first or self.env.strategy != Strategy.PEER:
+            return run()
+        saved = None
+        if inplace is not None:  # the collective writes partial results into its input
+            if self._retry_input is None or self._retry_input.shape != inplace.shape or self._retry_input.dtype != inplace.dtype:
+                self._retry_input = torch.empty_like(inplace)
+            saved = self._retry_input.copy_(inplace)
+        while True:
+            try:
+                return run()
+            except PeerFailure as exc:
+                step, how = self._recover(exc, in_step=True)
+                if how != CONTINUED:
+                    raise StepRestart(exc.gen, step) from None
+                if inplace is not None and saved is not None:
+                    inplace.copy_(saved)
 
     def fence(self) -> None:
         """Wait until the previous step's snapshot is durable (copied, and held by the ring
@@ -161,23 +202,23 @@ class Job:
     # -- the loop ----------------------------------------------------------------------------
     def run(self, step_fn: Callable[[StepContext], float], steps: int) -> None:
         self.faults.install()
-        gen = self.env.gen
         try:
+            gen, plan = control.newest_plan(self.store, self.env.gen, PLAN_TIMEOUT)
+            try:
+                start, _ = self._join(gen, plan)
+            except PeerFailure as exc:
+                start, _ = self._recover(exc)
             while True:
-                gen, plan = control.newest_plan(self.store, gen, PLAN_TIMEOUT)
                 try:
-                    start = self._join(gen, plan)
                     self._train(step_fn, start, steps)
                     self.fence()  # the last step's report goes before "done"
-                    self._send("done", gen=gen, step=self.last_committed)
-                    return
+                    break
+                except StepRestart as exc:
+                    start = exc.step  # the new generation is joined and its step restored already
                 except PeerFailure as exc:
-                    if self.env.strategy != Strategy.PEER:
-                        # Restart strategies tear every rank down; exit and let the agent respawn.
-                        raise RecoveryError(str(exc)) from None
-                    self._settle_snapshot()
-                    self._send("aborted", gen=gen, step=self.last_committed, reason=exc.reason)
-                    gen += 1
+                    start, _ = self._recover(exc)
+            assert self.group is not None
+            self._send("done", gen=self.group.gen, step=self.last_committed)
         finally:
             if self.group is not None:
                 self.group.close()
@@ -187,11 +228,27 @@ class Job:
             # down) ends the process as usual instead of raising inside interpreter shutdown.
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
+    def _recover(self, exc: PeerFailure, in_step: bool = False) -> tuple[int, str]:
+        """Leave the failed generation, then join the newest one and restore its step, again as
+        long as faults interrupt that. Returns the restored step and how this rank got its state
+        (`recovery.restore`, or CONTINUED: see `_collective`, which passes `in_step`)."""
+        if self.env.strategy != Strategy.PEER:
+            # Restart strategies tear every rank down; exit and let the agent respawn.
+            raise RecoveryError(str(exc)) from None
+        while True:
+            self._settle_snapshot()
+            self._send("aborted", gen=exc.gen, step=self.last_committed, reason=exc.reason)
+            gen, plan = control.newest_plan(self.store, exc.gen + 1, PLAN_TIMEOUT)
+            try:
+                return self._join(gen, plan, in_step)
+            except PeerFailure as again:
+                exc = again
+
     def _send(self, kind: str, **fields: Any) -> None:
         with self._send_lock:
             control.send(self.store, control.CTL_QUEUE, {"type": kind, "rank": self.env.rank, "node": self.env.node, **fields})
 
-    def _join(self, gen: int, plan: dict[str, Any]) -> int:
+    def _join(self, gen: int, plan: dict[str, Any], in_step: bool = False) -> tuple[int, str]:
         if self.group is not None:
             self.group.close()  # destroyed now, or once its blocked collective ends
         step, world = int(plan.get("restore_step") or 0), int(plan["world_size"])
@@ -206,6 +263,7 @@ class Job:
         self.group = Generation(self.store, self.env.store_host, self.env.store_port, gen, self.env.rank,
                                 world, self.env.pg_timeout, self.env.backend,
                                 meanwhile=fetch_and_check if step > 0 else None)
+        how = ""
         if step == 0:
             self.group.barrier()
             self._send("joined", gen=gen)
@@ -214,14 +272,17 @@ class Job:
             # the barrier too, which saves a round through every rank of the ring.
             table = agree(self.group, prepared[0])
             self._send("joined", gen=gen)
-            how = self._restore(gen, step, source, prepared[0], table)
+            # Only a survivor stopped in the step right after the restore step may go on with it.
+            keep_live = in_step and step == self._step - 1
+            how = self._restore(gen, step, source, prepared[0], table, keep_live)
+            how = CONTINUED if keep_live and how == KEPT else how
             self._send("restored", gen=gen, step=step, source=source["kind"], how=how)
         self.last_committed = step
         if step == 0 and self.writer is not None:
             # The initial state is a step too: a rank lost in step 1 is restored from step 0
             # rather than leaving no common step at all.
             self._snapshot(capture(self.entries, 0, self.env.rank, self.group.world_size))
-        return step
+        return step, how
 
     def _fetch(self, step: int, source: dict[str, Any]) -> SlotContent | None:
         kind = source["kind"]
@@ -240,10 +301,10 @@ class Job:
         return read_slot(slot_path(self.env.shm_dir, self.env.run_id, node, self.env.rank, step % 2))
 
     def _restore(self, gen: int, step: int, source: dict[str, Any], prepared: Prepared,
-                 table: list[list[int]]) -> str:
+                 table: list[list[int]], keep_live: bool) -> str:
         assert self.group is not None
         try:
-            return restore(self.group, self.entries, prepared, table)
+            return restore(self.group, self.entries, prepared, table, keep_live)
         except Unusable as exc:
             why = "missing" if prepared.content is None else "checksum mismatch"
             if exc.mine:
@@ -252,6 +313,7 @@ class Job:
 
     def _train(self, step_fn: Callable[[StepContext], float], start: int, steps: int) -> None:
         for step in range(start + 1, steps + 1):
+            self._step, self._collectives = step, 0
             t0 = time.perf_counter()
             try:
                 self.faults.check()

@@ -100,11 +100,14 @@ def agree(group: Generation, prepared: Prepared) -> list[list[int]]:
     return [[int(v) for v in r.tolist()] for r in group.allgather(torch.tensor(prepared.row, dtype=torch.int64))]
 
 
-def restore(group: Generation, entries: list[StateEntry], prepared: Prepared, table: list[list[int]]) -> str:
+def restore(group: Generation, entries: list[StateEntry], prepared: Prepared, table: list[list[int]],
+            keep_live: bool = False) -> str:
     """Load the restore step on this rank from its copy, as `prepare` found it (nothing may have
     changed the live state since) and as the group agreed (`table`); every rank of the group
     calls it together. Returns how this rank got its replicated state: "kept", "received" or
-    "gathered"."""
+    "gathered". With `keep_live`, a rank that keeps its state loads nothing at all: its unique
+    state and non-tensor values stay as they are too (a survivor that goes on with the step it
+    was in, see `Job._collective`)."""
     world, rank = group.world_size, group.rank
     content, usable, meta, live = prepared.content, prepared.usable, prepared.meta, prepared.live
     if not all(r[0] for r in table):
@@ -129,7 +132,8 @@ def restore(group: Generation, entries: list[StateEntry], prepared: Prepared, ta
             part = _slice(layout, live.tensors, q)
             sends += [(part, n, TAG + q) for n in needers if n != q]
         group.exchange(sends, [])
-        _set(entries, rebuild(meta, live.tensors))
+        if not keep_live:
+            _set(entries, rebuild(meta, live.tensors))
         return KEPT
     whole = torch.empty(layout.total, dtype=torch.uint8)
     lo, hi = layout.shard(rank)

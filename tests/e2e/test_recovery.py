@@ -65,6 +65,20 @@ def test_peer_kill_rank_then_kill_node_is_bit_exact(workdir: Path, baseline: lis
     assert not shm_left(run_id)
 
 
+def test_survivors_go_on_with_the_step_they_were_in(workdir: Path, baseline: list[list[float]]) -> None:
+    # crash-rank raises at the start of rank 1's next step, so the survivors are blocked in that
+    # step's first collective, with its gradients computed: they keep their state and repeat only
+    # the collective ("continued") while the replacement restores rank 1 and computes the step.
+    res = launch(workdir, rid("cont"), "--steps", "60", "--seed", "3", "--spares", "1",
+                 "--inject", "crash-rank:rank=1,step=20")
+    assert res.returncode == 0, res.stderr
+    assert res.report["loss_by_step"] == baseline
+    (restored,) = [e for e in res.events if e.kind is EventKind.RESTORE_DONE]
+    assert restored.get("transfer") == {"continued": [0, 2, 3], "received": [1]}
+    assert crashes(res.events) == []
+    assert_nothing_left(workdir)
+
+
 def test_sharded_optimizer_is_bit_exact(workdir: Path) -> None:
     base = _baseline(workdir, "--steps", "40", "--seed", "5", "--optimizer", "sharded")
     res = launch(workdir, rid("zero"), "--steps", "40", "--seed", "5", "--optimizer", "sharded", "--spares", "2",
