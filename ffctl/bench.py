@@ -107,7 +107,7 @@ def recovery_vs_disk(runs_dir: Path, model: str = BENCH_MODEL, steps: int = 100,
 
 
 def scale(runs_dir: Path, model: str = BENCH_MODEL, steps: int = 40, at: int = 20,
-          global_batch: int = SCALE_GLOBAL_BATCH, reps: int = 3) -> BenchResult:
+          global_batch: int = SCALE_GLOBAL_BATCH, reps: int = 5) -> BenchResult:
     """recovery_s of kill-rank with a warm spare at 8 ranks / at 2 ranks (medians of `reps` runs).
 
     The goal asks whether recovery itself grows with the world size, so the two runs must differ
