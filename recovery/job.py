@@ -9,7 +9,9 @@ Per step the library commits, snapshots into the agent's shared memory (the copy
 next step and is fenced before the next collective, so before the next optimizer update), and
 reports the step once its snapshot is durable. When a peer fails, the collective is aborted, the
 rank waits for the next generation's plan, rebuilds its process group and restores the plan's
-step (`recovery.restore`): from its own slot, the local agent, the ring neighbour or disk.
+step (`recovery.restore`): from its own slot, the local agent, the ring neighbour or disk. A
+survivor caught in the first collective of the step after the restored one goes on with that
+step, repeating only the collective (`Job._collective`); any other rank trains it again.
 """
 from __future__ import annotations
 
@@ -149,8 +151,8 @@ class Job:
                 step, how = self._recover(exc, in_step=True)
                 if how != CONTINUED:
                     raise StepRestart(exc.gen, step) from None
-                if inplace is not None and saved is not None:
-                    inplace.copy_(saved)
+                if saved is not None and inplace is not None:
+                    inplace.copy_(saved)  # the aborted attempt left partial sums in it
 
     def fence(self) -> None:
         """Wait until the previous step's snapshot is durable (copied, and held by the ring
