@@ -70,7 +70,7 @@ def median_step_time(events: list[Any], skip: int = 5) -> float:
     return statistics.median(times)
 
 
-def snapshot_overhead(runs_dir: Path, model: str = BENCH_MODEL, steps: int = 30, reps: int = 4,
+def snapshot_overhead(runs_dir: Path, model: str = BENCH_MODEL, steps: int = 30, reps: int = 6,
                       batch: int = SNAPSHOT_BATCH) -> BenchResult:
     """Median step time with a peer-memory snapshot every step / without any snapshot.
 
