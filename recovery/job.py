@@ -139,11 +139,11 @@ class Job:
         self._collectives += 1
         if not first or self.env.strategy != Strategy.PEER:
             return run()
-        saved = None
         if inplace is not None:  # the collective writes partial results into its input
-            if self._retry_input is None or self._retry_input.shape != inplace.shape or self._retry_input.dtype != inplace.dtype:
-                self._retry_input = torch.empty_like(inplace)
-            saved = self._retry_input.copy_(inplace)
+            saved = self._retry_input
+            if saved is None or saved.shape != inplace.shape or saved.dtype != inplace.dtype:
+                saved = self._retry_input = torch.empty_like(inplace)
+            saved.copy_(inplace)
         while True:
             try:
                 return run()
@@ -151,7 +151,7 @@ class Job:
                 step, how = self._recover(exc, in_step=True)
                 if how != CONTINUED:
                     raise StepRestart(exc.gen, step) from None
-                if saved is not None and inplace is not None:
+                if inplace is not None:
                     inplace.copy_(saved)  # the aborted attempt left partial sums in it
 
     def fence(self) -> None:
@@ -252,7 +252,7 @@ class Job:
 
     def _join(self, gen: int, plan: dict[str, Any], in_step: bool = False) -> tuple[int, str]:
         if self.group is not None:
-            self.group.close()  # destroyed now, or once its blocked collective ends
+            self.group.close()  # destroyed on a thread of its own, once no collective is blocked
         step, world = int(plan.get("restore_step") or 0), int(plan["world_size"])
         source = plan["sources"][str(self.env.rank)] if step > 0 else {}
         prepared: list[Prepared] = []

@@ -128,7 +128,7 @@ def restore(group: Generation, entries: list[StateEntry], prepared: Prepared, ta
         # Every keeper sends the slices it is assigned to every rank that needs them, so the
         # transfer is spread over the survivors instead of one of them sending the whole state.
         sends: list[tuple[torch.Tensor, int, int]] = []
-        for q in _mine(senders, rank, layout):
+        for q in [q for q in _filled(layout, world) if senders[q] == rank]:
             part = _slice(layout, live.tensors, q)
             sends += [(part, n, TAG + q) for n in needers if n != q]
         group.exchange(sends, [])
@@ -138,7 +138,7 @@ def restore(group: Generation, entries: list[StateEntry], prepared: Prepared, ta
     whole = torch.empty(layout.total, dtype=torch.uint8)
     lo, hi = layout.shard(rank)
     whole[lo:hi].numpy()[:] = memoryview(content.shard)[: hi - lo]  # this rank's own slice: from its copy
-    wanted = [q for q in range(world) if q != rank and layout.shard(q)[0] < layout.shard(q)[1]]
+    wanted = [q for q in _filled(layout, world) if q != rank]
     group.exchange([], [(whole[slice(*layout.shard(q))], senders[q], TAG + q) for q in wanted])
     bad = [q for q in wanted if zlib.crc32(whole[slice(*layout.shard(q))].numpy()) != want[q]]
     if bad:
@@ -158,9 +158,9 @@ def _senders(keepers: list[int], world: int) -> dict[int, int]:
     return out
 
 
-def _mine(senders: dict[int, int], rank: int, layout: Layout) -> list[int]:
-    """The non-empty slices this keeper sends."""
-    return [q for q, k in senders.items() if k == rank and layout.shard(q)[0] < layout.shard(q)[1]]
+def _filled(layout: Layout, world: int) -> list[int]:
+    """The slices that hold any bytes (with less state than ranks, the last ones are empty)."""
+    return [q for q in range(world) if layout.shard(q)[0] < layout.shard(q)[1]]
 
 
 def _slice(layout: Layout, tensors: tuple[torch.Tensor, ...], index: int) -> torch.Tensor:
