@@ -11,6 +11,7 @@ record line per node per step.
 """
 from __future__ import annotations
 
+import math
 import threading
 import time
 from typing import TYPE_CHECKING, Any
@@ -36,7 +37,7 @@ class Replicator:
         self.sent: dict[Any, tuple[int, int]] = {}  # slot path -> (step, seq) sent
         self.watches: dict[Any, HeaderWatch] = {}
         self.reported = 0
-        self._reported_at = 0.0
+        self._reported_at = -math.inf  # the first step held off-node is reported at once, however young the clock
         self._stop = threading.Event()
         self.bell = Doorbell(agent.cfg.run_id, agent.cfg.node)
         self._thread = threading.Thread(target=self._run, name="ffctl-replicator", daemon=True)

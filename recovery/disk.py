@@ -12,7 +12,7 @@ import zlib
 from pathlib import Path
 
 from recovery.slots import SlotContent
-from recovery.snapshot import Capture
+from recovery.snapshot import Capture, byte_view
 
 _HEAD = struct.Struct("<4sqQQI")  # magic, step, meta_len, shard_len, crc
 MAGIC = b"FFD1"
@@ -30,7 +30,7 @@ def save(ckpt_dir: str | Path, cap: Capture) -> Path:
     shard = bytearray(cap.shard_len)
     view = memoryview(shard)
     for off, src in cap.shard_pieces():
-        view[off : off + src.numel()] = src.numpy().tobytes()
+        view[off : off + src.numel()] = byte_view(src)
     crc = zlib.crc32(shard, zlib.crc32(cap.meta))
     path = rank_file(ckpt_dir, cap.step, cap.rank)
     path.parent.mkdir(parents=True, exist_ok=True)

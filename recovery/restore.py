@@ -34,7 +34,7 @@ import torch
 from recovery.errors import RecoveryError
 from recovery.slots import SlotContent
 from recovery.snapshot import (
-    Layout, Replicated, StateEntry, assemble, read_meta, rebuild, replicated, slice_pieces,
+    Layout, Replicated, StateEntry, assemble, byte_view, read_meta, rebuild, replicated, slice_pieces,
 )
 
 if TYPE_CHECKING:
@@ -50,7 +50,7 @@ def _slice_crcs(layout: Layout, tensors: tuple[torch.Tensor, ...], world: int) -
     for index in range(world):
         crc = 0
         for _, piece in slice_pieces(layout, tensors, index):
-            crc = zlib.crc32(piece.numpy(), crc)
+            crc = zlib.crc32(byte_view(piece), crc)
         out.append(crc)
     return out
 
@@ -137,10 +137,10 @@ def restore(group: Generation, entries: list[StateEntry], prepared: Prepared, ta
         return KEPT
     whole = torch.empty(layout.total, dtype=torch.uint8)
     lo, hi = layout.shard(rank)
-    whole[lo:hi].numpy()[:] = memoryview(content.shard)[: hi - lo]  # this rank's own slice: from its copy
+    byte_view(whole[lo:hi])[:] = memoryview(content.shard)[: hi - lo]  # this rank's own slice: from its copy
     wanted = [q for q in _filled(layout, world) if q != rank]
     group.exchange([], [(whole[slice(*layout.shard(q))], senders[q], TAG + q) for q in wanted])
-    bad = [q for q in wanted if zlib.crc32(whole[slice(*layout.shard(q))].numpy()) != want[q]]
+    bad = [q for q in wanted if zlib.crc32(byte_view(whole[slice(*layout.shard(q))])) != want[q]]
     if bad:
         raise RecoveryError(f"state for step {content.step}: slices {bad} from ranks "
                             f"{sorted({senders[q] for q in bad})} fail their checksums")

@@ -8,6 +8,7 @@ the slices back (`assemble`). Every tensor is copied byte for byte: a restored r
 """
 from __future__ import annotations
 
+import ctypes
 import io
 import pickle
 from dataclasses import dataclass
@@ -67,6 +68,21 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     if not t.is_contiguous():
         t = t.contiguous()
     return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+
+
+def byte_view(t: torch.Tensor) -> memoryview:
+    """A writable memoryview of a contiguous CPU uint8 tensor's bytes, without a copy.
+
+    torch offers the buffer protocol only through numpy, which ffctl does not depend on (a
+    user's environment may not have it); a ctypes array over the tensor's memory gives the same
+    view. The array keeps the tensor alive for as long as the view exists."""
+    if t.dtype != torch.uint8 or not t.is_contiguous() or t.device.type != "cpu":
+        raise ValueError(f"byte_view needs a contiguous CPU uint8 tensor, not {t.dtype} on {t.device}")
+    if t.numel() == 0:
+        return memoryview(bytearray())
+    arr = (ctypes.c_ubyte * t.numel()).from_address(t.data_ptr())
+    arr._owner = t  # type: ignore[attr-defined]
+    return memoryview(arr).cast("B")
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from recovery.group import Generation
 from recovery.restore import GATHERED, KEPT, RECEIVED, agree, prepare, restore
 from recovery.slots import SlotContent
-from recovery.snapshot import StateEntry, capture
+from recovery.snapshot import StateEntry, byte_view, capture
 
 WORLD = 4
 SNAP_STEP = 3
@@ -75,7 +75,7 @@ def _content(trainer: Trainer, rank: int) -> SlotContent:
     shard = torch.zeros(cap.shard_len, dtype=torch.uint8)
     for off, src in cap.shard_pieces():
         shard[off : off + src.numel()] = src
-    raw = bytes(shard.numpy())
+    raw = bytes(byte_view(shard))
     return SlotContent(SNAP_STEP, cap.meta, raw, zlib.crc32(raw, zlib.crc32(cap.meta)))
 
 
