@@ -1,0 +1,356 @@
+"""The worker template: a fork server that starts a node's workers in milliseconds.
+
+The agent starts one template (`python -m ffctl.template`) with the workers' base environment.
+It imports torch and the recovery library and pays the first optimizer step's lazy imports
+once, then waits for requests on stdin (one JSON line each: a request id, the worker's full
+environment, argv, log path and working directory) and answers each on stdout with the new
+worker's pid. A fresh interpreter needs seconds to get that far; a fork needs milliseconds.
+
+Safety of fork: a process may only fork safely while it runs one thread. The template starts
+no thread, opens no socket, creates no gloo context, touches no device and runs no parallel
+region, so no OpenMP/intra-op pool exists (its warm-up step is a one-element tensor, and it
+checks that it is still single-threaded before serving: otherwise it refuses to serve and the
+agent starts workers the slow way). Everything a worker owns is created after the fork, in the
+child: its environment, process group, signal handlers and device.
+
+Each worker is forked twice (template -> short-lived intermediate -> worker): the intermediate
+exits at once, so the worker is re-parented to the agent, which has made itself the child
+subreaper (`set_child_subreaper`). The agent then reaps and watches its workers as its own
+children (`ForkedWorker.poll`), and a worker dies with the agent (PR_SET_PDEATHSIG), exactly
+like a worker the agent started itself.
+
+Environment variables that libraries read when they load (glibc's `MALLOC_*`, OpenMP's
+`OMP_NUM_THREADS`) are the same for every worker of a node: they are in the template's own
+environment, set when the agent starts it.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import runpy
+import select
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
+READY = b"ready\n"
+REPARENT_TIMEOUT_S = 5.0
+
+
+def _prctl(option: int, value: int) -> bool:
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    except OSError:
+        return False
+    return libc.prctl(option, value, 0, 0, 0) == 0
+
+
+def set_child_subreaper() -> bool:
+    """Make this process adopt its orphaned descendants (the template's workers)."""
+    return _prctl(PR_SET_CHILD_SUBREAPER, 1)
+
+
+def die_with_parent(parent: int | None = None) -> None:
+    """SIGKILL this process when its parent dies; exit now if `parent` is already gone."""
+    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() == 1 or (parent is not None and os.getppid() != parent):
+        os._exit(1)
+
+
+def threads_now() -> int:
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 1
+
+
+def warm_up() -> None:
+    """Pay torch's start-up costs: the import, and the ~800 modules the first optimizer step
+    imports lazily (about two seconds on a CPU host). One element: no parallel region runs."""
+    import torch
+
+    import recovery.job  # noqa: F401
+
+    p = torch.zeros(1, requires_grad=True)
+    opt = torch.optim.AdamW([p], lr=1e-3, foreach=False)
+    p.sum().backward()
+    opt.step()
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """What a worker runs: `argv` is ("-m", module, args...) or (script, args...)."""
+
+    env: dict[str, str]
+    argv: tuple[str, ...]
+    log: str = ""
+    cwd: str = ""
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> Assignment:
+        env, argv = raw.get("env"), raw.get("argv")
+        if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+            raise ValueError("env must map strings to strings")
+        if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
+            raise ValueError("argv must be a non-empty list of strings")
+        if argv[0] == "-m" and len(argv) < 2:
+            raise ValueError("argv '-m' needs a module name")
+        return cls(env, tuple(argv), str(raw.get("log") or ""), str(raw.get("cwd") or ""))
+
+
+def run_assignment(job: Assignment) -> None:
+    """Run the worker's program in this process as a fresh interpreter would run it: output to
+    its log, its own working directory, `sys.argv`, and `__main__` for the script or module.
+    Returns or raises as the program does (SystemExit included)."""
+    if job.log:
+        fd = os.open(job.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+    if job.cwd:
+        os.chdir(job.cwd)
+    if job.argv[0] == "-m":
+        sys.argv = [job.argv[1], *job.argv[2:]]
+        runpy.run_module(job.argv[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = list(job.argv)
+        sys.path.insert(0, os.path.dirname(os.path.abspath(job.argv[0])))
+        runpy.run_path(job.argv[0], run_name="__main__")
+
+
+def _become_worker(job: Assignment, agent: int) -> None:
+    """In the forked worker: shed the template's state and take the worker's."""
+    # The template's stdin and stdout are its pipes to the agent: not the worker's.
+    null = os.open(os.devnull, os.O_RDWR)
+    os.dup2(null, 0)
+    os.dup2(null, 1)
+    os.close(null)
+    sys.stdin = open(0, closefd=False)  # noqa: SIM115
+    sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCHLD, signal.SIGPIPE):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)  # as CPython sets it at start-up
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
+    # Wait to be adopted by the agent (the intermediate exits right after forking us), then die
+    # with it as a worker it had started itself would.
+    deadline = time.monotonic() + REPARENT_TIMEOUT_S
+    while os.getppid() != agent and time.monotonic() < deadline:
+        time.sleep(0.0005)
+    die_with_parent(agent)
+    os.environ.clear()
+    os.environ.update(job.env)
+
+
+def _fork_worker(job: Assignment, agent: int) -> int | None:
+    """Double-fork a worker. Returns its pid in the template, None in the worker itself."""
+    r, w = os.pipe()
+    middle = os.fork()
+    if middle == 0:  # the intermediate
+        os.close(r)
+        worker = os.fork()
+        if worker == 0:
+            os.close(w)
+            return None
+        os.write(w, str(worker).encode())
+        os._exit(0)
+    os.close(w)
+    try:
+        raw = b""
+        while chunk := os.read(r, 32):
+            raw += chunk
+    finally:
+        os.close(r)
+    os.waitpid(middle, 0)
+    if not raw:
+        raise OSError("the intermediate process died before forking the worker")
+    return int(raw)
+
+
+def serve(requests: IO[bytes], replies: IO[bytes], agent: int) -> Assignment | None:
+    """Answer fork requests until stdin closes. Returns None in the template (time to exit)
+    and the assignment in a forked worker, which the caller then runs."""
+    for line in requests:
+        reply: dict[str, Any]
+        try:
+            raw = json.loads(line)
+            req = raw.get("id") if isinstance(raw, dict) else None
+            job = Assignment.from_json(raw)
+        except (ValueError, AttributeError) as exc:
+            reply = {"id": None, "error": f"bad request: {exc}"}
+        else:
+            try:
+                pid = _fork_worker(job, agent)
+            except OSError as exc:
+                reply = {"id": req, "error": f"fork failed: {exc}"}
+            else:
+                if pid is None:
+                    _become_worker(job, agent)
+                    return job
+                reply = {"id": req, "pid": pid}
+        replies.write((json.dumps(reply) + "\n").encode())
+        replies.flush()
+    return None
+
+
+def main() -> int:
+    agent = os.getppid()
+    die_with_parent(agent)
+    # The agent stops the template with SIGTERM: leave quietly, whatever we were doing.
+    signal.signal(signal.SIGTERM, lambda signum, frame: os._exit(0))
+    warm_up()
+    if threads_now() != 1:
+        # Forking a multi-threaded process can deadlock the child; the agent starts its
+        # workers the slow way instead.
+        sys.stderr.write(f"template: {threads_now()} threads after warm-up: refusing to fork\n")
+        return 3
+    os.write(1, READY)
+    job = serve(sys.stdin.buffer, sys.stdout.buffer, agent)
+    if job is None:
+        return 0
+    try:
+        run_assignment(job)
+    except SystemExit:
+        raise
+    except BaseException:
+        traceback.print_exc()
+        return 1
+    return 0
+
+
+# -- the agent's side ---------------------------------------------------------------------------
+
+
+class ForkedWorker:
+    """A worker forked by the template and adopted by this process: the part of
+    `subprocess.Popen` the agent uses (`pid`, `poll`, `wait`, `returncode`)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:
+                # Not (yet) our child: the intermediate has not exited, or we are not the
+                # subreaper. Alive as long as the pid exists.
+                try:
+                    os.kill(self.pid, 0)
+                    return None
+                except ProcessLookupError:
+                    self.returncode = -signal.SIGKILL  # gone without a status we could read
+                    return self.returncode
+            if pid == 0:
+                return None
+            self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(str(self.pid), timeout or 0.0)
+            time.sleep(0.005)
+        assert self.returncode is not None
+        return self.returncode
+
+
+class TemplateError(Exception):
+    """The template is not running or did not answer: start the worker the slow way."""
+
+
+class Template:
+    """The agent's handle on its template process. Not thread-safe: one caller at a time."""
+
+    def __init__(self, python: str, env: dict[str, str], cwd: str | None, log: Path) -> None:
+        self.python, self.env, self.cwd, self.log = python, env, cwd, log
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.ready = False
+        self._req = 0
+        self.starts = 0
+
+    def start(self) -> None:
+        """Start (or restart) the template; it becomes ready in the background."""
+        self.stop()
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(
+                [self.python, "-m", "ffctl.template"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                stderr=log, env=self.env, cwd=self.cwd or None,
+            )
+        self.ready = False
+        self.starts += 1
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def is_ready(self) -> bool:
+        """Whether it has warmed up (never blocks)."""
+        if self.ready or not self.alive():
+            return self.ready and self.alive()
+        assert self.proc is not None and self.proc.stdout is not None
+        if select.select([self.proc.stdout], [], [], 0)[0]:
+            self.ready = self.proc.stdout.readline() == READY
+        return self.ready
+
+    def wait_ready(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while not self.is_ready():
+            if not self.alive() or time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+        return True
+
+    def fork(self, job: Assignment, timeout: float = 5.0) -> ForkedWorker:
+        if not self.is_ready():
+            raise TemplateError("the template is not ready")
+        assert self.proc is not None and self.proc.stdin is not None and self.proc.stdout is not None
+        self._req += 1
+        request = {"id": self._req, "env": job.env, "argv": list(job.argv), "log": job.log, "cwd": job.cwd}
+        try:
+            self.proc.stdin.write((json.dumps(request) + "\n").encode())
+            self.proc.stdin.flush()
+        except OSError as exc:
+            raise TemplateError(f"the template is gone: {exc}") from None
+        if not select.select([self.proc.stdout], [], [], timeout)[0]:
+            raise TemplateError(f"the template did not answer within {timeout:g}s")
+        line = self.proc.stdout.readline()
+        try:
+            reply = json.loads(line)
+        except ValueError:
+            raise TemplateError(f"the template answered {line[:80]!r}") from None
+        if reply.get("id") != self._req or "pid" not in reply:
+            raise TemplateError(f"the template refused: {reply.get('error', reply)}")
+        return ForkedWorker(int(reply["pid"]))
+
+    def stop(self, timeout: float = 2.0) -> None:
+        if self.proc is None:
+            return
+        proc, self.proc = self.proc, None
+        self.ready = False
+        for pipe in (proc.stdin, proc.stdout):
+            try:
+                if pipe is not None:
+                    pipe.close()
+            except OSError:
+                pass
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
