@@ -7,6 +7,13 @@ generation and restores (at most one step back) in one step. It never imports ff
 """
 from __future__ import annotations
 
+import warnings
+
+# torch warns at import when numpy is missing; this library never converts tensors to numpy and
+# numpy is not a dependency, so the warning is silenced before the imports below load torch.
+warnings.filterwarnings("ignore", message=r"Failed to initialize NumPy: No module named 'numpy'",
+                        category=UserWarning)
+
 from recovery.errors import PeerFailure, RecoveryError
 from recovery.job import Job, StepContext
 
