@@ -6,6 +6,11 @@ snapshot store (shared-memory slots of its ranks, replicas of its ring neighbour
 streams its slots to the neighbour. It outlives every worker and takes them all down with it:
 on `stop`, on SIGTERM, when its stdin closes (the controller or the SSH session is gone) or when
 the controller's store stops answering. Shutdown is SIGTERM, a deadline, then SIGKILL.
+
+The job token comes in the agent's own configuration (stdin, or the SSH session's environment),
+never through the store. Every command on its queue must be sealed by the controller and carry
+valid fields; anything else is dropped and reported to the controller as a sealed `rejected`
+message. Ranks get the token from the agent's process environment (`FFCTL_TOKEN`).
 """
 from __future__ import annotations
 
@@ -27,7 +32,7 @@ from ffctl.replicator import Replicator
 from ffctl.workerenv import worker_env
 from recovery import control
 from recovery.peer import PeerStore
-from recovery.jobenv import SHM_DIR
+from recovery.jobenv import SHM_DIR, TOKEN_ENV
 from recovery.slots import NodeBusy, claim_node, read_header, release_node, slot_path
 
 POLL_S = 0.02
@@ -35,8 +40,14 @@ HEARTBEAT_S = 0.2
 STORE_GRACE_S = 5.0
 TERM_GRACE_S = 5.0
 SPARE_REFILL_DELAY_S = 5.0
+# What of a failed rank's log goes to the controller with its exit.
+LOG_TAIL_LINES = 20
+LOG_TAIL_BYTES = 16384
+LOG_LINE_CHARS = 400
 # The AgentConfig JSON when it cannot come as the first stdin line (agents started over SSH).
 CONFIG_ENV = "FFCTL_AGENT_CONFIG"
+# The agent is not told the world size; rank fields of commands are only bounded by this.
+MAX_RANKS = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -105,7 +116,10 @@ class Agent:
     def __init__(self, cfg: AgentConfig) -> None:
         self.cfg = cfg
         self.store = control.connect(cfg.store_host, cfg.store_port, timeout=10.0)
-        self.inbox = control.Receiver(self.store, control.agent_queue(cfg.node, cfg.incarnation))
+        self.sealer = control.Sealer(cfg.token, f"agent/{cfg.node}")
+        self.inbox = control.Receiver(self.store, control.agent_queue(cfg.node, cfg.incarnation),
+                                      opener=control.Opener(cfg.token), on_reject=self._rejected)
+        self.limits = control.Limits(MAX_RANKS, cfg.nnodes)
         self.workers: dict[int, Worker] = {}
         self.spares: list[subprocess.Popen[bytes]] = []
         self.warm: set[subprocess.Popen[bytes]] = set()
@@ -194,7 +208,8 @@ class Agent:
             if proc in self.spares:
                 self.spares.remove(proc)
             assignment = {
-                "env": {**self.cfg.worker_env, **spec["env"]},
+                # The token goes to the rank here, over the spare's private stdin pipe.
+                "env": {**self.cfg.worker_env, **spec["env"], TOKEN_ENV: self.cfg.token},
                 "argv": list(self.cfg.worker_argv),
                 "log": str(Path(self.cfg.log_dir) / f"{rank}.log"),
                 "cwd": self.cfg.cwd,
@@ -227,14 +242,42 @@ class Agent:
                 if code is None:
                     continue
                 del self.workers[rank]
+                # The end of its log says why it failed; read here, so it reaches the controller
+                # from any host. Exits asked for (a kill, the end of the run) need none.
+                tail = [] if w.expected_exit or code == 0 else self._log_tail(rank)
                 self._report("rank_exited", rank=rank, gen=w.gen, pid=w.proc.pid, exitcode=code,
-                             expected=w.expected_exit)
+                             expected=w.expected_exit, host=socket.gethostname(), log_tail=tail)
+
+    def _log_tail(self, rank: int, lines: int = LOG_TAIL_LINES) -> list[str]:
+        """The last `lines` lines of the rank's log (all of its generations write to it)."""
+        try:
+            with open(Path(self.cfg.log_dir) / f"{rank}.log", "rb") as fh:
+                fh.seek(0, os.SEEK_END)
+                fh.seek(max(0, fh.tell() - LOG_TAIL_BYTES))
+                data = fh.read(LOG_TAIL_BYTES)
+        except OSError:
+            return []
+        text = data.decode("utf-8", errors="replace").splitlines()
+        return [line[:LOG_LINE_CHARS] for line in text[-lines:]]
 
     # -- control -------------------------------------------------------------------------------
     def _report(self, kind: str, **fields: Any) -> None:
-        control.send(self.store, control.CTL_QUEUE, {"type": kind, "node": self.cfg.node, **fields})
+        control.send(self.store, control.CTL_QUEUE, {"type": kind, "node": self.cfg.node, **fields}, self.sealer)
+
+    def _rejected(self, where: str, index: int, reason: str, raw: bytes) -> None:
+        print(f"ffctl agent {self.cfg.node}: rejected {where}/{index}: {reason}: {control.short_repr(raw)}",
+              file=sys.stderr, flush=True)
+        try:
+            self._report("rejected", where=where, index=index, reason=reason, raw=control.short_repr(raw))
+        except Exception:  # noqa: BLE001 - the controller is gone; the log line stays
+            pass
 
     def handle(self, msg: dict[str, Any]) -> None:
+        try:
+            control.check_fields(msg, control.AGENT_FIELDS, self.limits)
+        except control.Rejected as exc:
+            self._rejected(self.inbox.queue, -1, exc.reason, json.dumps(msg)[:200].encode())
+            return
         kind = msg["type"]
         if kind == "spawn":
             self.spawn(int(msg["gen"]), msg["ranks"])
@@ -246,8 +289,6 @@ class Agent:
             self._report("inventory", req=msg["req"], **self.inventory())
         elif kind == "stop":
             self.stopping.set()
-        else:
-            self._report("agent_error", error=f"unknown command {kind!r}")
 
     def _watch_stdin(self) -> None:
         # The controller holds our stdin open; EOF means it (or its SSH session) is gone.

@@ -8,6 +8,7 @@ shows live progress and is the only writer of the run record.
 from __future__ import annotations
 
 import datetime
+import json
 import signal
 import socket
 import time
@@ -143,7 +144,12 @@ class Controller:
         # The store's server owns the descriptor now and closes it when the store goes; closing
         # it here as well could close whatever file has reused the number by then.
         sock.detach()
-        self.inbox = control.Receiver(self.store, control.CTL_QUEUE)
+        # Everything the store carries is sealed with the job token, which never travels in it.
+        self.sealer = control.Sealer(self.token, "controller")
+        self.limits = control.Limits(self.spec.world_size, self.spec.nnodes)
+        self._rejects: tuple[float, int, int] = (0.0, 0, 0)  # (window start, recorded, dropped)
+        self.inbox = control.Receiver(self.store, control.CTL_QUEUE, opener=control.Opener(self.token),
+                                      on_reject=self._rejected)
         self.rec.update_run_info(controller={"address": self.spec.address, "port": self.store.port})
 
     @property
@@ -185,8 +191,9 @@ class Controller:
             local_world_size=len(local), node=node, run_id=self.rec.run_id,
             store_host=self.spec.address, store_port=self.port, gen=gen, strategy=self.spec.recovery,
             ckpt_dir=self._ckpt_dir(), ckpt_every=self.spec.ckpt_every,
-            replicate=memory and self.spec.nnodes > 1, token=self.token, pg_timeout=self.spec.pg_timeout,
+            replicate=memory and self.spec.nnodes > 1, pg_timeout=self.spec.pg_timeout,
         )
+        # No token: this travels through the store. The agent adds it where the rank starts.
         return env.to_env()
 
     def _ckpt_dir(self) -> str:
@@ -200,7 +207,25 @@ class Controller:
 
     def send(self, node: int, msg: dict[str, Any]) -> None:
         assert self.store is not None
-        control.send(self.store, control.agent_queue(node, self._incarnation.get(node, 0)), msg)
+        control.send(self.store, control.agent_queue(node, self._incarnation.get(node, 0)), msg, self.sealer)
+
+    # How many refused messages a second are recorded one by one; beyond that they are counted,
+    # so a flood of garbage cannot turn into a flood of fsync'd record lines.
+    REJECTS_PER_S = 20
+
+    def _rejected(self, queue: str, index: int, reason: str, raw: bytes | str, **who: Any) -> None:
+        """A message that failed authentication or decoding: recorded (rate-limited) and dropped."""
+        now = time.monotonic()
+        start, recorded, dropped = self._rejects
+        if now - start >= 1.0:
+            start, recorded = now, 0
+        if recorded >= self.REJECTS_PER_S:
+            self._rejects = (start, recorded, dropped + 1)
+            return
+        self._rejects = (start, recorded + 1, 0)
+        raw_text = raw if isinstance(raw, str) else control.short_repr(raw)
+        self.record(EventKind.MESSAGE_REJECTED, queue=queue, index=index, reason=reason, raw=raw_text,
+                    **({"dropped_before": dropped} if dropped else {}), **who)
 
     # -- messages -----------------------------------------------------------------------------
     def _fail(self, failure: Failure) -> None:
@@ -218,6 +243,20 @@ class Controller:
         self.injector.revert_due()
 
     def _handle(self, msg: dict[str, Any]) -> None:
+        # Every field is checked before any is used: a sealed message from one of our own
+        # processes with a bad value is still refused, never a crash.
+        try:
+            control.check_fields(msg, control.FIELDS, self.limits)
+        except control.Rejected as exc:
+            self._rejected(control.CTL_QUEUE, -1, exc.reason, json.dumps(msg)[:200].encode())
+            return
+        try:
+            self._dispatch(msg)
+        except (KeyError, ValueError, TypeError) as exc:
+            self._rejected(control.CTL_QUEUE, -1, f"{msg['type']}: {type(exc).__name__}: {exc}"[:200],
+                           json.dumps(msg)[:200].encode())
+
+    def _dispatch(self, msg: dict[str, Any]) -> None:
         kind = msg["type"]
         now = time.time()
         rank = msg.get("rank")
@@ -290,6 +329,14 @@ class Controller:
             self.inventories[(int(msg["node"]), int(msg["req"]))] = msg
         elif kind == "inject_request":
             self._adhoc_inject(msg)
+        elif kind == "agent_error":
+            self.record(EventKind.MESSAGE_REJECTED, t=now, queue="agent", index=-1, node=msg["node"],
+                        reason=str(msg["error"])[:500], raw="")
+        elif kind == "rejected":
+            # An agent or rank refused something it read (its queue, a plan, an abort flag).
+            self._rejected(str(msg["where"]), int(msg.get("index") if msg.get("index") is not None else -1),
+                           str(msg["reason"]), str(msg.get("raw") or ""), reported_by_node=msg.get("node"),
+                           **({"reported_by_rank": rank} if rank is not None else {}))
 
     def _on_exit(self, msg: dict[str, Any], now: float) -> None:
         rank, pid, code = int(msg["rank"]), int(msg["pid"]), int(msg["exitcode"])
@@ -352,9 +399,8 @@ class Controller:
                 reply = {"ok": err is None, "error": err, "fault_id": fault.fault_id if fault else None}
         except FaultSpecError as exc:
             reply = {"ok": False, "error": str(exc), "bad_input": True}
-        import json
-
-        self.store.set(f"inject/reply/{msg['req']}", json.dumps(reply))
+        key = f"inject/reply/{msg['req']}"  # req is checked alphanumeric (control.FIELDS)
+        self.store.set(key, self.sealer.seal(key, {"type": "inject_reply", **reply}))
 
     # -- waiting ------------------------------------------------------------------------------
     def wait_for(self, cond: Callable[[], bool], timeout: float, what: str, abandon_on_failure: bool = True) -> bool:
@@ -414,7 +460,7 @@ class Controller:
                 "sources": {str(r): s for r, s in (decision.sources.items() if decision else [])}}
         self.gen = gen
         self.progress.open(gen, int(plan["restore_step"]))
-        control.publish_plan(self.store, gen, plan)
+        control.publish_plan(self.store, gen, plan, self.sealer)
         self._spawn(gen, respawn)
 
     def await_generation(self, gen: int, respawn: list[int], restore_step: int, source: str) -> None:

@@ -62,8 +62,9 @@ class RecoveryCoordinator:
 
     def _abort(self, gen: int) -> None:
         assert self.ctl.store is not None
-        keys = [control.gen_abort_key(gen, r) for r in range(self.ctl.spec.world_size)]
-        self.ctl.store.multi_set(keys, ["1"] * len(keys))
+        # Sealed: ranks ignore (and report) an abort flag anyone else wrote.
+        keys, values = control.abort_values(self.ctl.sealer, gen, self.ctl.spec.world_size)
+        self.ctl.store.multi_set(keys, values)
 
     def _kill(self, ranks: set[int], grace: float = 3.0) -> None:
         """Ask the agents to stop these ranks. Their pids stay known until the agents report the

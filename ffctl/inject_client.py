@@ -1,11 +1,12 @@
 """Ad hoc injection into a running job: `ffctl inject` asks the run's controller to apply a fault.
 
 The controller stays the only writer of the record, so the request goes through its store (the
-endpoint is in run.json) and the controller answers under `inject/reply/<id>`.
+endpoint is in run.json) and the controller answers under `inject/reply/<id>`. Both are sealed
+with the job token, read from the run's owner-only token file: the controller ignores a request
+anyone else wrote, and this client a reply it did not seal.
 """
 from __future__ import annotations
 
-import json
 import secrets
 import time
 from typing import Any
@@ -26,15 +27,28 @@ def request(record: RunStore, spec_text: str, dry_run: bool, timeout: float = 30
         store = control.connect(ctl["address"], int(ctl["port"]), timeout=5.0)
     except Exception:
         raise InfraError(f"controller of run {record.run_id!r} at {ctl['address']}:{ctl['port']} is unreachable") from None
+    try:
+        token = record.token()
+    except OSError as exc:
+        raise BadInput(f"run {record.run_id!r}: cannot read its token file ({exc.strerror})") from None
+    sealer, opener = control.Sealer(token, "inject"), control.Opener(token)
     req = secrets.token_hex(8)
-    control.send(store, control.CTL_QUEUE, {"type": "inject_request", "spec": spec_text, "req": req, "dry_run": dry_run})
+    control.send(store, control.CTL_QUEUE, {"type": "inject_request", "spec": spec_text, "req": req, "dry_run": dry_run},
+                 sealer)
     key = f"inject/reply/{req}"
     deadline = time.monotonic() + timeout
-    while not store.check([key]):
+    refused = ""
+    while True:
+        if store.check([key]):
+            try:
+                reply: dict[str, Any] = opener.open(store.get(key), key, replay=False)
+                break
+            except control.Rejected as exc:
+                refused = exc.reason  # not the controller's: wait for its own answer
         if time.monotonic() > deadline:
-            raise InfraError(f"controller of run {record.run_id!r} did not answer within {timeout:g}s")
+            why = f" (a forged answer was refused: {refused})" if refused else ""
+            raise InfraError(f"controller of run {record.run_id!r} did not answer within {timeout:g}s{why}")
         time.sleep(0.02)
-    reply: dict[str, Any] = json.loads(store.get(key))
     store.delete_key(key)
     if not reply.get("ok") and reply.get("bad_input"):
         raise BadInput(str(reply.get("error")))

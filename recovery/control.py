@@ -5,13 +5,29 @@ The controller hosts the store. Workers and agents send it JSON messages through
 counter plus one key per message: the producer reserves an index with `add`, then `set`s the
 message; the single consumer `get`s index after index (a `get` waits for a reserved index whose
 message is still in flight). Generation plans are published under `gen/<g>/...`.
+
+torch's store has no authentication, so whoever reaches its port can read and write every key.
+No secret is ever written to it, and every control value (queue messages, plans, the current
+generation, abort flags, inject replies) is sealed with a key derived from the job token: an
+HMAC-SHA256 over the exact bytes of an envelope that names the kind, the sender (its role and a
+random per-process nonce), the sender's sequence number, a timestamp, the key it was written for
+and the body. A receiver (`Opener`) refuses a bad MAC, a value written for another key, a
+timestamp outside a window, and, per sender, any sequence number not above the last it accepted
+(replay). Refusals are reported through a callback with a reason; nothing read from the store
+raises out of a receiver. `FIELDS` lists what each kind of message must carry, checked in one
+step (`check_fields`) before anyone uses a field.
 """
 from __future__ import annotations
 
 import datetime
+import hashlib
+import hmac
 import json
+import math
+import secrets
+import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch.distributed as dist
 
@@ -50,9 +66,242 @@ def connect(host: str, port: int, timeout: float = 30.0) -> dist.TCPStore:
     )
 
 
-def send(store: dist.Store, queue: str, msg: dict[str, Any]) -> None:
-    idx = store.add(f"{queue}/n", 1)
-    store.set(f"{queue}/{idx}", json.dumps(msg))
+# -- sealing -------------------------------------------------------------------------------------
+CONTROL_KEY_LABEL = b"ffctl control v1"
+# Sealed values older or newer than this (by the receiver's clock) are refused. Wide, because
+# hosts' clocks may differ; replays inside it are caught by the sequence numbers.
+TIME_WINDOW_S = 600.0
+_MAC_HEX = 64
+
+
+class Rejected(Exception):
+    """A value read from the store failed authentication or decoding; `reason` says how."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def control_key(token: str) -> bytes:
+    """The key control values are sealed with: derived, so it differs from the snapshot channel's."""
+    return hmac.new(token.encode(), CONTROL_KEY_LABEL, hashlib.sha256).digest()
+
+
+def short_repr(raw: bytes | str, limit: int = 120) -> str:
+    text = repr(raw)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class Sealer:
+    """The sending side of one process: its identity and its strictly increasing sequence."""
+
+    def __init__(self, token: str, role: str) -> None:
+        self._key = control_key(token)
+        self.sender = f"{role}/{secrets.token_hex(8)}"
+        self._seq = 0
+        # Held from numbering a message until it is in its queue, so one sender's messages take
+        # queue indices in sequence order even when several of its threads send.
+        self.lock = threading.RLock()
+
+    def seal(self, to: str, msg: dict[str, Any]) -> str:
+        """The sealed form of `msg` (its `type` is the kind), valid only under key `to`."""
+        with self.lock:
+            self._seq += 1
+            seq = self._seq
+        body = {k: v for k, v in msg.items() if k != "type"}
+        payload = json.dumps({"kind": msg.get("type", ""), "sender": self.sender, "seq": seq,
+                              "ts": time.time(), "to": to, "body": body}, separators=(",", ":"))
+        mac = hmac.new(self._key, payload.encode(), hashlib.sha256).hexdigest()
+        return mac + payload
+
+
+class Opener:
+    """The receiving side: checks a sealed value and returns its message, or raises Rejected."""
+
+    def __init__(self, token: str, window: float = TIME_WINDOW_S) -> None:
+        self._key = control_key(token)
+        self.window = window
+        self._last: dict[str, int] = {}  # sender -> highest sequence accepted
+
+    def open(self, raw: bytes | str, to: str, replay: bool = True) -> dict[str, Any]:
+        """The message sealed in `raw` for key `to`, as `{"type": kind, **body}`. `replay=False`
+        for values that are read more than once (plans, flags): bound to their key, not counted."""
+        data = raw.encode() if isinstance(raw, str) else bytes(raw)
+        if len(data) <= _MAC_HEX:
+            raise Rejected("not a sealed message (too short)")
+        mac, payload = data[:_MAC_HEX], data[_MAC_HEX:]
+        want = hmac.new(self._key, payload, hashlib.sha256).hexdigest().encode()
+        if not hmac.compare_digest(mac, want):
+            raise Rejected("bad MAC (not sealed with this job's token, or altered)")
+        try:
+            env = json.loads(payload)
+        except ValueError:
+            raise Rejected("sealed payload is not JSON") from None
+        if not isinstance(env, dict):
+            raise Rejected("sealed payload is not an object")
+        kind, sender, seq, ts = env.get("kind"), env.get("sender"), env.get("seq"), env.get("ts")
+        body = env.get("body")
+        if not (isinstance(kind, str) and isinstance(sender, str) and _is_int(seq)
+                and isinstance(ts, (int, float)) and not isinstance(ts, bool) and isinstance(body, dict)):
+            raise Rejected("sealed envelope lacks kind, sender, seq, ts or body")
+        if env.get("to") != to:
+            raise Rejected(f"sealed for {short_repr(str(env.get('to')), 60)}, read from {to}")
+        if not math.isfinite(ts) or abs(time.time() - ts) > self.window:
+            raise Rejected(f"timestamp {ts!r} outside the {self.window:g}s window")
+        if replay:
+            last = self._last.get(sender, 0)
+            if seq <= last:
+                raise Rejected(f"replayed or old sequence {seq} from {sender} (last accepted {last})")
+            self._last[sender] = seq
+        return {**body, "type": kind}
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+# -- message fields --------------------------------------------------------------------------------
+Check = Callable[[Any, "Limits"], bool]
+
+
+class Limits:
+    """What a field's value must lie within: the job's world size and node count."""
+
+    def __init__(self, world_size: int, nnodes: int) -> None:
+        self.world_size = world_size
+        self.nnodes = nnodes
+
+
+def _int(v: Any, _: Limits) -> bool:
+    return _is_int(v) and abs(v) < 1 << 62
+
+
+def _nat(v: Any, lim: Limits) -> bool:
+    return _int(v, lim) and v >= 0
+
+
+def _num(v: Any, _: Limits) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _str(v: Any, _: Limits) -> bool:
+    return isinstance(v, str) and len(v) <= 100_000
+
+
+def _bool(v: Any, _: Limits) -> bool:
+    return isinstance(v, bool)
+
+
+def _rank(v: Any, lim: Limits) -> bool:
+    return _is_int(v) and 0 <= v < lim.world_size
+
+
+def _node(v: Any, lim: Limits) -> bool:
+    return _is_int(v) and 0 <= v < lim.nnodes
+
+
+def _ranks(v: Any, lim: Limits) -> bool:
+    return isinstance(v, list) and all(_rank(r, lim) for r in v)
+
+
+def _pids(v: Any, lim: Limits) -> bool:  # {"<rank>": pid}
+    return isinstance(v, dict) and all(k.isdigit() and k.isascii() and int(k) < lim.world_size and _nat(p, lim)
+                                       for k, p in v.items())
+
+
+def _held(v: Any, lim: Limits) -> bool:  # {"<rank>": [steps]}
+    return isinstance(v, dict) and all(
+        k.isdigit() and k.isascii() and isinstance(s, list) and all(_int(x, lim) for x in s) for k, s in v.items())
+
+
+def _req(v: Any, _: Limits) -> bool:  # an inject request id: it names a store key
+    return isinstance(v, str) and 0 < len(v) <= 64 and v.isascii() and v.isalnum()
+
+
+def _addr(v: Any, lim: Limits) -> bool:
+    return v is None or (isinstance(v, str) and 0 < len(v) <= 255)
+
+
+def _port(v: Any, lim: Limits) -> bool:
+    return v is None or (_is_int(v) and 0 < v < 65536)
+
+
+def _rank_specs(v: Any, lim: Limits) -> bool:  # spawn: [{"rank": r, "env": {str: str}}]
+    return isinstance(v, list) and all(
+        isinstance(s, dict) and _rank(s.get("rank"), lim) and isinstance(s.get("env"), dict)
+        and all(isinstance(k, str) and isinstance(x, str) for k, x in s["env"].items()) for s in v)
+
+
+def optional(check: Check) -> Check:
+    """A field that may be absent or null."""
+    def opt(v: Any, lim: Limits) -> bool:
+        return v is None or check(v, lim)
+    opt.optional = True  # type: ignore[attr-defined]
+    return opt
+
+
+_RANK_MSG = {"rank": _rank, "node": _node, "gen": _nat}
+# What each message kind on `ctl/q` (to the controller) must carry; other fields are allowed.
+FIELDS: dict[str, dict[str, Check]] = {
+    "step": {**_RANK_MSG, "step": _nat, "loss": _num, "dt": _num},
+    "started": {**_RANK_MSG, "pid": optional(_nat)},
+    "joined": _RANK_MSG,
+    "restored": {**_RANK_MSG, "step": _nat, "how": optional(_str), "source": optional(_str)},
+    "done": {**_RANK_MSG, "step": optional(_nat)},
+    "aborted": {**_RANK_MSG, "step": _nat, "reason": optional(_str)},
+    "restore_failed": {**_RANK_MSG, "step": _nat, "source": _str, "reason": optional(_str)},
+    "error": {**_RANK_MSG, "step": optional(_int), "error": optional(_str)},
+    "ckpt": {"rank": _rank, "node": _node, "step": _nat},
+    "agent_failed": {"node": _node, "reason": _str},
+    "agent_up": {"node": _node, "pid": _nat, "host": _str, "time": _num, "peer_address": _str, "peer_port": _port},
+    "agent_error": {"node": _node, "error": _str},
+    "spares": {"node": _node, "count": _nat, "total": optional(_nat)},
+    "spawned": {"node": _node, "gen": _nat, "pids": _pids},
+    "rank_exited": {"node": _node, "rank": _rank, "gen": _nat, "pid": _nat, "exitcode": _int,
+                    "expected": optional(_bool)},
+    "replicated": {"node": _node, "step": _nat, "ranks": _ranks},
+    "inventory": {"node": _node, "req": _int, "local": _held, "replica": _held},
+    "inject_request": {"spec": _str, "req": _req, "dry_run": optional(_bool)},
+    # A sender that refused something it read (an agent's queue, an abort flag, a plan).
+    "rejected": {"where": _str, "reason": _str, "raw": optional(_str), "index": optional(_int)},
+}
+# What each command on an agent's queue must carry.
+AGENT_FIELDS: dict[str, dict[str, Check]] = {
+    "spawn": {"gen": _nat, "ranks": _rank_specs},
+    "kill": {"ranks": _ranks, "grace": optional(_num)},
+    "neighbor": {"address": _addr, "port": _port},
+    "inventory": {"req": _int},
+    "stop": {},
+}
+
+
+def check_fields(msg: dict[str, Any], table: dict[str, dict[str, Check]], limits: Limits) -> None:
+    """Raise Rejected unless `msg` is of a known kind and carries its fields with valid values."""
+    kind = msg.get("type")
+    fields = table.get(kind) if isinstance(kind, str) else None
+    if fields is None:
+        raise Rejected(f"unknown kind {short_repr(str(kind), 60)}")
+    for name, check in fields.items():
+        if name not in msg and not getattr(check, "optional", False):
+            raise Rejected(f"{kind}: missing field {name!r}")
+        if not check(msg.get(name), limits):
+            raise Rejected(f"{kind}: bad {name}={short_repr(str(msg.get(name)), 60)}")
+
+
+# -- queues -----------------------------------------------------------------------------------------
+def send(store: dist.Store, queue: str, msg: dict[str, Any], sealer: Sealer | None = None) -> None:
+    """Append `msg` to `queue`, sealed by `sealer` (unsealed only where no job token exists)."""
+    if sealer is None:
+        idx = store.add(f"{queue}/n", 1)
+        store.set(f"{queue}/{idx}", json.dumps(msg))
+        return
+    with sealer.lock:
+        value = sealer.seal(queue, msg)
+        idx = store.add(f"{queue}/n", 1)
+        store.set(f"{queue}/{idx}", value)
+
+
+RejectHook = Callable[[str, int, str, bytes], None]  # (queue, index, reason, raw value)
 
 
 class Receiver:
@@ -62,22 +311,42 @@ class Receiver:
     between `add` and `set`, e.g. a rank SIGKILLed or SIGSTOPped mid-send).
 
     Passing over it keeps each producer's own order: a producer sends one message at a time,
-    so every index after its unwritten one belongs to someone else."""
+    so every index after its unwritten one belongs to someone else.
 
-    def __init__(self, store: dist.Store, queue: str, gap_timeout: float = 2.0) -> None:
+    A value that does not open (with `opener`: sealing, sequence, window; without: JSON object)
+    is handed to `on_reject` with the reason and dropped: what a queue holds never raises here."""
+
+    def __init__(self, store: dist.Store, queue: str, gap_timeout: float = 2.0,
+                 opener: Opener | None = None, on_reject: RejectHook | None = None) -> None:
         self.store = store
         self.queue = queue
         self.seen = 0  # highest index looked at
         self.gap_timeout = gap_timeout
+        self.opener = opener
+        self.on_reject = on_reject
         self._missing: dict[int, float] = {}  # index -> when it was first found unwritten
 
-    def _take(self, idx: int) -> dict[str, Any] | None:
+    def _take(self, idx: int) -> dict[str, Any] | None | bool:
+        """The message at `idx`; None if not written yet; False if written but refused."""
         key = f"{self.queue}/{idx}"
         if not self.store.check([key]):
             return None
-        msg: dict[str, Any] = json.loads(self.store.get(key))
+        raw = self.store.get(key)
         self.store.delete_key(key)
-        return msg
+        try:
+            if self.opener is not None:
+                return self.opener.open(raw, self.queue)
+            msg = json.loads(raw)
+            if not isinstance(msg, dict):
+                raise Rejected("not a JSON object")
+            return msg
+        except Rejected as exc:
+            reason = exc.reason
+        except (ValueError, UnicodeDecodeError) as exc:
+            reason = f"not JSON: {str(exc)[:80]}"
+        if self.on_reject is not None:
+            self.on_reject(self.queue, idx, reason, bytes(raw))
+        return False
 
     def poll(self, max_items: int = 1000) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
@@ -85,7 +354,8 @@ class Receiver:
         for idx in sorted(self._missing):
             msg = self._take(idx)
             if msg is not None:
-                out.append(msg)
+                if msg is not False:
+                    out.append(msg)  # type: ignore[arg-type]
                 del self._missing[idx]
             elif now - self._missing[idx] >= self.gap_timeout:
                 del self._missing[idx]  # its producer died between reserving and writing
@@ -95,40 +365,92 @@ class Receiver:
             msg = self._take(self.seen)
             if msg is None:
                 self._missing[self.seen] = now  # still in flight: look again next poll
-            else:
-                out.append(msg)
+            elif msg is not False:
+                out.append(msg)  # type: ignore[arg-type]
         return out
 
 
-def publish_plan(store: dist.Store, gen: int, plan: dict[str, Any]) -> None:
-    store.set(gen_plan_key(gen), json.dumps(plan))
-    store.set(GEN_KEY, str(gen))
+def publish_plan(store: dist.Store, gen: int, plan: dict[str, Any], sealer: Sealer | None = None) -> None:
+    if sealer is None:
+        store.set(gen_plan_key(gen), json.dumps(plan))
+        store.set(GEN_KEY, str(gen))
+        return
+    # One round trip: the plan and the pointer to it land together.
+    store.multi_set([gen_plan_key(gen), GEN_KEY],
+                    [sealer.seal(gen_plan_key(gen), {"type": "plan", **plan}),
+                     sealer.seal(GEN_KEY, {"type": "gen", "gen": gen})])
 
 
-def current_gen(store: dist.Store) -> int:
+def abort_values(sealer: Sealer, gen: int, world_size: int) -> tuple[list[str], list[str]]:
+    """The abort flags of `gen` for every rank (keys, sealed values), for one `multi_set`."""
+    keys = [gen_abort_key(gen, r) for r in range(world_size)]
+    return keys, [sealer.seal(k, {"type": "abort", "gen": gen}) for k in keys]
+
+
+class _Reader:
+    """Reads values that are read more than once (plans, the current generation): a value that
+    does not open is reported once (per distinct value) and treated as not there yet, so the
+    genuine value, written over it, is still found."""
+
+    def __init__(self, opener: Opener | None, on_reject: RejectHook | None) -> None:
+        self.opener = opener
+        self.on_reject = on_reject
+        self._reported: set[tuple[str, bytes]] = set()
+
+    def read(self, store: dist.Store, key: str, kind: str) -> dict[str, Any] | None:
+        raw = store.get(key)
+        if self.opener is None:
+            return json.loads(raw) if kind == "plan" else {"gen": int(raw)}
+        try:
+            msg = self.opener.open(raw, key, replay=False)
+            if msg.get("type") != kind:
+                raise Rejected(f"a {short_repr(str(msg.get('type')), 30)} where a {kind} belongs")
+            if kind == "gen" and not _is_int(msg.get("gen")):
+                raise Rejected("gen is not an int")
+            return msg
+        except Rejected as exc:
+            if (key, bytes(raw)) not in self._reported and self.on_reject is not None:
+                self._reported.add((key, bytes(raw)))
+                self.on_reject(key, -1, exc.reason, bytes(raw))
+            return None
+
+
+def current_gen(store: dist.Store, opener: Opener | None = None, on_reject: RejectHook | None = None,
+                _reader: _Reader | None = None) -> int:
     if not store.check([GEN_KEY]):
         return -1
-    return int(store.get(GEN_KEY))
+    msg = (_reader or _Reader(opener, on_reject)).read(store, GEN_KEY, "gen")
+    return -1 if msg is None else int(msg["gen"])
 
 
-def wait_plan(store: dist.Store, gen: int, timeout: float) -> dict[str, Any]:
-    """Block until the plan of `gen` is published (or raise TimeoutError)."""
+def wait_plan(store: dist.Store, gen: int, timeout: float, opener: Opener | None = None,
+              on_reject: RejectHook | None = None, _reader: _Reader | None = None) -> dict[str, Any]:
+    """Block until a genuine plan of `gen` is published (or raise TimeoutError)."""
     deadline = time.monotonic() + timeout
     key = gen_plan_key(gen)
-    while not store.check([key]):
+    reader = _reader or _Reader(opener, on_reject)
+    while True:
+        if store.check([key]):
+            plan = reader.read(store, key, "plan")
+            if plan is not None:
+                if opener is not None and (plan.get("gen") != gen or not _is_int(plan.get("world_size"))
+                                           or not isinstance(plan.get("sources"), dict)):
+                    raise Rejected(f"sealed plan of generation {gen} is malformed")
+                return plan
         if time.monotonic() > deadline:
             raise TimeoutError(f"no plan for generation {gen} after {timeout:g}s")
         time.sleep(0.01)
-    return json.loads(store.get(key))
 
 
-def newest_plan(store: dist.Store, at_least: int, timeout: float) -> tuple[int, dict[str, Any]]:
+def newest_plan(store: dist.Store, at_least: int, timeout: float, opener: Opener | None = None,
+                on_reject: RejectHook | None = None) -> tuple[int, dict[str, Any]]:
     """The newest generation >= `at_least` and its plan, waiting up to `timeout`."""
     deadline = time.monotonic() + timeout
+    reader = _Reader(opener, on_reject)
     while True:
-        gen = current_gen(store)
+        gen = current_gen(store, _reader=reader)
         if gen >= at_least:
-            return gen, wait_plan(store, gen, max(0.1, deadline - time.monotonic()))
+            return gen, wait_plan(store, gen, max(0.1, deadline - time.monotonic()), opener, _reader=reader)
         if time.monotonic() > deadline:
             raise TimeoutError(f"no generation >= {at_least} after {timeout:g}s")
         time.sleep(0.01)

@@ -5,6 +5,10 @@ generation never collides with the keys of an old one. Waiting on a collective a
 controller's abort flag for the generation: a survivor blocked on a dead peer (gloo would wait
 for its full timeout) gives up as soon as the controller opens the next generation. The old group
 is destroyed once none of its collectives is blocked any more (see `Generation.close`).
+
+Anyone who reaches the store can write an abort key, so with an `Opener` the flag's value must be
+the controller's sealed abort of this generation and rank: any other value is reported through
+`on_forged` and ignored, and the watcher waits for the value to change.
 """
 from __future__ import annotations
 
@@ -19,6 +23,10 @@ import torch.distributed as dist
 from recovery import control
 from recovery.errors import PeerFailure
 
+# How often a watcher that found a forged flag looks whether the controller's own replaced it.
+FORGED_POLL_S = 0.05
+ForgedHook = Callable[[str, str, bytes], None]  # (key, reason, raw value)
+
 # A watcher's wait is renewed this often; an abort or a close ends it at once.
 WATCH_TIMEOUT = datetime.timedelta(hours=1)
 # How long a process about to exit waits for groups still being destroyed.
@@ -32,8 +40,11 @@ class AbortWatcher:
     blocked on a dead peer at once, and a healthy job pays nothing for it (a poll per rank every
     few milliseconds adds up to thousands of store requests a second at scale)."""
 
-    def __init__(self, host: str, port: int, gen: int, rank: int, wake: threading.Event) -> None:
+    def __init__(self, host: str, port: int, gen: int, rank: int, wake: threading.Event,
+                 opener: control.Opener | None = None, on_forged: ForgedHook | None = None) -> None:
         self.gen = gen
+        self._opener = opener
+        self._on_forged = on_forged
         self.aborted = threading.Event()
         self.key = control.gen_abort_key(gen, rank)
         self._wake = wake
@@ -57,10 +68,40 @@ class AbortWatcher:
                     continue
             except Exception:  # noqa: BLE001 - the controller is gone: nothing can complete any more
                 pass
+            else:
+                if self._stop.is_set():
+                    return
+                if not self._genuine():
+                    continue  # forged and since replaced, or we are stopping: look again
             if not self._stop.is_set():
                 self.aborted.set()
                 self._wake.set()
             return
+
+    def _genuine(self) -> bool:
+        """Whether the flag now set is the controller's. A forged one is reported, then watched
+        until its value changes (the controller's abort written over it, or our own close)."""
+        if self._opener is None:
+            return True
+        try:
+            raw = self._store.get(self.key)
+            self._opener.open(raw, self.key, replay=False)
+            return True
+        except control.Rejected as exc:
+            if self._on_forged is not None:
+                try:
+                    self._on_forged(self.key, exc.reason, bytes(raw))
+                except Exception:  # noqa: BLE001 - reporting is best effort
+                    pass
+            while not self._stop.wait(FORGED_POLL_S):
+                try:
+                    if self._store.get(self.key) != raw:
+                        break
+                except Exception:  # noqa: BLE001 - the controller is gone
+                    return True
+            return False
+        except Exception:  # noqa: BLE001 - the controller is gone: nothing can complete any more
+            return True
 
     def stop(self, store: dist.Store) -> None:
         """Let the watcher go: set its key through `store` (another connection) to end its wait."""
@@ -131,15 +172,17 @@ class Generation:
     """The process group of one generation and the waits that the controller can interrupt."""
 
     def __init__(self, store: dist.Store, host: str, port: int, gen: int, rank: int, world_size: int,
-                 timeout: float, backend: str = "gloo", meanwhile: Callable[[], None] | None = None) -> None:
+                 timeout: float, backend: str = "gloo", meanwhile: Callable[[], None] | None = None,
+                 opener: control.Opener | None = None, on_forged: ForgedHook | None = None) -> None:
         """Build the group; `meanwhile` runs on this thread while it is being built (work that
-        needs no group, done while waiting for the other ranks to arrive)."""
+        needs no group, done while waiting for the other ranks to arrive). With `opener`, only a
+        sealed abort flag aborts (see the module's docstring)."""
         self.gen = gen
         self.rank = rank
         self.world_size = world_size
         self._wake = threading.Event()
         self._store = store
-        self.watcher = AbortWatcher(host, port, gen, rank, self._wake)
+        self.watcher = AbortWatcher(host, port, gen, rank, self._wake, opener, on_forged)
         prefix = dist.PrefixStore(control.pg_prefix(gen), store)
         td = datetime.timedelta(seconds=timeout)
         built: list[Any] = []

@@ -20,6 +20,7 @@ import random
 import signal
 import threading
 import time
+import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
@@ -40,6 +41,7 @@ CONTINUED = "continued"  # a survivor kept its state and goes on with the step i
 PLAN_TIMEOUT = 600.0
 ACK_TIMEOUT = 2.0
 ACK_POLL_S = 0.001
+ERROR_TRACE_LINES = 20
 
 
 @dataclass
@@ -84,6 +86,11 @@ class Job:
         self.env = env
         self.entries: list[StateEntry] = [StateEntry("rng", _rng_state, _set_rng_state, replicated=False)]
         self.store = control.connect(env.store_host, env.store_port, timeout=60.0)
+        if not env.token:
+            raise RuntimeError("FFCTL_TOKEN is not set: a rank gets the job token from its agent")
+        # Every message to the controller is sealed; plans and abort flags are opened before use.
+        self._sealer = control.Sealer(env.token, f"rank/{env.rank}")
+        self._opener = control.Opener(env.token)
         self._send_lock = threading.Lock()  # step reports also go out from the snapshot thread
         self.group: Generation | None = None
         self.writer = SlotWriter(env.shm_dir, env.run_id, env.node, env.rank) if env.memory_snapshots else None
@@ -205,7 +212,7 @@ class Job:
     def run(self, step_fn: Callable[[StepContext], float], steps: int) -> None:
         self.faults.install()
         try:
-            gen, plan = control.newest_plan(self.store, self.env.gen, PLAN_TIMEOUT)
+            gen, plan = control.newest_plan(self.store, self.env.gen, PLAN_TIMEOUT, self._opener, self._rejected)
             try:
                 start, _ = self._join(gen, plan)
             except PeerFailure as exc:
@@ -240,7 +247,7 @@ class Job:
         while True:
             self._settle_snapshot()
             self._send("aborted", gen=exc.gen, step=self.last_committed, reason=exc.reason)
-            gen, plan = control.newest_plan(self.store, exc.gen + 1, PLAN_TIMEOUT)
+            gen, plan = control.newest_plan(self.store, exc.gen + 1, PLAN_TIMEOUT, self._opener, self._rejected)
             try:
                 return self._join(gen, plan, in_step)
             except PeerFailure as again:
@@ -248,7 +255,15 @@ class Job:
 
     def _send(self, kind: str, **fields: Any) -> None:
         with self._send_lock:
-            control.send(self.store, control.CTL_QUEUE, {"type": kind, "rank": self.env.rank, "node": self.env.node, **fields})
+            control.send(self.store, control.CTL_QUEUE, {"type": kind, "rank": self.env.rank, "node": self.env.node, **fields},
+                         self._sealer)
+
+    def _rejected(self, where: str, index: int, reason: str, raw: bytes) -> None:
+        """A forged plan, generation pointer or abort flag: ignored, and the controller told."""
+        try:
+            self._send("rejected", where=where, index=index, reason=reason, raw=control.short_repr(raw))
+        except Exception:  # noqa: BLE001 - the controller is gone: nobody to tell
+            pass
 
     def _join(self, gen: int, plan: dict[str, Any], in_step: bool = False) -> tuple[int, str]:
         if self.group is not None:
@@ -264,7 +279,8 @@ class Job:
 
         self.group = Generation(self.store, self.env.store_host, self.env.store_port, gen, self.env.rank,
                                 world, self.env.pg_timeout, self.env.backend,
-                                meanwhile=fetch_and_check if step > 0 else None)
+                                meanwhile=fetch_and_check if step > 0 else None, opener=self._opener,
+                                on_forged=lambda key, reason, raw: self._rejected(key, -1, reason, raw))
         how = ""
         if step == 0:
             self.group.barrier()
@@ -332,8 +348,11 @@ class Job:
         error's first line: it learns at once, not when this process has finished unwinding."""
         lines = str(exc).strip().splitlines()
         text = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+        # The traceback's last lines, for the root cause the controller prints if the job stops.
+        trace = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).splitlines()
         try:
-            self._send("error", gen=self.group.gen if self.group else self.env.gen, step=step, error=text[:500])
+            self._send("error", gen=self.group.gen if self.group else self.env.gen, step=step, error=text[:500],
+                       traceback=[line[:400] for line in trace[-ERROR_TRACE_LINES:]])
         except Exception:  # noqa: BLE001 - the controller may be gone; the exit still tells the agent
             pass
 

@@ -10,6 +10,9 @@ from dataclasses import asdict, dataclass, fields
 from typing import Mapping
 
 SHM_DIR = "/dev/shm"  # where slots and in-step fault files live unless configured otherwise
+# The job token reaches a rank only through its agent's own process environment under this name,
+# never through the store: a rank's environment as the controller sends it has no token.
+TOKEN_ENV = "FFCTL_TOKEN"
 
 
 class Strategy:
@@ -49,6 +52,8 @@ class JobEnv:
 
     def to_env(self) -> dict[str, str]:
         env = {f"FFCTL_{k.upper()}": str(int(v) if isinstance(v, bool) else v) for k, v in asdict(self).items()}
+        if not self.token:
+            del env[TOKEN_ENV]  # the agent adds it where the rank starts
         env.update(
             RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK=str(self.local_rank),
             LOCAL_WORLD_SIZE=str(self.local_world_size), GROUP_RANK=str(self.node),

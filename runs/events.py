@@ -32,6 +32,8 @@ class EventKind(str, Enum):
     RESTORE_DONE = "restore_done"  # gen, step, source
     RECOVERY_FAILED = "recovery_failed"  # fault_ids, reason
     RUN_FINISHED = "run_finished"  # status, steps_completed, reason
+    # queue (or key), index, reason, raw (short repr); node/rank when an agent or rank refused it
+    MESSAGE_REJECTED = "message_rejected"
 
 
 class RunStatus(str, Enum):
