@@ -13,6 +13,11 @@ says so; the sender then looks at the slot's seqlock and commits the copy only i
 not touch the slot meanwhile, so a torn copy is never kept. The receiver does not checksum what it
 got: the slot's checksum travels with the copy and whoever restores from it verifies it before
 use (a checksum per step on every receiver would cost a full pass over the state each step).
+
+A put names its own length, so the receiver caps it before allocating anything: at most
+`max_slot_bytes` for one (rank, slot) and `max_total_bytes` over every buffer it holds (by
+default a quarter and a half of the host's memory). A put over either is refused, logged, and its
+connection closed; nothing of it is allocated or read.
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ import os
 import socket
 import socketserver
 import struct
+import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -108,11 +114,23 @@ class _Replica:
         return SlotContent(self.step, bytes(view[: self.meta_len]), bytes(view[self.meta_len : self.length]), self.crc)
 
 
+def _physical_memory() -> int:
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (OSError, ValueError):
+        return 1 << 34
+
+
 class PeerStore:
     """An agent's snapshot server: local slots from shared memory, neighbour replicas in memory."""
 
-    def __init__(self, address: str, token: str, local_slot: Callable[[int, int], Path]) -> None:
+    def __init__(self, address: str, token: str, local_slot: Callable[[int, int], Path],
+                 max_slot_bytes: int | None = None, max_total_bytes: int | None = None) -> None:
         self.token = token
+        memory = _physical_memory()
+        self.max_slot_bytes = max_slot_bytes if max_slot_bytes is not None else memory // 4
+        self.max_total_bytes = max_total_bytes if max_total_bytes is not None else memory // 2
+        self.refused: list[str] = []  # why puts were refused, newest last (a few kept)
         self.local_slot = local_slot  # (rank, slot index) -> path of this node's slot file
         self.replicas: dict[tuple[int, int], _Replica] = {}  # (rank, slot) -> committed copy
         self._buffers: dict[tuple[int, int], bytearray] = {}  # reused from step to step
@@ -137,8 +155,8 @@ class PeerStore:
                             payload = _recv_exact(self.request, length) if length else b""
                             reply, body = store.serve(header, payload)
                         send_frame(self.request, reply, body)
-                except (ChannelError, OSError, ValueError):
-                    return
+                except (ChannelError, OSError, ValueError, KeyError, TypeError):
+                    return  # the connection closes; a refused put was logged where it was refused
 
         socketserver.ThreadingTCPServer.allow_reuse_address = True
         self.server = socketserver.ThreadingTCPServer((address, 0), Handler, bind_and_activate=True)
@@ -159,16 +177,31 @@ class PeerStore:
         rank, step, length = int(header["rank"]), int(header["step"]), int(header["len"])
         meta_len, crc = int(header["meta_len"]), int(header["crc"])
         key = (rank, step % 2)
+        if rank < 0 or step < 0 or not 0 <= meta_len <= length:
+            self._refuse(f"put of rank {rank} step {step}: bad header (len {length}, meta_len {meta_len})")
+        if length > self.max_slot_bytes:
+            self._refuse(f"put of rank {rank} step {step}: {length} bytes over the cap of "
+                         f"{self.max_slot_bytes} per slot")
         with self.lock:
+            buf = self._buffers.get(key)
+            if buf is None or len(buf) < length:
+                held = sum(len(b) for b in self._buffers.values()) - (len(buf) if buf is not None else 0)
+                if held + length > self.max_total_bytes:
+                    self._refuse(f"put of rank {rank} step {step}: {length} bytes would hold "
+                                 f"{held + length}, over the cap of {self.max_total_bytes}")
             self.replicas.pop(key, None)  # the old copy of this slot is being overwritten
             self._pending.pop(key, None)
-            buf = self._buffers.get(key)
             if buf is None or len(buf) < length:
                 buf = self._buffers[key] = bytearray(length)
         _recv_into(sock, memoryview(buf)[:length])
         with self.lock:
             self._pending[key] = _Replica(step, crc, meta_len, length, buf)
         return {"ok": True}
+
+    def _refuse(self, why: str) -> None:
+        self.refused = [*self.refused[-15:], why]
+        print(f"ffctl snapshot channel: refused {why}", file=sys.stderr, flush=True)
+        raise ChannelError(why)
 
     def settle(self, header: dict[str, Any]) -> dict[str, Any]:
         """The second phase of a put: keep the pending copy ("commit") or forget it ("drop")."""
