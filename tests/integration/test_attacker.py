@@ -1,0 +1,171 @@
+"""An unauthenticated client of a real job's control store plays the attacker.
+
+torch's TCPStore has no authentication: anyone who reaches the controller's port can read and
+write every key. The job must not care. The attacker watches the agents' queues and the rank
+queue from the start, reads the generation plans, and finds the job token nowhere; then it sends
+unsealed `stop`, `kill` and a replayed genuine `spawn` to the agents, unsealed `done`, `step`,
+`inject_request` and a non-JSON blob to the controller, and forges an abort flag of the running
+generation and a plan for the next one. The job completes every step, no rank is killed or
+started twice, and the record holds a `message_rejected` event for what was refused. A sealed
+`ffctl inject --dry-run` from the run's owner still gets its answer meanwhile.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from recovery import control
+from runs.events import EventKind
+from tests.helpers.launch import (
+    assert_nothing_left, crashes, rid, run_ffctl, shm_left, start_launch, wait_step,
+)
+from runs.store import iter_events
+
+pytestmark = pytest.mark.slow
+
+STEPS = 60
+NNODES = 2
+
+
+def _client(port: int) -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=10))
+
+
+def _controller_port(run_dir: Path, timeout: float = 60.0) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            ctl = json.loads((run_dir / "run.json").read_text()).get("controller")
+        except (OSError, ValueError):
+            ctl = None
+        if ctl:
+            return int(ctl["port"])
+        time.sleep(0.02)
+    raise AssertionError("the controller never published its endpoint")
+
+
+class Eavesdropper:
+    """Reads each message of a queue the moment it is written, before its consumer deletes it."""
+
+    def __init__(self, port: int, queue: str, first: int = 1, count: int = 200) -> None:
+        self.store = _client(port)
+        self.queue = queue
+        self.next = first
+        self.count = count
+        self.seen: list[bytes] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        # Polls rather than waits: a timed-out wait leaves torch's client connection unusable.
+        while not self._stop.is_set() and self.next < self.count:
+            key = f"{self.queue}/{self.next}"
+            if self.store.check([key]):
+                try:
+                    self.seen.append(bytes(self.store.get(key)))
+                except Exception:  # noqa: BLE001 - consumed between our check and get
+                    pass
+                self.next += 1
+            elif self.store.add(f"{self.queue}/n", 0) > self.next + 1:
+                self.next += 1  # written and consumed already: missed
+            else:
+                time.sleep(0.001)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=15)
+
+
+def test_an_unauthenticated_store_client_can_neither_read_a_secret_nor_control_the_job(tmp_path: Path) -> None:
+    run_id = rid("attack")
+    run_dir = tmp_path / "runs" / run_id
+    proc = start_launch(tmp_path, run_id, "--nnodes", str(NNODES), "--nproc-per-node", "1", "--steps", str(STEPS))
+    try:
+        port = _controller_port(run_dir)
+        token = (run_dir / "token").read_text().strip()
+        assert len(token) >= 32
+        # Listen from the start: the agents' first commands (spawn) carry each rank's environment.
+        agents = [Eavesdropper(port, control.agent_queue(n, 0)) for n in range(NNODES)]
+        ranks = Eavesdropper(port, control.CTL_QUEUE)
+        wait_step(tmp_path / "runs", run_id, 3, timeout=240)
+        attacker = _client(port)
+
+        # -- read everything it can name ------------------------------------------------------
+        plans = [bytes(attacker.get(k)) for k in (control.gen_plan_key(0), control.GEN_KEY)]
+        for spy in (*agents, ranks):
+            spy.stop()
+        heard = [m for spy in agents for m in spy.seen]
+        spawns = [m for m in heard if b'"kind":"spawn"' in m]
+        assert len(spawns) == NNODES, heard  # it did read each agent's spawn command...
+        assert b"FFCTL_RUN_ID" in spawns[0] and b"MASTER_PORT" in spawns[0]
+        for value in [*heard, *ranks.seen, *plans]:
+            assert token.encode() not in value  # ...and found no token in it, nor anywhere else
+        assert len(ranks.seen) >= 2 * NNODES
+
+        # -- try to control the job -----------------------------------------------------------
+        for n in range(NNODES):
+            q = control.agent_queue(n, 0)
+            control.send(attacker, q, {"type": "kill", "ranks": [n], "grace": 0.0})
+            control.send(attacker, q, {"type": "stop"})
+            idx = attacker.add(f"{q}/n", 1)  # a genuine spawn, replayed: would start rank n twice
+            attacker.set(f"{q}/{idx}", spawns[0] if f'"to":"{q}"'.encode() in spawns[0] else spawns[1])
+        for r in range(NNODES):
+            control.send(attacker, control.CTL_QUEUE,
+                         {"type": "done", "rank": r, "node": r, "gen": 0, "step": STEPS})
+        control.send(attacker, control.CTL_QUEUE,
+                     {"type": "step", "rank": 0, "node": 0, "gen": 0, "step": STEPS, "loss": 0.0, "dt": 0.1})
+        control.send(attacker, control.CTL_QUEUE,
+                     {"type": "inject_request", "spec": "kill-node:node=1", "req": "evil", "dry_run": False})
+        idx = attacker.add(f"{control.CTL_QUEUE}/n", 1)
+        attacker.set(f"{control.CTL_QUEUE}/{idx}", b"\xde\xad\xbe\xef not json at all")
+        attacker.set(control.gen_abort_key(0, 0), "1")
+        attacker.set(control.gen_plan_key(1), json.dumps(
+            {"gen": 1, "world_size": NNODES, "restore_step": 1,
+             "sources": {"0": {"kind": "peer-memory", "address": "127.0.0.1", "port": 1}}}))
+
+        # -- the owner's sealed request is still answered ---------------------------------------
+        dry = run_ffctl(tmp_path, "inject", "kill-node", "--run", run_id, "--node", "1", "--dry-run",
+                        timeout=60)
+        assert dry.returncode == 0, dry.stderr
+        assert "kill -KILL" in dry.stdout
+        assert not attacker.check(["inject/reply/evil"])  # the unsealed request got no answer
+
+        proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+    assert proc.returncode == 0, proc.stderr.read() if proc.stderr else ""
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["status"] == "completed" and report["steps_completed"] == STEPS
+    assert report["faults"] == []
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines() if line]
+    kinds = [e["event"] for e in events]
+    assert "failure_detected" not in kinds and "node_lost" not in kinds
+    spawned = [e for e in events if e["event"] == EventKind.RANKS_SPAWNED.value]
+    assert [e["gen"] for e in spawned] == [0]  # no second generation, no rank started twice
+    assert not crashes(list(iter_events(run_dir / "events.jsonl")))
+    exits = [e for e in events if e["event"] == EventKind.RANK_EXITED.value]
+    assert all(e.get("exitcode") == 0 for e in exits), exits  # none was killed
+
+    rejected = [e for e in events if e["event"] == EventKind.MESSAGE_REJECTED.value]
+    on_ctl = [e for e in rejected if e["queue"] == control.CTL_QUEUE and "reported_by_node" not in e]
+    assert len(on_ctl) >= NNODES + 3, rejected  # done x2, step, inject_request, the blob
+    assert any("deadbeef" in e["raw"] or "\\xde\\xad" in e["raw"] for e in on_ctl)
+    for n in range(NNODES):
+        by_agent = [e for e in rejected if e.get("reported_by_node") == n and e["queue"] == control.agent_queue(n, 0)]
+        reasons = " | ".join(e["reason"] for e in by_agent)
+        # The unsealed kill and stop (too short to hold a MAC, or a wrong one), the replayed spawn.
+        assert len(by_agent) == 3 and "replayed" in reasons, by_agent
+    forged_abort = [e for e in rejected if e["queue"] == control.gen_abort_key(0, 0)]
+    assert forged_abort and forged_abort[0].get("reported_by_rank") == 0
+    assert_nothing_left(tmp_path)
+    assert not shm_left(run_id)
