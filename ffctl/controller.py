@@ -334,8 +334,8 @@ class Controller:
                         reason=str(msg["error"])[:500], raw="")
         elif kind == "rejected":
             # An agent or rank refused something it read (its queue, a plan, an abort flag).
-            self._rejected(str(msg["where"]), int(msg.get("index") if msg.get("index") is not None else -1),
-                           str(msg["reason"]), str(msg.get("raw") or ""), reported_by_node=msg.get("node"),
+            self._rejected(str(msg["where"])[:200], int(msg.get("index") if msg.get("index") is not None else -1),
+                           str(msg["reason"])[:500], str(msg.get("raw") or "")[:200], reported_by_node=msg.get("node"),
                            **({"reported_by_rank": rank} if rank is not None else {}))
 
     def _on_exit(self, msg: dict[str, Any], now: float) -> None:
