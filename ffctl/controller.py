@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import datetime
 import json
+import re
 import signal
 import socket
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +23,7 @@ import torch.distributed as dist
 from fault_injectors import LocalTransport, NodePlace, RankPlace, Topology
 from fault_injectors.plan import HostCommand
 from ffctl.agent import AgentConfig
-from ffctl.coordinator import FatalRun, RecoveryAbandoned, RecoveryCoordinator
+from ffctl.coordinator import FatalRun, RankFailure, RecoveryAbandoned, RecoveryCoordinator, error_line
 from ffctl.decide import Decision, ring_holder
 from ffctl.injector import Injector
 from ffctl.launchspec import LaunchSpec
@@ -47,10 +49,13 @@ class Failure:
     nodes: set[int] = field(default_factory=set)
     t: float = field(default_factory=time.time)
     detail: str = ""
+    rank_failures: dict[int, RankFailure] = field(default_factory=dict)  # what each failed rank said
 
     def merge(self, other: Failure) -> None:
         self.ranks |= other.ranks
         self.nodes |= other.nodes
+        for r, rf in other.rank_failures.items():
+            self.rank_failures.setdefault(r, rf)
         if other.cause not in self.cause.split("+"):
             self.cause += "+" + other.cause
 
@@ -95,7 +100,11 @@ class Controller:
         self.pending: Failure | None = None
         self.phase = "starting"
         self.started = time.time()
-        self.notice: str | None = None  # said on screen once: a fallback, a fatal reason
+        self.notice: str | None = None  # the newest line of `notices`
+        self.notices: list[str] = []  # said on screen once each: a failed rank, a fallback, a fatal reason
+        self.root_cause: dict[str, Any] | None = None  # the failure that stopped the job
+        self.rank_failed: dict[int, RankFailure] = {}  # rank -> its newest failure
+        self.plain_script = not uses_recovery_library(spec.script)
         self.deferred_restarts: dict[int, float] = {}  # node -> when to restart its agent
         self._incarnation: dict[int, int] = {}
         self._view_at = 0.0
@@ -120,8 +129,14 @@ class Controller:
             "steps": self.spec.steps, "loss": self.progress.last_loss,
             "steps_per_s": (1.0 / med) if med else None,
             "fault": self.injector.describe_current(), "strategy": self.spec.recovery,
-            "notice": self.notice,
+            "notice": self.notice, "notices": tuple(self.notices),
         })
+
+    def announce(self, line: str) -> None:
+        """Say `line` on screen once (the live view prints each notice as it comes)."""
+        self.notices.append(line)
+        self.notice = line
+        self.show(force=True)
 
     # -- plumbing -----------------------------------------------------------------------------
     def _local_transport(self, cmd: HostCommand) -> LocalTransport:
@@ -297,10 +312,17 @@ class Controller:
         elif kind == "rank_exited":
             self._on_exit(msg, now)
         elif kind == "error":
+            trace = _lines(msg.get("traceback"))
             self.record(EventKind.RANK_EXITED, t=now, node=msg["node"], rank=rank, error=msg.get("error"),
-                        gen=msg.get("gen"), reason="error-in-step")
+                        gen=msg.get("gen"), reason="error-in-step", step=msg.get("step"), traceback=trace)
             if self.pids.get(int(rank)):
-                self._fail(Failure("step-error", {int(rank)}, t=now, detail=str(msg.get("error"))))
+                step = msg.get("step")
+                rf = RankFailure(int(rank), int(msg["node"]), self._host(int(msg["node"])), now,
+                                 step=int(step) if step is not None else None, step_exact=step is not None,
+                                 pid=self.pids.get(int(rank)), error=str(msg.get("error") or ""), tail=trace)
+                self.rank_failed[rf.rank] = rf
+                self._fail(Failure("step-error", {rf.rank}, t=now, detail=str(msg.get("error")),
+                                   rank_failures={rf.rank: rf}))
         elif kind in ("started", "joined", "restored", "done"):
             self.gen_msgs.setdefault((kind, int(msg["gen"])), set()).add(int(rank))
             if kind == "restored" and msg.get("how"):
@@ -340,14 +362,41 @@ class Controller:
 
     def _on_exit(self, msg: dict[str, Any], now: float) -> None:
         rank, pid, code = int(msg["rank"]), int(msg["pid"]), int(msg["exitcode"])
+        tail = _lines(msg.get("log_tail"))
         self.record(EventKind.RANK_EXITED, t=now, node=msg["node"], rank=rank, pid=pid, exitcode=code,
-                    gen=msg.get("gen"), expected=bool(msg.get("expected")))
+                    gen=msg.get("gen"), expected=bool(msg.get("expected")), **({"log_tail": tail} if tail else {}))
         if self.pids.get(rank) != pid:
             return  # a process of an earlier generation, already replaced
         self.pids[rank] = None
         if msg.get("expected") or rank in self.gen_msgs.get(("done", self.gen), set()):
             return
-        self._fail(Failure("process-exit", {rank}, t=now, detail=f"exit code {code}"))
+        if self.plain_script and code == 0:
+            # A script without the recovery library has no other way to say it finished.
+            self.gen_msgs.setdefault(("done", int(msg["gen"])), set()).add(rank)
+            return
+        node = int(msg["node"])
+        rf = self.rank_failed.get(rank)
+        if rf is not None and rf.pid == pid and rf.exitcode is None:
+            rf.exitcode = code  # the end of the exception it reported: keep its traceback
+            rf.tail = rf.tail or tail
+        else:
+            host = msg.get("host") if isinstance(msg.get("host"), str) else self._host(node)
+            rf = RankFailure(rank, node, str(host)[:255], now, step=self._failing_step(rank), pid=pid,
+                             exitcode=code, error=error_line(tail)[:500], tail=tail)
+            self.rank_failed[rank] = rf
+        self._fail(Failure("process-exit", {rank}, t=now, detail=f"exit code {code}", rank_failures={rank: rf}))
+
+    def _failing_step(self, rank: int) -> int | None:
+        """The step a rank that exited was most likely in: the one after its newest commit in this
+        generation (or after the restore step). Unknown for a script that reports no steps."""
+        if self.plain_script:
+            return None
+        return max(self.progress.restore_step, self.progress.everywhere([rank])) + 1
+
+    def _host(self, node: int) -> str:
+        host = self.launcher.host(node)
+        # Local nodes (netns sandboxes too) run on this machine: name it as torchrun would.
+        return socket.gethostname() if host == "localhost" else host
 
     def _check_nodes(self) -> None:
         assert self.store is not None
@@ -377,8 +426,8 @@ class Controller:
         return self.spec.heartbeat_timeout
 
     def _check_hang(self) -> None:
-        if self.phase != "running" or self.pending is not None:
-            return
+        if self.phase != "running" or self.pending is not None or self.plain_script:
+            return  # (a plain script reports no steps: no progress to judge)
         if not self.progress.started():
             limit = STARTUP_HANG_S
         else:
@@ -465,12 +514,17 @@ class Controller:
 
     def await_generation(self, gen: int, respawn: list[int], restore_step: int, source: str) -> None:
         world = set(self.members)
-        # Spawned means started and ready to join (torch imported), not merely forked.
-        spawned = lambda: set(respawn) <= self.gen_msgs.get(("started", gen), set())  # noqa: E731
+        # Spawned means started and ready to join (torch imported), not merely forked. A plain
+        # script says nothing: its process being up is all there is.
+        said = "spawned" if self.plain_script else "started"
+        spawned = lambda: set(respawn) <= self.gen_msgs.get((said, gen), set())  # noqa: E731
         if not self.wait_for(spawned, PHASE_TIMEOUT, "spawn"):
             raise FatalRun(f"ranks {sorted(respawn)} were not spawned within {PHASE_TIMEOUT:g}s")
         self.record(EventKind.RANKS_SPAWNED, gen=gen, ranks=sorted(respawn),
                     pids={str(r): self.pids.get(r) for r in respawn})
+        if self.plain_script:
+            self.last_progress = time.monotonic()
+            return  # its rendezvous is torch's own (MASTER_ADDR), unseen here
         joined = lambda: world <= self.gen_msgs.get(("joined", gen), set())  # noqa: E731
         if not self.wait_for(joined, PHASE_TIMEOUT, "rendezvous"):
             self._fail(Failure("rendezvous-timeout", world - self.gen_msgs.get(("joined", gen), set())))
@@ -496,7 +550,8 @@ class Controller:
             self.record(EventKind.RUN_STARTED, world_size=self.spec.world_size, strategy=self.spec.recovery,
                         nnodes=self.spec.nnodes, nproc_per_node=self.spec.nproc_per_node,
                         steps=self.spec.steps, seed=self.spec.seed, model=self.spec.model,
-                        script=list(self.spec.script), spares=self.spec.spares, ckpt_every=self.spec.ckpt_every)
+                        script=list(self.spec.script), spares=self.spec.spares, ckpt_every=self.spec.ckpt_every,
+                        max_restarts=self.spec.max_restarts, plain_script=self.plain_script)
             for n in range(self.spec.nnodes):
                 self.start_agent(n)
             self.wait_agents(list(range(self.spec.nnodes)))
@@ -521,7 +576,8 @@ class Controller:
             self.show(force=True)
             self._teardown()
             self.record(EventKind.RUN_FINISHED, status=status.value, steps_completed=self.progress.committed_step,
-                        reason=reason or self.fatal_reason)
+                        reason=reason or self.fatal_reason,
+                        **({"root_cause": self.root_cause} if status is RunStatus.FAILED and self.root_cause else {}))
             self.rec.write_json("report.json", compute(self.rec.run_id, self.rec.events()).to_dict())
             self.rec.close()
         return status
@@ -579,6 +635,41 @@ class Controller:
                 for path in Path(SHM_DIR).glob(f"ffctl-{self.rec.run_id}-fault-*"):
                     path.unlink(missing_ok=True)
         self.store = None  # its server closes the listening socket
+
+
+def uses_recovery_library(script: tuple[str, ...]) -> bool:
+    """Whether the ranks run the recovery library (they report `started`, `joined`, steps and
+    `done`) or a plain script, whose process being up is all there is to wait for.
+
+    Read from the script's source: a plain torchrun script never imports `recovery`, and the
+    controller must know before the first rank starts, since it waits differently for each."""
+    if not script:
+        return True  # the built-in workload
+    if script[0] == "-m" or script[0].startswith("-m"):
+        name = script[1] if script[0] == "-m" and len(script) > 1 else script[0][2:]
+        if name.startswith("ffctl.workload"):
+            return True
+        # Found without importing it (importing would run the user's package code here).
+        parts = name.split(".")
+        places = [Path(d or ".", *parts) for d in [str(Path.cwd()), *sys.path]]
+        found = [f for p in places for f in (p.with_suffix(".py"), p / "__main__.py") if f.is_file()]
+        if not found:
+            return True  # cannot tell: wait for the library's messages
+        path = found[0]
+    else:
+        path = Path(script[0])
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return True
+    return re.search(r"^\s*(?:from\s+recovery(?:\.\w+)*\s+import|import\s+recovery\b)", text, re.M) is not None
+
+
+def _lines(value: Any, limit: int = 50) -> list[str]:
+    """A list of text lines from a message field, bounded; anything else gives none."""
+    if not isinstance(value, list):
+        return []
+    return [line[:500] for line in value[-limit:] if isinstance(line, str)]
 
 
 def _raise_interrupt(signum: int, frame: Any) -> None:

@@ -6,11 +6,19 @@ places the lost ranks (warm spares on surviving nodes, or the lost node's restar
 opens and awaits generation g+1 (DESIGN.md, One-step restoration, steps 3 to 5). A failure that
 arrives meanwhile abandons the attempt and the recovery starts over with both failures merged.
 It acts through the controller, which owns the control plane, the agents and the run record.
+
+Restarts are bounded (`restart_verdict`): `--max-restarts` recoveries from failures ffctl did not
+cause itself, and a crash loop (the same rank failing at the same step with the same error after
+a restore) stops the job at once. A job that stops says why on screen and in the record, with the
+root cause as torchrun reports it: the failed rank, its host, exit code or signal, time, and the
+last lines of its error.
 """
 from __future__ import annotations
 
+import signal
 import time
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from ffctl.decide import Decision, Inventory, decide
 from recovery import control
@@ -22,6 +30,139 @@ if TYPE_CHECKING:
 
 ABORT_ACK_TIMEOUT = 5.0
 NODE_RESTART_DELAY_S = 5.0
+# How long a stopping job waits for a rank that reported an error to exit by itself, so that the
+# root cause shows its exit code and the traceback it printed.
+EXIT_WAIT_S = 3.0
+TAIL_LINES = 20
+
+
+def signal_name(exitcode: int) -> str | None:
+    """`SIGKILL` for an exit code of -9 (killed by a signal), None for a normal exit."""
+    if exitcode >= 0:
+        return None
+    try:
+        return signal.Signals(-exitcode).name
+    except ValueError:
+        return f"signal {-exitcode}"
+
+
+def error_line(tail: list[str]) -> str:
+    """The line of a log tail that names the error: the exception line ending the last Python
+    traceback (what follows it, such as library warnings at interpreter exit, is not the error),
+    else the last non-empty line."""
+    lines = [line.rstrip() for line in tail]
+    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")]
+    if starts:
+        for line in lines[starts[-1] + 1:]:
+            if line and not line[0].isspace():
+                return line.strip()
+    for line in reversed(lines):
+        if line.strip():
+            return line.strip()
+    return ""
+
+
+@dataclass
+class RankFailure:
+    """What is known of one rank's failure: from its `error` message (an exception in the step,
+    with its traceback), from the agent's exit report (exit code, the tail of the rank's log), or
+    both, whichever came first filled in by the other."""
+
+    rank: int
+    node: int
+    host: str
+    t: float
+    step: int | None = None  # the step it was training, None where unknown (a plain script)
+    step_exact: bool = False  # reported by the rank itself, not inferred from its last commit
+    pid: int | None = None
+    exitcode: int | None = None  # None: still running when it reported the error
+    error: str = ""  # one line: the exception, or the log's error line
+    tail: list[str] = field(default_factory=list)  # last lines of its traceback or log
+
+    def how(self) -> str:
+        """`exit code 1: RuntimeError: boom`, `SIGKILL`, `RuntimeError: boom`."""
+        parts = []
+        if self.exitcode is not None:
+            parts.append(signal_name(self.exitcode) or f"exit code {self.exitcode}")
+        if self.error and (self.exitcode is None or self.exitcode > 0):
+            parts.append(self.error)  # after a signal the log's last line is not about the death
+        return ": ".join(parts) or "failed"
+
+    def summary(self) -> str:
+        """One line for the screen: `rank 1 (node 0) failed at step 10: exit code 1: ...`."""
+        where = ""
+        if self.step is not None:
+            where = f" at step {self.step}" if self.step_exact else f" after step {self.step - 1}"
+        return f"rank {self.rank} (node {self.node}) failed{where}: {self.how()}"
+
+    def signature(self) -> tuple[int, int | None, str]:
+        """What makes two failures the same for the crash-loop guard. The error's text where
+        there is one: whether the exit code had arrived by then is a matter of timing."""
+        return (self.rank, self.step, self.error or self.how())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rank": self.rank, "node": self.node, "host": self.host, "t": self.t, "step": self.step,
+                "pid": self.pid, "exitcode": self.exitcode,
+                "signal": signal_name(self.exitcode) if self.exitcode is not None else None,
+                "error": self.error, "summary": self.summary(), "tail": list(self.tail[-TAIL_LINES:])}
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What to do with a failure: recover (stop is None) or stop the job, and whether the
+    recovery spends one of the restarts `--max-restarts` allows."""
+
+    stop: str | None
+    counted: bool
+
+
+def restart_verdict(max_restarts: int, used: int, injected: bool,
+                    current: tuple[object, ...] | None, previous: tuple[object, ...] | None) -> Verdict:
+    """Decide whether the job recovers from a failure.
+
+    `used`: restarts already spent; `injected`: the failure is blamed on a fault ffctl injected
+    itself; `current`/`previous`: the failure's signature (rank, step, error) and that of the last
+    counted failure the job was restored from (None when the failure names no rank).
+
+    A chaos run's injected faults are its experiment: recovering from them never spends the
+    budget, so `--chaos mtbf=...` or many `--inject`s run as long as they are asked to. Any other
+    failure (a bug in the script, a recovery that itself fails) spends one restart, as
+    torchrun's `--max-restarts` counts them; with the budget spent the job stops, and a crash loop
+    (the same failure again right after a restore) stops it at once, since a restore cannot
+    change what happens next.
+    """
+    if injected:
+        return Verdict(None, False)
+    if current is not None and current == previous:
+        rank, step, how = current
+        at = f" at step {step}" if step is not None else ""
+        return Verdict(f"crash loop: rank {rank} failed again{at} with the same error ({how}) after a restore", True)
+    if used >= max_restarts:
+        return Verdict(f"restart budget spent: {used} of --max-restarts {max_restarts} used", True)
+    return Verdict(None, True)
+
+
+def root_cause(failure: Failure) -> dict[str, Any]:
+    """The failure's first observed rank failure (torchrun's "Root Cause"), or what is known of
+    a failure that names no rank (a lost node, a hang)."""
+    if failure.rank_failures:
+        first = min(failure.rank_failures.values(), key=lambda f: (f.t, f.rank))
+        out = first.to_dict()
+        out["cause"] = failure.cause
+        out["others"] = [f.summary() for f in sorted(failure.rank_failures.values(), key=lambda f: f.rank)
+                         if f is not first]
+        return out
+    return {"cause": failure.cause, "t": failure.t, "nodes": sorted(failure.nodes), "ranks": sorted(failure.ranks),
+            "error": failure.detail, "summary": describe(failure)}
+
+
+def describe(failure: Failure) -> str:
+    """The failure in one line per failed rank (or one line for a failure that names none)."""
+    if failure.rank_failures:
+        return "; ".join(f.summary() for f in sorted(failure.rank_failures.values(), key=lambda f: f.rank))
+    what = {"node-lost": f"node(s) {sorted(failure.nodes)} lost", "hang": "hang"}.get(
+        failure.cause.split("+")[0], failure.cause)
+    return f"{what}: {failure.detail}" if failure.detail else what
 
 
 class RecoveryAbandoned(Exception):
@@ -38,9 +179,12 @@ class RecoveryCoordinator:
         # Inventory requests are numbered for the whole run: a late answer to an earlier
         # recovery's request must not pass for an answer to this one.
         self._req = 0
+        self.restarts = 0  # recoveries that spent the --max-restarts budget
+        self._restored_from: tuple[object, ...] | None = None  # signature of the last such failure
 
     def recover(self) -> None:
-        """Recover from the pending failure, and from any that arrive before the job resumes."""
+        """Recover from the pending failure, and from any that arrive before the job resumes;
+        stop the job (FatalRun) when the restart budget or the crash-loop guard says so."""
         ctl = self.ctl
         while ctl.pending is not None:
             failure, ctl.pending = ctl.pending, None
@@ -48,17 +192,55 @@ class RecoveryCoordinator:
             ids = ctl.injector.attribute(failure.ranks, failure.nodes)
             ctl.record(EventKind.FAILURE_DETECTED, t=failure.t, fault_ids=ids, cause=failure.cause,
                        ranks=sorted(failure.ranks), nodes=sorted(failure.nodes), gen=ctl.gen,
-                       detail=failure.detail)
+                       detail=failure.detail, summary=describe(failure))
+            blame = f" (fault {', '.join(ids)})" if ids else ""
+            for line in describe(failure).split("; "):
+                ctl.announce(line + blame)
             self._abort(ctl.gen)
             if ctl.spec.recovery == Strategy.NONE:
-                ctl.fatal_reason = f"{failure.cause} and --recovery none: the job stops"
-                ctl.record(EventKind.RECOVERY_FAILED, fault_ids=ids, reason=ctl.fatal_reason)
-                raise FatalRun(ctl.fatal_reason)
+                self._stop(failure, ids, f"{failure.cause} and --recovery none: the job stops")
+            sig = self._signature(failure)
+            verdict = restart_verdict(ctl.spec.max_restarts, self.restarts, bool(ids), sig, self._restored_from)
+            if verdict.stop is not None:
+                self._stop(failure, ids, f"{verdict.stop}: the job stops")
+            if verdict.counted:
+                self.restarts += 1
+                # Compared with the next failure even when that one cuts this recovery short: a
+                # rank failing at the same step again has been restored (it got that far), even
+                # when its "restored" arrived in the same breath as its error.
+                self._restored_from = sig
             try:
                 self._recover_once(failure, ids)
             except RecoveryAbandoned:
                 continue  # the new failure is pending: abort this generation too and start over
+            except FatalRun:
+                if ctl.root_cause is None:
+                    ctl.root_cause = root_cause(failure)
+                raise
         ctl.phase = "running"
+
+    @staticmethod
+    def _signature(failure: Failure) -> tuple[object, ...] | None:
+        if not failure.rank_failures:
+            return None  # a lost node or a hang: the budget bounds those
+        return min(failure.rank_failures.values(), key=lambda f: (f.t, f.rank)).signature()
+
+    def _stop(self, failure: Failure, ids: list[str], reason: str) -> None:
+        """End the job over `failure`: record why, with its root cause, and raise FatalRun (the
+        controller then stops every process and records the run as failed)."""
+        ctl = self.ctl
+        # A rank that reported an exception is still unwinding: its exit code and the traceback
+        # it prints belong in the root cause.
+        unwinding = [r for r, f in failure.rank_failures.items() if f.exitcode is None and ctl.pids.get(r)]
+        if unwinding:
+            ctl.wait_for(lambda: all(ctl.pids.get(r) is None for r in unwinding), EXIT_WAIT_S, "exit",
+                         abandon_on_failure=False)
+        ctl.root_cause = root_cause(failure)
+        ctl.fatal_reason = reason
+        ctl.announce(reason)
+        ctl.record(EventKind.RECOVERY_FAILED, fault_ids=ids, reason=reason, root_cause=ctl.root_cause,
+                   restarts=self.restarts, max_restarts=ctl.spec.max_restarts)
+        raise FatalRun(reason)
 
     def _abort(self, gen: int) -> None:
         assert self.ctl.store is not None
@@ -118,12 +300,13 @@ class RecoveryCoordinator:
         if decision is None:
             ctl.fatal_reason = (f"no copy of the state of rank(s) {sorted(lost)} survives and there is no "
                                 f"complete disk checkpoint: the job stops")
-            ctl.notice = ctl.fatal_reason
-            ctl.record(EventKind.RECOVERY_FAILED, fault_ids=ids, reason=ctl.fatal_reason)
+            ctl.announce(ctl.fatal_reason)
+            ctl.root_cause = root_cause(failure)
+            ctl.record(EventKind.RECOVERY_FAILED, fault_ids=ids, reason=ctl.fatal_reason, root_cause=ctl.root_cause)
             raise FatalRun(ctl.fatal_reason)
         if decision.restore_source == "disk" and ctl.spec.recovery != Strategy.RESTART_DISK:
-            ctl.notice = (f"every memory copy of rank(s) {list(decision.lost_both_copies) or sorted(lost)} is "
-                          f"gone: falling back to the disk checkpoint of step {decision.restore_step}")
+            ctl.announce(f"every memory copy of rank(s) {list(decision.lost_both_copies) or sorted(lost)} is "
+                         f"gone: falling back to the disk checkpoint of step {decision.restore_step}")
             ctl.show(force=True)
             # Survivors hold no memory copy of the disk step: every rank restarts from disk.
             self._kill(set(ctl.members) - lost)

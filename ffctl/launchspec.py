@@ -25,6 +25,7 @@ class LaunchSpec:
     recovery: str = Strategy.PEER
     ckpt_every: int = 0
     spares: int = 0
+    max_restarts: int = 3  # recoveries from failures ffctl did not inject (see ffctl.coordinator)
     injects: tuple[FaultSpec, ...] = ()
     chaos: str | None = None
     run_id: str | None = None
@@ -66,6 +67,8 @@ class LaunchSpec:
             raise SpecError(f"--batch {self.batch}: must not be negative")
         if self.spares < 0:
             raise SpecError(f"--spares {self.spares}: must not be negative")
+        if self.max_restarts < 0:
+            raise SpecError(f"--max-restarts {self.max_restarts}: must not be negative")
         if self.script and not self.script[0].startswith("-m") and not os.path.isfile(self.script[0]):
             raise SpecError(f"script {self.script[0]!r} does not exist")
         for spec in self.injects:

@@ -12,8 +12,8 @@ from ffctl.errors import EXIT_EXPECTATION, EXIT_INTERRUPTED, EXIT_OK, BadInput
 from ffctl.launching import execute, plan_launch
 from ffctl.launchspec import LaunchSpec
 from ffctl.render.live import LiveView
-from ffctl.render.report import render_plan, render_report
-from runs.events import RunStatus, finish_reason
+from ffctl.render.report import render_plan, render_report, root_cause_lines
+from runs.events import EventKind, RunStatus, finish_reason
 from runs.metrics import compute
 
 
@@ -34,6 +34,7 @@ def register(app: typer.Typer) -> None:
         recovery: Annotated[str, typer.Option(help="peer | restart-memory | restart-disk | none")] = "peer",
         ckpt_every: Annotated[int, typer.Option("--ckpt-every", help="Disk checkpoint every N steps (0: never).")] = 0,
         spares: Annotated[int, typer.Option(help="Warm spare workers per node.")] = 0,
+        max_restarts: Annotated[int, typer.Option("--max-restarts", "--max_restarts", help="Recoveries allowed from failures ffctl did not inject (a crash in the script, a failed recovery) before the job stops, as torchrun counts restarts; recoveries from injected faults never count. The same rank failing at the same step with the same error after a restore stops the job at once.")] = 3,
         inject: Annotated[Optional[list[str]], typer.Option("--inject", help="Scheduled fault KIND:key=value,...")] = None,
         chaos: Annotated[Optional[str], typer.Option("--chaos", help="Seeded random faults: mtbf=SECONDS,seed=N[,kinds=K1|K2][,until=S][,duration=S].")] = None,
         sandbox: Annotated[Optional[str], typer.Option("--sandbox", help="netns: each local node in its own network namespace (root), so network faults are real.")] = None,
@@ -60,7 +61,7 @@ def register(app: typer.Typer) -> None:
             raise BadInput(f"--inject: {exc}") from None
         spec = LaunchSpec(
             nnodes=nnodes, nproc_per_node=nproc_per_node, steps=steps, seed=seed, model=model, optimizer=optimizer, batch=batch,
-            recovery=recovery, ckpt_every=ckpt_every, spares=spares, injects=faults, run_id=run_id,
+            recovery=recovery, ckpt_every=ckpt_every, spares=spares, max_restarts=max_restarts, injects=faults, run_id=run_id,
             runs_dir=runs_dir, script=tuple(script or ()), heartbeat_timeout=heartbeat_timeout, hang_min_s=hang_timeout,
             hostfile=hosts, accept_new_host_keys=accept_new_host_keys, master_addr=master_addr,
             remote_python=remote_python, remote_runs_dir=remote_runs_dir,
@@ -75,8 +76,15 @@ def register(app: typer.Typer) -> None:
             status, record = execute(plan, view)
         render_report(compute(record.run_id, record.events()).to_dict(), console)
         console.print(f"run {record.run_id}: {status.value} (record in {record.path})", markup=False, highlight=False)
-        if status is RunStatus.FAILED and (reason := finish_reason(record.events())):
-            typer.echo(f"ffctl launch: {reason}", err=True)
+        if status is RunStatus.FAILED:
+            events = list(record.events())
+            reason = finish_reason(events)
+            cause = next((e.get("root_cause") for e in reversed(events) if e.kind is EventKind.RUN_FINISHED), None)
+            if isinstance(cause, dict):
+                for line in root_cause_lines(cause, f"ffctl launch FAILED (run {record.run_id}): {reason}"):
+                    typer.echo(line, err=True)
+            if reason:
+                typer.echo(f"ffctl launch: {reason}", err=True)
         if status is RunStatus.COMPLETED:
             return EXIT_OK
         return EXIT_INTERRUPTED if status is RunStatus.INTERRUPTED else EXIT_EXPECTATION

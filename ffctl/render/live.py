@@ -30,7 +30,7 @@ class LiveView:
         self.console = console
         self.live: Live | None = Live(console=console, refresh_per_second=8, transient=False) if console.is_terminal else None
         self._last_phase: str | None = None
-        self._notices: set[str] = set()
+        self._notices = 0  # how many of the run's notices were printed
         self._last_step = -1
 
     def __enter__(self) -> LiveView:
@@ -43,10 +43,13 @@ class LiveView:
             self.live.__exit__(et, ev, tb)
 
     def __call__(self, state: dict[str, Any]) -> None:
-        notice = state.get("notice")
-        if notice and notice not in self._notices:
-            self._notices.add(notice)
-            self.console.print(f"ffctl: {notice}", markup=False, highlight=False, style="bold yellow")
+        # Every notice once, in order, repeats included: a rank failing twice in the same way
+        # is two lines (a failed rank, a fallback to disk, why the job stops).
+        notices = state.get("notices") or ()
+        for notice in list(notices)[self._notices:]:
+            self.console.print(f"ffctl: {notice}", markup=False, highlight=False, style="bold yellow",
+                               soft_wrap=True)
+        self._notices = max(self._notices, len(notices))
         if self.live is not None:
             self.live.update(_table(state))
             return

@@ -46,6 +46,46 @@ def render_report(report: dict[str, Any], console: Console) -> None:
     console.print(totals)
 
 
+def root_cause_lines(cause: dict[str, Any], title: str) -> list[str]:
+    """The root cause of a failed run, laid out as torchrun prints it: the first failed rank,
+    its host, exit code or signal, time, and the last lines of its error."""
+    import datetime
+
+    bar, rule = "=" * 72, "-" * 72
+    lines = [bar, title, rule, "Root Cause (first observed failure):"]
+    t = cause.get("t")
+    if isinstance(t, (int, float)):
+        stamp = datetime.datetime.fromtimestamp(t).astimezone().isoformat(timespec="milliseconds")
+        lines.append(f"  time      : {stamp}")
+    if cause.get("rank") is None:
+        lines.append(f"  failure   : {cause.get('summary') or cause.get('cause')}")
+    else:
+        lines.append(f"  host      : {cause.get('host') or '-'}")
+        lines.append(f"  rank      : {cause['rank']} (node {cause.get('node')})")
+        if cause.get("step") is not None:
+            lines.append(f"  step      : {cause['step']}")
+        code, sig, pid = cause.get("exitcode"), cause.get("signal"), cause.get("pid")
+        pid_text = f"pid: {pid}" if pid else "pid: -"
+        if code is None:
+            lines.append(f"  exitcode  : - (raised in the step; {pid_text})")
+        elif sig:
+            lines.append(f"  exitcode  : {code} (signal {sig}; {pid_text})")
+        else:
+            lines.append(f"  exitcode  : {code} ({pid_text})")
+        lines.append(f"  error     : {cause.get('error') or '-'}")
+        tail = [str(x) for x in cause.get("tail") or []]
+        if tail:
+            lines.append("  last lines of its error or log:")
+            lines += [f"    {x}" for x in tail]
+    others = cause.get("others") or []
+    if others:
+        lines.append(rule)
+        lines.append("Other failures:")
+        lines += [f"  {x}" for x in others]
+    lines.append(bar)
+    return lines
+
+
 def render_plan(lines: list[str], console: Console) -> None:
     for line in lines:
         # Never wrapped: these are commands a user copies, word for word.
