@@ -15,6 +15,14 @@ Revert commands reach the script as counted positional words (`N word1 .. wordN`
 through an `eval` of parameter references only, so no host name, path or interface name is ever
 parsed by the shell.
 
+When it reverts (its timer ran out, or SIGUSR1), a switch given a record file (`-r PATH`, the
+node's `logs/<node>/deadman.jsonl` in the run directory on that host) appends one JSON line:
+`{"fault_id", "t", "by": "deadman", "trigger": "timer"|"signal", "ok", "exit"}`, `exit` being
+the first failing revert command's status (0 when all succeeded). It is one short `printf` with
+`>>` (O_APPEND), so lines from several switches never interleave. The path is a positional word
+like the rest. `runs.store` merges these lines into the run's events as `fault_reverted`, which
+is how a record whose controller was killed still learns that its fault was reverted.
+
 This module also owns the fault's identity on a host: `fault_id(spec)` and the owner tags the
 network faults put on their iptables rules and links.
 """
@@ -42,7 +50,11 @@ TransportFor = Callable[[HostCommand], Transport]
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 
-# $0 is the owner tag, $1 the delay, then counted revert commands.
+# Name of the file, in a node's log directory, a switch appends its line to (runs.store reads it).
+RECORD_NAME = "deadman.jsonl"
+
+# $0 is the owner tag, $1 the delay, then optionally `-r FILE`, then counted revert commands.
+# A count is always digits, so `-r` cannot be mistaken for one.
 DEADMAN_SCRIPT = r"""trap '' HUP
 p= f=
 trap '[ -z "$p" ] || kill "$p" 2>/dev/null; exit 0' TERM INT
@@ -52,13 +64,23 @@ sleep "$1" & p=$!
 wait "$p"
 trap '' TERM INT USR1
 shift
+r=
+if [ "$#" -ge 2 ] && [ "$1" = -r ]; then r=$2; shift 2; fi
+rc=0
 while [ "$#" -gt 0 ]; do
   n=$1; shift
   c=; i=1
   while [ "$i" -le "$n" ]; do c="$c \"\${$i}\""; i=$((i + 1)); done
-  eval "$c" >/dev/null 2>&1 </dev/null || :
+  eval "$c" >/dev/null 2>&1 </dev/null || { e=$?; [ "$rc" -ne 0 ] || rc=$e; }
   shift "$n"
 done
+[ -n "$r" ] || exit 0
+t=$(date +%s.%N 2>/dev/null); case $t in ''|*[!0-9.]*|.*|*.) t=$(date +%s 2>/dev/null) ;; esac
+case $t in ''|*[!0-9.]*) t=null ;; esac
+w=timer; [ -z "$f" ] || w=signal
+ok=true; [ "$rc" -eq 0 ] || ok=false
+{ printf '{"fault_id":"%s","t":%s,"by":"deadman","trigger":"%s","ok":%s,"exit":%d}\n' \
+    "${0##*:}" "$t" "$w" "$ok" "$rc" >>"$r"; } 2>/dev/null || :
 """
 
 # pkill's own command line holds the pattern too; `[f]fctl` matches the tag but not itself.
@@ -114,12 +136,23 @@ def pattern(run_id: str | None = None, fid: str | None = None) -> str:
     return f"[f]{tag}" if fid is None else f"[f]{tag}{_ere(safe_id(fid))}( |$)"
 
 
+def record_file(record_dir: str, node: int) -> str:
+    """Where the switches of `node` append their lines: `<record_dir>/logs/<node>/deadman.jsonl`.
+
+    `record_dir` is the run directory as the target host sees it (the run record itself for
+    local and sandboxed nodes, the remote run directory over SSH, whose logs come home with the
+    node's other logs).
+    """
+    return f"{record_dir.rstrip('/') or ''}/logs/{node}/{RECORD_NAME}"
+
+
 def deadman_command(
-    run_id: str, fid: str, reverts: tuple[HostCommand, ...], delay_s: float
+    run_id: str, fid: str, reverts: tuple[HostCommand, ...], delay_s: float, record: str | None = None
 ) -> HostCommand:
-    """One switch for reverts that all run on the same node, host and namespace."""
+    """One switch for reverts that all run on the same node, host and namespace; with `record`,
+    it appends a line to that file when it reverts."""
     first = reverts[0]
-    words: list[str] = []
+    words: list[str] = ["-r", record] if record else []
     for cmd in reverts:
         words += [str(len(cmd.argv)), *cmd.argv]
     # Whole seconds: POSIX sleep takes no fractions. Rounded up, never early.
@@ -127,11 +160,14 @@ def deadman_command(
     return HostCommand(first.node, first.host, argv, netns=first.netns)
 
 
-def guard(plan: FaultPlan, run_id: str, grace: float = DEFAULT_GRACE_S) -> FaultPlan:
+def guard(
+    plan: FaultPlan, run_id: str, grace: float = DEFAULT_GRACE_S, record_dir: str | None = None
+) -> FaultPlan:
     """`plan` with a dead man's switch per (node, host, namespace) of its revert commands.
 
     Works for any revertible plan (network faults, hang-rank); a plan that already has switches
-    or nothing to revert comes back unchanged.
+    or nothing to revert comes back unchanged. With `record_dir` (the run directory on the
+    target hosts), each switch records its revert there (`record_file`).
     """
     if plan.deadman or not plan.revert:
         return plan
@@ -140,7 +176,11 @@ def guard(plan: FaultPlan, run_id: str, grace: float = DEFAULT_GRACE_S) -> Fault
         groups.setdefault((cmd.node, cmd.host, cmd.netns), []).append(cmd)
     fid = fault_id(plan.spec)
     delay = duration_of(plan.spec) + grace
-    deadman = tuple(deadman_command(run_id, fid, tuple(cmds), delay) for cmds in groups.values())
+    deadman = tuple(
+        deadman_command(run_id, fid, tuple(cmds), delay,
+                        record_file(record_dir, node) if record_dir else None)
+        for (node, _, _), cmds in groups.items()
+    )
     return replace(plan, deadman=deadman)
 
 
@@ -207,7 +247,7 @@ def revert_guarded(plan: FaultPlan, transport_for: TransportFor, timeout: float 
 
 
 __all__ = [
-    "DEADMAN_PREFIX", "DEFAULT_DURATION_S", "DEFAULT_GRACE_S", "apply_guarded", "arm",
+    "DEADMAN_PREFIX", "DEFAULT_DURATION_S", "DEFAULT_GRACE_S", "RECORD_NAME", "apply_guarded", "arm",
     "cancel_commands", "deadman_command", "deadman_tag", "disarm", "duration_of", "fault_id", "guard",
-    "owner_tag", "pattern", "revert_guarded", "safe_id", "signal_command", "tag_of", "with_fault_id",
+    "owner_tag", "pattern", "record_file", "revert_guarded", "safe_id", "signal_command", "tag_of", "with_fault_id",
 ]

@@ -389,7 +389,7 @@ def plan(spec: FaultSpec, topo: Topology, ranks: tuple[int, ...], nodes: tuple[i
     if spec.duration is None:
         notes += (f"no duration given: reverted after {duration_of(spec):g}s",)
     built = FaultPlan(spec, ranks, nodes, apply=steps.apply, revert=steps.revert, notes=notes)
-    return guard(built, topo.run_id)
+    return guard(built, topo.run_id, record_dir=topo.record_dir)
 
 
 register(FaultFamily.NETWORK, plan)

@@ -40,6 +40,8 @@ class Topology:
     ssh_port: int = 22
     fault_dir: str = "/dev/shm"  # where a rank picks up an emulated in-step fault
     has_gpu: bool = False  # False: GPU faults run emulated inside the step
+    # The run directory as the target hosts see it; dead man's switches record their reverts there.
+    record_dir: str | None = None
 
     def node(self, node: int) -> NodePlace:
         for place in self.nodes:

@@ -69,7 +69,8 @@ def plan_fault(spec: FaultSpec, topo: Topology, fault_id: str) -> FaultPlan:
     check_local_network(spec, topo)
     plan = make_plan(spec, topo)
     if plan.revertible:
-        plan = deadman.guard(plan, topo.run_id)  # no-op for network plans, which come guarded
+        # A no-op for network plans, which come guarded.
+        plan = deadman.guard(plan, topo.run_id, record_dir=topo.record_dir)
     return plan
 
 
