@@ -23,15 +23,15 @@ class EventKind(str, Enum):
     FAULT_INJECTED = "fault_injected"  # fault_id, kind, target, ranks, nodes, at_step, emulated
     FAULT_REVERTED = "fault_reverted"  # fault_id
     FAULT_FAILED = "fault_failed"  # fault_id, error (the fault could not be applied)
-    RANK_EXITED = "rank_exited"  # node, rank, pid, exitcode, gen
+    RANK_EXITED = "rank_exited"  # node, rank, pid, exitcode, gen; log_tail (a failed rank's last log lines)
     NODE_LOST = "node_lost"  # node, reason
-    FAILURE_DETECTED = "failure_detected"  # fault_ids, cause, ranks, nodes, gen
+    FAILURE_DETECTED = "failure_detected"  # fault_ids, cause, ranks, nodes, gen, summary (one line per rank)
     RECOVERY_DECIDED = "recovery_decided"  # fault_ids, gen, restore_step, restore_source, strategy
     RANKS_SPAWNED = "ranks_spawned"  # gen, ranks
     RENDEZVOUS_DONE = "rendezvous_done"  # gen
     RESTORE_DONE = "restore_done"  # gen, step, source
-    RECOVERY_FAILED = "recovery_failed"  # fault_ids, reason
-    RUN_FINISHED = "run_finished"  # status, steps_completed, reason
+    RECOVERY_FAILED = "recovery_failed"  # fault_ids, reason, root_cause, restarts, max_restarts
+    RUN_FINISHED = "run_finished"  # status, steps_completed, reason; root_cause when it failed
     # queue (or key), index, reason, raw (short repr); node/rank when an agent or rank refused it
     MESSAGE_REJECTED = "message_rejected"
 
