@@ -11,7 +11,7 @@ except ImportError:  # pragma: no cover - older typer uses click itself
     from click import exceptions as click_exc  # type: ignore[no-redef]
 
 from ffctl import __version__
-from ffctl.cli import agent_cmd, inject, launch, report
+from ffctl.cli import agent_cmd, bench, doctor, inject, launch, report, scenario
 from ffctl.errors import EXIT_BAD_INPUT, EXIT_INFRA, BadInput, InfraError
 
 app = typer.Typer(
@@ -22,12 +22,11 @@ launch.register(app)
 inject.register(app)
 report.register(app)
 agent_cmd.register(app)
-for optional in ("doctor", "scenario", "bench"):
-    try:
-        module = __import__(f"ffctl.cli.{optional}", fromlist=["register"])
-        module.register(app)
-    except ImportError:
-        pass
+# Every command is registered unconditionally: a command that failed to import (a missing
+# dependency) must fail loudly, not vanish from `ffctl --help`.
+doctor.register(app)
+scenario.register(app)
+bench.register(app)
 
 
 @app.callback(invoke_without_command=True)
