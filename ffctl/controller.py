@@ -34,7 +34,7 @@ from recovery.jobenv import SHM_DIR, JobEnv, Strategy
 from recovery.slots import NodeBusy, claim_node, release_node
 from runs.events import EventKind, RunStatus
 from runs.metrics import compute
-from runs.store import RunStore
+from runs.store import RunStore, controller_identity
 
 AGENT_START_TIMEOUT = 60.0
 PHASE_TIMEOUT = 120.0
@@ -165,7 +165,15 @@ class Controller:
         self._rejects: tuple[float, int, int] = (0.0, 0, 0)  # (window start, recorded, dropped)
         self.inbox = control.Receiver(self.store, control.CTL_QUEUE, opener=control.Opener(self.token),
                                       on_reject=self._rejected)
-        self.rec.update_run_info(controller={"address": self.spec.address, "port": self.store.port})
+        # Who and where the controller is, so a report can tell a live run from one whose
+        # controller was killed; and what the sandbox leaves if it is (removed on a clean exit).
+        sandbox: dict[str, Any] = {}
+        if any(self.launcher.netns(n) for n in range(self.spec.nnodes)):
+            from ffctl.sandbox import NetnsSandbox
+
+            sandbox = {"sandbox": NetnsSandbox(self.rec.run_id, self.spec.nnodes).describe()}
+        self.rec.update_run_info(controller={"address": self.spec.address, "port": self.store.port,
+                                             **controller_identity()}, **sandbox)
 
     @property
     def port(self) -> int:
@@ -182,7 +190,8 @@ class Controller:
         # GPU faults act on the device where the launcher says the hosts have one, else emulated.
         has_gpu = getattr(self.launcher, "has_gpu", None)
         return Topology(self.rec.run_id, nodes, ranks, controller_address=self.spec.address,
-                        store_port=self.port, has_gpu=bool(has_gpu()) if callable(has_gpu) else False)
+                        store_port=self.port, has_gpu=bool(has_gpu()) if callable(has_gpu) else False,
+                        record_dir=getattr(self.launcher, "run_dir", None) or str(self.rec.path))
 
     def _agent_config(self, node: int) -> AgentConfig:
         argv = tuple(self.spec.script) if self.spec.script else (

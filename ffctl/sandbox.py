@@ -172,6 +172,13 @@ class NetnsSandbox:
         node = self.nodes[index]
         return NodePlace(index, host, node.address, agent_pid, netns=node.netns, interface=node.interface)
 
+    def describe(self) -> dict[str, object]:
+        """What this sandbox puts on the machine, by name, for the run record: a controller that
+        is killed leaves exactly this until `ffctl inject revert --all --run RUN` removes it."""
+        names = self._names()
+        return {"kind": "netns", "namespaces": [n.netns for n in names],
+                "links": [self.bridge, *(n.host_interface for n in names)]}
+
     def preview(self) -> NetnsSandbox:
         """Pick the subnet `create` would use, creating nothing (for `--dry-run` and checks)."""
         if self._subnet is None:

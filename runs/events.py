@@ -21,7 +21,7 @@ class EventKind(str, Enum):
     STEP = "step"  # step, loss, step_time_s, gen, rank (the first rank to commit the step)
     SNAPSHOT_TAKEN = "snapshot_taken"  # step, kind ("memory" | "disk"), ranks
     FAULT_INJECTED = "fault_injected"  # fault_id, kind, target, ranks, nodes, at_step, emulated
-    FAULT_REVERTED = "fault_reverted"  # fault_id
+    FAULT_REVERTED = "fault_reverted"  # fault_id; by, trigger, ok, exit when a dead man's switch did it
     FAULT_FAILED = "fault_failed"  # fault_id, error (the fault could not be applied)
     RANK_EXITED = "rank_exited"  # node, rank, pid, exitcode, gen; log_tail (a failed rank's last log lines)
     NODE_LOST = "node_lost"  # node, reason
@@ -43,6 +43,9 @@ class RunStatus(str, Enum):
     COMPLETED = "completed"
     FAILED = "failed"
     INTERRUPTED = "interrupted"
+    # No run_finished event and the controller is gone (SIGKILL, a crash of the host): the record
+    # stops where it died. Decided when the record is read, never written as an event.
+    INCOMPLETE = "incomplete"
 
 
 class RestoreSource(str, Enum):

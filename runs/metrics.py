@@ -10,6 +10,11 @@ Definitions, all on the controller clock:
   run ended).
 Per run, lost_gpu_hours_total counts the union of the faults' windows, so two overlapping faults
 (a fault during another's replay) do not bill the same idle device-seconds twice.
+
+Status: a `run_finished` event's, else `running` while the controller lives and `incomplete`
+once it is gone (`run_status`). Whether it lives is not in the events: the caller that can look
+(runs.store.controller_alive) passes it in, so everything here stays a function of its inputs.
+Figures of an incomplete run stop at the controller's last event.
 """
 from __future__ import annotations
 
@@ -17,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Any, Iterable
 
-from runs.events import Event, EventKind, RunStatus
+from runs.events import Event, EventKind, RunStatus, finish_reason
 
 BREAKDOWN_KEYS = ("detect", "decide", "spawn", "rendezvous", "restore", "replay")
 
@@ -40,6 +45,12 @@ class FaultMetrics:
     restore_source: str | None
     lost_gpu_hours: float
     recovered: bool
+    # The fault's end, when it was reverted: by the controller, or by the dead man's switch on
+    # the target host (the controller was gone, or its revert failed). revert_ok is False when a
+    # revert command failed.
+    reverted_at: float | None = None
+    reverted_by: str | None = None
+    revert_ok: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -56,6 +67,7 @@ class RunMetrics:
     spare_gpu_hours: float = 0.0
     goodput: float | None = None
     wall_s: float | None = None
+    reason: str = ""  # why the run ended as it did (the controller's words; "controller lost")
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -175,6 +187,7 @@ def _fault_metrics(inj: Event, events: list[Event], world_size: int, end_t: floa
     recovery_s = resumed.t - ti if resumed is not None else None
     window = recovery_s if recovery_s is not None else max(0.0, end_t - ti)
     restore_step = decision.get("restore_step") if decision is not None else None
+    reverted_at, reverted_by, revert_ok = _revert_of(fid, events)
     return FaultMetrics(
         fault_id=fid,
         kind=_text(inj.get("kind")),
@@ -196,7 +209,36 @@ def _fault_metrics(inj: Event, events: list[Event], world_size: int, end_t: floa
         ),
         lost_gpu_hours=world_size * window / 3600.0,
         recovered=resumed is not None,
+        reverted_at=reverted_at,
+        reverted_by=reverted_by,
+        revert_ok=revert_ok,
     )
+
+
+def _revert_of(fid: str, events: list[Event]) -> tuple[float | None, str | None, bool | None]:
+    """(when, by whom, ok) of the fault's revert. A fault guarded on several nodes counts as
+    reverted by the dead man's switches once any has reported, ok only if every one was."""
+    reverts = [ev for ev in events if ev.kind is EventKind.FAULT_REVERTED and str(ev.get("fault_id")) == fid]
+    if not reverts:
+        return None, None, None
+    by_controller = [ev for ev in reverts if ev.get("by", "controller") != "deadman"]
+    if by_controller:
+        return by_controller[0].t, "controller", True
+    return max(ev.t for ev in reverts), "deadman", all(ev.get("ok") is True for ev in reverts)
+
+
+def run_status(events: list[Event], controller_alive: bool | None = None) -> str:
+    """The run's status: its `run_finished` event's; without one, `incomplete` when the
+    controller is known to be gone, else `running` (alive, or this machine cannot tell)."""
+    finished = _first(events, lambda ev: ev.kind is EventKind.RUN_FINISHED)
+    if finished is not None:
+        return _text(finished.get("status"))
+    if controller_alive is False:
+        return RunStatus.INCOMPLETE.value
+    return RunStatus.RUNNING.value
+
+
+CONTROLLER_LOST = "controller lost"
 
 
 def _union_length(intervals: list[tuple[float, float]]) -> float:
@@ -228,15 +270,19 @@ def _spare_seconds(events: list[Event], end_t: float) -> float:
     return total
 
 
-def compute(run_id: str, events: list[Event]) -> RunMetrics:
-    """Every figure of `ffctl report`, from the events alone."""
+def compute(run_id: str, events: list[Event], controller_alive: bool | None = None) -> RunMetrics:
+    """Every figure of `ffctl report`, from the events alone, and whether the controller of a
+    run without `run_finished` is alive (None: unknown; see `run_status`)."""
     started = _first(events, lambda ev: ev.kind is EventKind.RUN_STARTED)
     finished = _first(events, lambda ev: ev.kind is EventKind.RUN_FINISHED)
     world_size = int(started.get("world_size", 0)) if started else 0
     strategy = _text(started.get("strategy", "")) if started else ""
     start_t = started.t if started else (events[0].t if events else 0.0)
-    end_t = finished.t if finished else (events[-1].t if events else start_t)
-    status = _text(finished.get("status")) if finished else RunStatus.RUNNING.value
+    # A switch that reverted after the controller died says nothing of how long the job ran.
+    own = [ev for ev in events if ev.get("by") != "deadman"] or events
+    end_t = finished.t if finished else (own[-1].t if own else start_t)
+    status = run_status(events, controller_alive)
+    reason = CONTROLLER_LOST if status == RunStatus.INCOMPLETE.value else finish_reason(events)
     losses = final_losses(events)
     faults = [
         _fault_metrics(ev, events, world_size, end_t)
@@ -262,4 +308,5 @@ def compute(run_id: str, events: list[Event]) -> RunMetrics:
         spare_gpu_hours=_spare_seconds(events, end_t) / 3600.0,
         goodput=(useful / wall) if wall > 0 else None,
         wall_s=wall,
+        reason=reason,
     )

@@ -3,22 +3,39 @@
 The controller is the only writer of events.jsonl. Each event is written as one line and fsync'd
 before `append` returns, so a SIGKILLed controller leaves every event it reported intact; a torn
 last line (killed mid-write) is skipped on read.
+
+Two things the controller cannot write come from elsewhere when the record is read:
+- what dead man's switches did: each one that reverted its fault appended a line to
+  `logs/<node>/deadman.jsonl` on its host (`fault_injectors.deadman`); `events()` merges those
+  lines in as `fault_reverted` events with `by: "deadman"`, at their time on the controller clock;
+- whether the controller is still alive: run.json names its pid, host and process start time
+  (`controller_identity`), and `controller_alive` checks them on this machine, so a run without
+  `run_finished` whose controller is gone reads as `incomplete`, not `running`.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import secrets
+import socket
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 from runs.events import Event, EventKind, RunStatus
+from runs.metrics import run_status
 
 RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 DEFAULT_RUNS_DIR = "ffctl-runs"
+# What the dead man's switches of a node append to, in the node's log directory (the same name
+# as fault_injectors.deadman.RECORD_NAME: this package imports nothing of fault_injectors).
+DEADMAN_RECORD = "deadman.jsonl"
+_DEADMAN_READ_MAX = 1 << 20  # a switch writes one short line per revert; more is not ours
+# Process start times read twice can differ by a clock tick; a reused pid starts later than that.
+_START_TOLERANCE_S = 1.0
 
 
 class RunStoreError(Exception):
@@ -137,14 +154,28 @@ class RunStore:
                 self._fh.close()
                 self._fh = None
 
-    def events(self) -> list[Event]:
-        return list(iter_events(self.events_path))
+    def events(self, deadman: bool = True) -> list[Event]:
+        """The record's events; with `deadman`, the dead man's switches' reverts merged in."""
+        events = list(iter_events(self.events_path))
+        if not deadman:
+            return events
+        return merge_deadman(events, read_deadman_lines(self.path))
+
+    def controller_alive(self) -> bool | None:
+        """Whether the run's controller still runs (None: this machine cannot tell)."""
+        try:
+            info = self.read_json("run.json")
+        except (OSError, ValueError):
+            return None
+        return controller_alive(info if isinstance(info, dict) else {})
 
     def status(self) -> RunStatus:
-        for event in reversed(self.events()):
-            if event.kind is EventKind.RUN_FINISHED:
-                return RunStatus(event.get("status"))
-        return RunStatus.RUNNING
+        """How the run ended; `running` while its controller runs, `incomplete` once it is gone
+        without having finished the record."""
+        events = self.events(deadman=False)
+        if any(event.kind is EventKind.RUN_FINISHED for event in events):
+            return RunStatus(run_status(events))
+        return RunStatus(run_status(events, self.controller_alive()))
 
 
 def iter_events(path: Path) -> Iterator[Event]:
@@ -160,6 +191,112 @@ def iter_events(path: Path) -> Iterator[Event]:
             except (ValueError, KeyError):
                 # A line torn by a kill mid-write: every complete line before it still counts.
                 continue
+
+
+def read_deadman_lines(run_path: Path) -> list[tuple[str, dict[str, Any]]]:
+    """(node, line) for every well-formed line of `logs/<node>/deadman.jsonl` in a run directory.
+
+    Lines that are not a JSON object with a fault id (torn, foreign) are skipped.
+    """
+    found: list[tuple[str, dict[str, Any]]] = []
+    for path in sorted((run_path / "logs").glob(f"*/{DEADMAN_RECORD}")):
+        try:
+            with open(path, "rb") as fh:
+                text = fh.read(_DEADMAN_READ_MAX).decode("utf-8", "replace")
+        except OSError:
+            continue
+        for line in text.splitlines():
+            try:
+                raw = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(raw, dict) and isinstance(raw.get("fault_id"), str) and raw["fault_id"]:
+                found.append((path.parent.name, raw))
+    return found
+
+
+def _clock_offsets(events: Iterable[Event]) -> dict[str, float]:
+    """node (as text) -> its clock minus the controller's, as the agents last reported it."""
+    offsets: dict[str, float] = {}
+    for ev in events:
+        offset = ev.get("clock_offset_s")
+        if ev.kind is EventKind.AGENT_STARTED and isinstance(offset, (int, float)) and math.isfinite(offset):
+            offsets[str(ev.get("node"))] = float(offset)
+    return offsets
+
+
+def merge_deadman(events: list[Event], lines: list[tuple[str, dict[str, Any]]]) -> list[Event]:
+    """`events` with one `fault_reverted` event (`by: "deadman"`) per switch line, in time order.
+
+    A line's time is the target host's clock, brought to the controller's with the node's
+    reported offset; a line without a usable time goes after every event. Pure: the record
+    itself is never rewritten.
+    """
+    if not lines:
+        return events
+    offsets = _clock_offsets(events)
+    last_t = events[-1].t if events else 0.0
+    merged = list(events)
+    seen: set[tuple[Any, ...]] = set()
+    for node, raw in lines:
+        t = raw.get("t")
+        if isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t):
+            t = float(t) - offsets.get(node, 0.0)
+        else:
+            t = last_t
+        code = raw.get("exit")
+        data: dict[str, Any] = {
+            "fault_id": raw["fault_id"],
+            "by": "deadman",
+            "trigger": str(raw.get("trigger") or "timer"),
+            "ok": raw.get("ok") is True,
+            "exit": code if isinstance(code, int) and not isinstance(code, bool) else None,
+            "node": int(node) if node.isdigit() else node,
+        }
+        key = (t, *sorted(data.items()))
+        if key in seen:  # the same line twice (a log copied home over an older copy)
+            continue
+        seen.add(key)
+        at = len(merged)
+        while at > 0 and merged[at - 1].t > t:
+            at -= 1
+        merged.insert(at, Event(kind=EventKind.FAULT_REVERTED, t=t, data=data))
+    return merged
+
+
+def controller_identity() -> dict[str, Any]:
+    """This process as run.json records its controller: pid, host and process start time."""
+    import psutil
+
+    return {"pid": os.getpid(), "host": socket.gethostname(), "started": psutil.Process().create_time()}
+
+
+def controller_alive(info: dict[str, Any]) -> bool | None:
+    """Is the controller run.json names alive? True or False when this machine can tell; None when
+    it cannot (the controller ran on another host, or the record predates these fields).
+
+    The start time guards against a reused pid; a zombie (killed, not yet reaped) is dead.
+    """
+    import psutil
+
+    ctl = info.get("controller")
+    if not isinstance(ctl, dict):
+        return None
+    pid, host, started = ctl.get("pid"), ctl.get("host"), ctl.get("started")
+    if not (isinstance(pid, int) and not isinstance(pid, bool) and pid > 0 and isinstance(host, str)
+            and isinstance(started, (int, float)) and not isinstance(started, bool)):
+        return None
+    if host != socket.gethostname():
+        return None
+    try:
+        proc = psutil.Process(pid)
+        if abs(proc.create_time() - float(started)) > _START_TOLERANCE_S:
+            return False
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.AccessDenied:
+        return None
 
 
 def _ends_with_newline(path: Path) -> bool:
