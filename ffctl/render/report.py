@@ -44,6 +44,31 @@ def render_report(report: dict[str, Any], console: Console) -> None:
     totals.add_row("goodput", _s(report["goodput"], 3))
     totals.add_row("wall time s", _s(report.get("wall_s")))
     console.print(totals)
+    for line in status_notes(report):
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+
+def status_notes(report: dict[str, Any]) -> list[str]:
+    """What a run whose controller was lost still tells: that its figures stop where the
+    controller died, which faults the dead man's switches reverted, and what is left behind."""
+    lines = [
+        f"{f['fault_id']}: reverted by the dead man's switch"
+        + ("" if f.get("revert_ok") else " (a revert command failed: check with `ffctl inject revert --all`)")
+        for f in report["faults"] if f.get("reverted_by") == "deadman"
+    ]
+    if report["status"] != "incomplete":
+        return lines
+    lines.insert(0, f"incomplete: {report.get('reason') or 'controller lost'}; the record stops at the "
+                    "controller's last event")
+    left = report.get("left") or {}
+    parts = []
+    if left.get("namespaces"):
+        parts.append("network namespaces " + ", ".join(left["namespaces"]))
+    if left.get("links"):
+        parts.append("links " + ", ".join(left["links"]))
+    if parts:
+        lines.append(f"left: {'; '.join(parts)}; remove with `{left.get('remove')}`")
+    return lines
 
 
 def root_cause_lines(cause: dict[str, Any], title: str) -> list[str]:
