@@ -54,7 +54,8 @@ _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 RECORD_NAME = "deadman.jsonl"
 
 # $0 is the owner tag, $1 the delay, then optionally `-r FILE`, then counted revert commands.
-# A count is always digits, so `-r` cannot be mistaken for one.
+# A count is digits, `?` first for a command whose failure is expected (SIGCONT to a rank that may
+# be gone): it does not make the recorded revert fail. So `-r` cannot be mistaken for a count.
 DEADMAN_SCRIPT = r"""trap '' HUP
 p= f=
 trap '[ -z "$p" ] || kill "$p" 2>/dev/null; exit 0' TERM INT
@@ -69,9 +70,10 @@ if [ "$#" -ge 2 ] && [ "$1" = -r ]; then r=$2; shift 2; fi
 rc=0
 while [ "$#" -gt 0 ]; do
   n=$1; shift
+  a=; case $n in "?"*) a=1; n=${n#"?"} ;; esac
   c=; i=1
   while [ "$i" -le "$n" ]; do c="$c \"\${$i}\""; i=$((i + 1)); done
-  eval "$c" >/dev/null 2>&1 </dev/null || { e=$?; [ "$rc" -ne 0 ] || rc=$e; }
+  eval "$c" >/dev/null 2>&1 </dev/null || { e=$?; [ -n "$a" ] || [ "$rc" -ne 0 ] || rc=$e; }
   shift "$n"
 done
 [ -n "$r" ] || exit 0
@@ -154,7 +156,7 @@ def deadman_command(
     first = reverts[0]
     words: list[str] = ["-r", record] if record else []
     for cmd in reverts:
-        words += [str(len(cmd.argv)), *cmd.argv]
+        words += [("?" if cmd.allow_fail else "") + str(len(cmd.argv)), *cmd.argv]
     # Whole seconds: POSIX sleep takes no fractions. Rounded up, never early.
     argv = ("sh", "-c", DEADMAN_SCRIPT, deadman_tag(run_id, fid), str(max(1, math.ceil(delay_s))), *words)
     return HostCommand(first.node, first.host, argv, netns=first.netns)

@@ -179,9 +179,10 @@ def test_a_killed_controller_is_gone_even_before_it_is_reaped(tmp_path: Path) ->
 # --- the switch writes its line ---
 
 
-def run_switch(reverts: list[tuple[str, ...]], record: str | None, usr1: bool = False) -> None:
+def run_switch(reverts: list[tuple[str, ...]], record: str | None, usr1: bool = False,
+               allow_fail: bool = False) -> None:
     """Run a switch for `reverts` to its end: its 1 s timer runs out, or SIGUSR1 fires it early."""
-    cmds = tuple(HostCommand(1, "localhost", argv) for argv in reverts)
+    cmds = tuple(HostCommand(1, "localhost", argv, allow_fail=allow_fail) for argv in reverts)
     argv = deadman_command("run 'x", "f7", cmds, delay_s=30 if usr1 else 1, record=record).argv
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     if usr1:
@@ -200,11 +201,14 @@ def test_switch_appends_one_line_where_told_without_parsing_the_path(tmp_path: P
     assert marker.exists()
     run_switch([("touch", str(marker)), ("sh", "-c", "exit 3"), ("sh", "-c", "exit 5")], record)
     run_switch([("true",)], record, usr1=True)
+    # A command allowed to fail (SIGCONT to a rank that is gone) does not fail the revert.
+    run_switch([("sh", "-c", "exit 9"), ("touch", str(marker))], record, allow_fail=True)
     lines = [json.loads(line) for line in Path(record).read_text().splitlines()]
     assert [(x["fault_id"], x["by"], x["trigger"], x["ok"], x["exit"]) for x in lines] == [
         ("f7", "deadman", "timer", True, 0),
         ("f7", "deadman", "timer", False, 3),  # the first failing command's status
         ("f7", "deadman", "signal", True, 0),
+        ("f7", "deadman", "timer", True, 0),
     ]
     assert all(abs(x["t"] - time.time()) < 60 for x in lines)
     assert not list(tmp_path.rglob("pwned"))
