@@ -191,7 +191,7 @@ class Controller:
         has_gpu = getattr(self.launcher, "has_gpu", None)
         return Topology(self.rec.run_id, nodes, ranks, controller_address=self.spec.address,
                         store_port=self.port, has_gpu=bool(has_gpu()) if callable(has_gpu) else False,
-                        record_dir=getattr(self.launcher, "run_dir", None) or str(self.rec.path))
+                        record_dir=getattr(self.launcher, "run_dir", None) or str(self.rec.path.absolute()))
 
     def _agent_config(self, node: int) -> AgentConfig:
         argv = tuple(self.spec.script) if self.spec.script else (

@@ -49,7 +49,15 @@ def _static_topology(spec: LaunchSpec, run_id: str, hosts: list[str] | None = No
         # (RFC 5737) stand in, distinct per host as the real ones are.
         nodes = tuple(NodePlace(n, h, f"192.0.2.{n + 1}", 10_000 + n, interface="eth0") for n, h in enumerate(hosts))
     ranks = tuple(RankPlace(r, r // spec.nproc_per_node, 20_000 + r) for r in range(spec.world_size))
-    return Topology(run_id, nodes, ranks)
+    return Topology(run_id, nodes, ranks, record_dir=_record_dir(spec, run_id, bool(hosts)))
+
+
+def _record_dir(spec: LaunchSpec, run_id: str, remote: bool) -> str:
+    """The run directory as the target hosts will see it (where dead man's switches record their
+    reverts), as the controller will give it: the remote run dir over SSH, else the record."""
+    if remote:
+        return f"{spec.remote_runs_dir.rstrip('/') or ''}/{run_id}"
+    return str((spec.runs_dir / run_id).absolute())
 
 
 def plan_launch(spec: LaunchSpec) -> LaunchPlan:
@@ -109,7 +117,8 @@ def _sandbox_topology(spec: LaunchSpec, run_id: str, sb: NetnsSandbox) -> Topolo
     # The layout `execute` will create (the same run id picks the same free subnet).
     nodes = tuple(sb.node_place(n, 10_000 + n) for n in range(spec.nnodes))
     ranks = tuple(RankPlace(r, r // spec.nproc_per_node, 20_000 + r) for r in range(spec.world_size))
-    return Topology(run_id, nodes, ranks, controller_address=sb.controller_address)
+    return Topology(run_id, nodes, ranks, controller_address=sb.controller_address,
+                    record_dir=_record_dir(spec, run_id, False))
 
 
 def _probe_transport(cmd: Any) -> LocalTransport:
