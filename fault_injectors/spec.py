@@ -1,7 +1,10 @@
 """Fault specifications: kinds, targets and triggers, parsed from `KIND:key=value,...`.
 
 A spec says what to break and when; `fault_injectors.planner` turns it into commands.
-Parsing errors are `FaultSpecError` with one line naming the bad value.
+Parsing errors are `FaultSpecError` with one line naming the bad value. Every key is checked
+against the kind (an option another kind reads is refused, not ignored), given once, and every
+number is ASCII digits, finite and within its bound; `parse_injection` further wants what a user
+must say: the target, the trigger of a scheduled fault, and options without a useful default.
 """
 from __future__ import annotations
 
@@ -106,9 +109,64 @@ class FaultSpec:
         return f"{self.kind.value} {self.target} {self.trigger}"
 
 
-_INT = re.compile(r"^\d+$")
-_KEYS = {"rank", "node", "host", "step", "t", "duration", "seed", "mode"}
+# ASCII only: `\d` and float() also take other scripts' digits ("١", "５"), which a user would
+# not expect a fault spec to mean.
+_UINT = re.compile(r"[0-9]{1,19}", re.ASCII)
+_SECONDS = re.compile(r"([0-9]{1,9}(?:\.[0-9]{1,9})?)(ms|s|m|h)?", re.ASCII)
+_RATE = re.compile(r"([0-9]{1,12}(?:\.[0-9]{1,9})?)(bit|kbit|mbit|gbit|tbit|bps|kbps|mbps|gbps|tbps)",
+                   re.ASCII | re.IGNORECASE)
+_TIME = re.compile(r"([0-9]{1,9}(?:\.[0-9]{1,9})?)(us|ms|s)", re.ASCII)
+_PERCENT = re.compile(r"([0-9]{1,3}(?:\.[0-9]{1,6})?)%", re.ASCII)
+_HOST = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,252}", re.ASCII)
+_TIME_SCALE = {None: 1.0, "ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "us": 1e-6}
+_RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12,
+               "bps": 8, "kbps": 8 * 10**3, "mbps": 8 * 10**6, "gbps": 8 * 10**9, "tbps": 8 * 10**12}
+
+MAX_DURATION_S = 86_400.0  # a fault lasts at most a day: its dead man's switch must fire some day
+MAX_T_S = 7 * 86_400.0  # t= at most a week after the start
+MAX_STEP = 1_000_000_000
+MAX_INDEX = 1 << 20  # ranks, nodes: far beyond any job; the job's own size is checked where known
+MAX_SEED = (1 << 63) - 1
+MAX_DELAY_S = 3_600.0  # netem: an hour of delay is already a partition
+MIN_RATE_BITS = 8_000  # below this tbf cannot shape (see fault_injectors.network)
+MAX_RATE_BITS = 10**13
+MAX_OOM_MB = 16 * 1024 * 1024  # 16 TiB
+
+_TARGET_KEYS = ("rank", "node", "host", "mode")
+_TRIGGER_KEYS = ("step", "t")
+_KEYS = {*_TARGET_KEYS, *_TRIGGER_KEYS, "duration", "seed"}
 _OPTION_KEYS = {"rate", "delay", "loss", "port", "ports", "action", "mb", "signal", "peer"}
+_NETWORK = frozenset(k for k in FaultKind if k.family is FaultFamily.NETWORK)
+REVERTIBLE = frozenset({FaultKind.HANG_RANK, *_NETWORK})  # the kinds a duration= applies to
+# The kind-specific options each kind reads; any other is refused rather than ignored.
+KIND_OPTIONS: dict[FaultKind, tuple[str, ...]] = {
+    FaultKind.CRASH_RANK: ("signal",),
+    FaultKind.GPU_OOM: ("mb",),
+    FaultKind.NET_PARTITION: ("action", "peer"),
+    FaultKind.NET_PORT_BLOCK: ("port", "ports", "action"),
+    FaultKind.NET_BANDWIDTH: ("rate",),
+    FaultKind.NET_DELAY: ("delay",),
+    FaultKind.NET_LOSS: ("loss",),
+}
+# Options without a default that means anything: a net-bandwidth without a rate shapes nothing
+# a user chose, so it must say which.
+REQUIRED_OPTIONS: dict[FaultKind, tuple[str, ...]] = {FaultKind.NET_BANDWIDTH: ("rate",)}
+CRASH_SIGNALS = ("exception", "segv")
+ACTIONS = ("drop", "reject")
+
+
+def _q(value: str, limit: int = 40) -> str:
+    """`value` quoted for a one-line message: repr escapes control characters and line breaks;
+    a value longer than `limit` is cut (the user knows the rest)."""
+    return repr(value if len(value) <= limit else value[: limit - 3] + "...")
+
+
+def allowed_keys(kind: FaultKind) -> tuple[str, ...]:
+    """Every key a `kind` spec may have, in the order the grammar documents them."""
+    keys = [*_TARGET_KEYS, "seed", *_TRIGGER_KEYS]
+    if kind in REVERTIBLE:
+        keys.append("duration")
+    return (*keys, *KIND_OPTIONS.get(kind, ()))
 
 
 def parse_kind(text: str) -> FaultKind:
@@ -116,82 +174,174 @@ def parse_kind(text: str) -> FaultKind:
         return FaultKind(text)
     except ValueError:
         known = ", ".join(k.value for k in FaultKind)
-        raise FaultSpecError(f"unknown fault kind {text!r} (known: {known})") from None
+        raise FaultSpecError(f"unknown fault kind {_q(text, 80)} (known: {known})") from None
 
 
-def _int(key: str, value: str) -> int:
-    if not _INT.match(value):
-        raise FaultSpecError(f"{key}={value!r} is not a non-negative integer")
-    return int(value)
+def _int(key: str, value: str, maximum: int = MAX_INDEX) -> int:
+    if not _UINT.fullmatch(value):
+        raise FaultSpecError(f"{key}={_q(value)} is not a non-negative integer")
+    out = int(value)
+    if out > maximum:
+        raise FaultSpecError(f"{key}={_q(value)} is too large (at most {maximum})")
+    return out
 
 
-def _seconds(key: str, value: str) -> float:
-    try:
-        out = float(value.rstrip("s"))
-    except ValueError:
-        raise FaultSpecError(f"{key}={value!r} is not a number of seconds") from None
-    if out < 0:
-        raise FaultSpecError(f"{key}={value!r} must not be negative")
+def _seconds(key: str, value: str, maximum: float, *, positive: bool = False) -> float:
+    match = _SECONDS.fullmatch(value)
+    if not match:
+        raise FaultSpecError(f"{key}={_q(value)} is not a number of seconds (like 5, 2.5s, 100ms or 2m)")
+    out = float(match.group(1)) * _TIME_SCALE[match.group(2)]
+    if positive and out <= 0:
+        raise FaultSpecError(f"{key}={_q(value)} must be more than zero")
+    if out > maximum:
+        raise FaultSpecError(f"{key}={_q(value)} is too long (at most {maximum:g}s)")
     return out
 
 
 def parse_mode(text: str) -> Target:
-    """`one`, `all`, `fixed:N`, `percent:P`."""
+    """`one`, `all`, `fixed:N` (N >= 1), `percent:P` (1-100)."""
     name, _, arg = text.partition(":")
     if name == "one" and not arg:
         return Target(TargetMode.ONE)
     if name == "all" and not arg:
         return Target(TargetMode.ALL)
     if name == "fixed" and arg:
-        return Target(TargetMode.FIXED, _int("fixed", arg))
+        count = _int("fixed", arg)
+        if count < 1:
+            raise FaultSpecError(f"mode=fixed:{_q(arg)[1:-1]} targets nothing (fixed:N needs N >= 1)")
+        return Target(TargetMode.FIXED, count)
     if name == "percent" and arg:
-        pct = _int("percent", arg)
-        if not 0 < pct <= 100:
-            raise FaultSpecError(f"percent:{arg} must be between 1 and 100")
-        return Target(TargetMode.PERCENT, pct)
-    raise FaultSpecError(f"unknown target mode {text!r} (use one, all, fixed:N or percent:P)")
+        if not _UINT.fullmatch(arg) or not 0 < int(arg) <= 100:
+            raise FaultSpecError(f"percent:{_q(arg)[1:-1]} must be between 1 and 100")
+        return Target(TargetMode.PERCENT, int(arg))
+    raise FaultSpecError(f"unknown target mode {_q(text, 80)} (use one, all, fixed:N or percent:P)")
 
 
-def parse_spec(text: str) -> FaultSpec:
-    """Parse `KIND:key=value,...`, e.g. `kill-rank:rank=1,step=25`."""
+def check_option(kind: FaultKind, key: str, value: str) -> None:
+    """Refuse an option value the fault could not use; the message names key and value."""
+    bad = f"{key}={_q(value)}"
+    if key == "rate":
+        match = _RATE.fullmatch(value)
+        if not match:
+            raise FaultSpecError(f"{bad} is not a rate like 1mbit, 500kbit or 10mbps")
+        bits = float(match.group(1)) * _RATE_UNITS[match.group(2).lower()]
+        if bits < MIN_RATE_BITS:
+            raise FaultSpecError(f"{bad} is below 8kbit, too slow to shape with tbf")
+        if bits > MAX_RATE_BITS:
+            raise FaultSpecError(f"{bad} is above 10tbit, no link to shape")
+    elif key == "delay":
+        match = _TIME.fullmatch(value)
+        if not match:
+            raise FaultSpecError(f"{bad} is not a time like 100ms, 2s or 500us")
+        if float(match.group(1)) * _TIME_SCALE[match.group(2)] > MAX_DELAY_S:
+            raise FaultSpecError(f"{bad} is too long (at most {MAX_DELAY_S:g}s)")
+    elif key == "loss":
+        match = _PERCENT.fullmatch(value)
+        if not match or float(match.group(1)) > 100:
+            raise FaultSpecError(f"{bad} is not a percentage like 10% (0-100%)")
+    elif key in ("port", "ports"):
+        words = [w for w in re.split(r"[|+;\s]", value) if w]
+        if not words:
+            raise FaultSpecError(f"{bad} names no port")
+        for word in words:
+            if not re.fullmatch(r"[0-9]{1,5}", word, re.ASCII) or not 0 < int(word) < 65536:
+                raise FaultSpecError(f"port {_q(word)} is not a port number (1-65535)")
+    elif key == "action":
+        if value.lower() not in ACTIONS:
+            raise FaultSpecError(f"{bad} is not drop or reject")
+    elif key == "peer":
+        _int("peer", value)
+    elif key == "mb":
+        if _int("mb", value, MAX_OOM_MB) < 1:
+            raise FaultSpecError(f"{bad} is not a positive whole number of MiB")
+    elif key == "signal":
+        if value not in CRASH_SIGNALS:
+            raise FaultSpecError(f"{bad} is not one of {', '.join(CRASH_SIGNALS)}")
+
+
+def _fields(text: str) -> tuple[FaultKind, dict[str, str]]:
+    """The kind and the key=value fields of `text`, every key once and allowed for the kind."""
     kind_text, _, rest = text.partition(":")
     kind = parse_kind(kind_text.strip())
     fields: dict[str, str] = {}
-    options: list[tuple[str, str]] = []
     for part in filter(None, (p.strip() for p in rest.split(","))):
         key, eq, value = part.partition("=")
-        if not eq or not value:
-            raise FaultSpecError(f"bad field {part!r} in fault spec {text!r} (expected key=value)")
-        if key in _KEYS:
-            fields[key] = value
-        elif key in _OPTION_KEYS:
-            options.append((key, value))
-        else:
-            raise FaultSpecError(f"unknown key {key!r} in fault spec {text!r}")
-    targets = [k for k in ("rank", "node", "host", "mode") if k in fields]
+        if not eq or not value or not key:
+            raise FaultSpecError(f"bad field {_q(part)} in fault spec {_q(text, 80)} (expected key=value)")
+        if key not in _KEYS and key not in _OPTION_KEYS:
+            raise FaultSpecError(f"unknown key {_q(key)} in fault spec {_q(text, 80)}")
+        if key not in allowed_keys(kind):
+            raise FaultSpecError(
+                f"{key}={_q(value)} does not apply to {kind.value} (its keys: {', '.join(allowed_keys(kind))})"
+            )
+        if key in fields:
+            raise FaultSpecError(f"{key}= given twice in fault spec {_q(text, 80)} ({_q(fields[key])} and {_q(value)})")
+        fields[key] = value
+    return kind, fields
+
+
+def parse_spec(text: str) -> FaultSpec:
+    """Parse `KIND:key=value,...`, e.g. `kill-rank:rank=1,step=25`.
+
+    The grammar alone: a missing target means mode `one` and a missing trigger means now. What a
+    user schedules or injects goes through `parse_injection`, which wants both said.
+    """
+    kind, fields = _fields(text)
+    targets = [k for k in _TARGET_KEYS if k in fields]
     if len(targets) > 1:
-        raise FaultSpecError(f"fault spec {text!r} names more than one target ({', '.join(targets)})")
+        raise FaultSpecError(f"fault spec {_q(text, 80)} names more than one target ({', '.join(targets)})")
     if "rank" in fields:
         target = Target(TargetMode.RANK, _int("rank", fields["rank"]))
     elif "node" in fields:
         target = Target(TargetMode.NODE, _int("node", fields["node"]))
     elif "host" in fields:
+        if not _HOST.fullmatch(fields["host"]):
+            raise FaultSpecError(f"host={_q(fields['host'])} is not a host name")
         target = Target(TargetMode.HOST, fields["host"])
     elif "mode" in fields:
         target = parse_mode(fields["mode"])
     else:
         target = Target(TargetMode.ONE)
+    if "seed" in fields and target.mode in (TargetMode.RANK, TargetMode.NODE, TargetMode.HOST):
+        # The seed only picks targets; beside a fixed target it would be silently ignored.
+        raise FaultSpecError(f"seed={_q(fields['seed'])} only goes with mode= (the target {target} is fixed)")
     if "step" in fields and "t" in fields:
-        raise FaultSpecError(f"fault spec {text!r} has both step= and t=; pick one trigger")
+        raise FaultSpecError(f"fault spec {_q(text, 80)} has both step= and t=; pick one trigger")
+    options = tuple((k, v) for k, v in fields.items() if k in _OPTION_KEYS)
+    for key, value in options:
+        check_option(kind, key, value)
+    if "port" in fields and "ports" in fields:
+        raise FaultSpecError(f"fault spec {_q(text, 80)} has both port= and ports=; pick one")
     trigger = Trigger(
-        step=_int("step", fields["step"]) if "step" in fields else None,
-        t=_seconds("t", fields["t"]) if "t" in fields else None,
+        step=_int("step", fields["step"], MAX_STEP) if "step" in fields else None,
+        t=_seconds("t", fields["t"], MAX_T_S) if "t" in fields else None,
     )
     return FaultSpec(
         kind=kind,
         target=target,
         trigger=trigger,
-        duration=_seconds("duration", fields["duration"]) if "duration" in fields else None,
-        seed=_int("seed", fields["seed"]) if "seed" in fields else 0,
-        options=tuple(options),
+        duration=_seconds("duration", fields["duration"], MAX_DURATION_S, positive=True)
+        if "duration" in fields else None,
+        seed=_int("seed", fields["seed"], MAX_SEED) if "seed" in fields else 0,
+        options=options,
     )
+
+
+def parse_injection(text: str, *, scheduled: bool) -> FaultSpec:
+    """A fault a user asked for: `parse_spec`, and the target said (rank=, node=, host= or mode=),
+    the options without a meaningful default given, and a trigger (step= or t=) when `scheduled`
+    (`--inject`, a scenario) or none when not (`ffctl inject` applies it now)."""
+    spec = parse_spec(text)
+    kind, fields = _fields(text)
+    if not any(k in fields for k in _TARGET_KEYS):
+        raise FaultSpecError(f"fault spec {_q(text, 80)} names no target (give rank=, node=, host= or mode=)")
+    for key in REQUIRED_OPTIONS.get(kind, ()):
+        if key not in fields:
+            raise FaultSpecError(f"fault spec {_q(text, 80)} needs {key}= ({kind.value} has no default worth applying)")
+    triggers = [k for k in _TRIGGER_KEYS if k in fields]
+    if scheduled and not triggers:
+        raise FaultSpecError(f"fault spec {_q(text, 80)} names no trigger (give step=N or t=SECONDS)")
+    if not scheduled and triggers:
+        raise FaultSpecError(f"{triggers[0]}={_q(fields[triggers[0]])}: an injection into a running job applies now "
+                             "(schedule faults with launch --inject)")
+    return spec
