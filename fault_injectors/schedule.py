@@ -13,21 +13,36 @@ import re
 from dataclasses import dataclass
 from typing import Iterator
 
-from fault_injectors.spec import FaultKind, FaultSpec, FaultSpecError, Target, TargetMode, Trigger, parse_kind
+from fault_injectors.spec import (
+    MAX_DURATION_S, MAX_SEED, MAX_T_S, REQUIRED_OPTIONS, REVERTIBLE, FaultKind, FaultSpec, FaultSpecError, Target, TargetMode, Trigger,
+    parse_kind,
+)
 
 DEFAULT_KINDS = (FaultKind.KILL_RANK,)
-_NUMBER = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h)?$")
+# ASCII digits only (`\d` takes any script's), a bounded count of them.
+_NUMBER = re.compile(r"([0-9]{1,9}(?:\.[0-9]{1,9})?)(ms|s|m|h)?", re.ASCII)
+_SEED = re.compile(r"[0-9]{1,19}", re.ASCII)
+# Below a second between faults the schedule is a flood (and its list grows without bound).
+MIN_MTBF_S = 1.0
 _SCALE = {None: 1.0, "ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
 _KEYS = ("mtbf", "seed", "kinds", "until", "duration")
 
 
-def _seconds(key: str, text: str, *, positive: bool = True) -> float:
-    match = _NUMBER.match(text.strip())
+def _q(text: str) -> str:
+    return repr(text if len(text) <= 40 else text[:37] + "...")
+
+
+def _seconds(key: str, text: str, *, minimum: float = 0.0, maximum: float = MAX_T_S) -> float:
+    match = _NUMBER.fullmatch(text.strip())
     if not match:
-        raise FaultSpecError(f"{key}={text!r} is not a time like 120s, 2m or 90")
+        raise FaultSpecError(f"{key}={_q(text)} is not a time like 120s, 2m or 90")
     value = float(match.group(1)) * _SCALE[match.group(2)]
-    if positive and value <= 0:
-        raise FaultSpecError(f"{key}={text!r} must be more than zero")
+    if value <= 0:
+        raise FaultSpecError(f"{key}={_q(text)} must be more than zero")
+    if value < minimum:
+        raise FaultSpecError(f"{key}={_q(text)} is too short (at least {minimum:g}s)")
+    if value > maximum:
+        raise FaultSpecError(f"{key}={_q(text)} is too long (at most {maximum:g}s)")
     return value
 
 
@@ -61,29 +76,38 @@ def parse_chaos(text: str) -> ChaosSpec:
         key, eq, value = part.partition("=")
         key = key.strip()
         if not eq or not value.strip():
-            raise FaultSpecError(f"bad field {part!r} in chaos spec {text!r} (expected key=value)")
+            raise FaultSpecError(f"bad field {_q(part)} in chaos spec {_q(text)} (expected key=value)")
         if key not in _KEYS:
-            raise FaultSpecError(f"unknown key {key!r} in chaos spec {text!r} (known: {', '.join(_KEYS)})")
+            raise FaultSpecError(f"unknown key {_q(key)} in chaos spec {_q(text)} (known: {', '.join(_KEYS)})")
         if key in fields:
-            raise FaultSpecError(f"{key}= given twice in chaos spec {text!r}")
+            raise FaultSpecError(f"{key}= given twice in chaos spec {_q(text)}")
         fields[key] = value.strip()
     if "mtbf" not in fields:
-        raise FaultSpecError(f"chaos spec {text!r} needs mtbf=SECONDS")
+        raise FaultSpecError(f"chaos spec {_q(text)} needs mtbf=SECONDS")
     seed_text = fields.get("seed", "0")
-    if not seed_text.isdigit():
-        raise FaultSpecError(f"seed={seed_text!r} is not a non-negative integer")
+    if not _SEED.fullmatch(seed_text) or int(seed_text) > MAX_SEED:
+        raise FaultSpecError(f"seed={_q(seed_text)} is not a non-negative integer (at most {MAX_SEED})")
     kinds: tuple[FaultKind, ...] = DEFAULT_KINDS
     if "kinds" in fields:
         names = [k.strip() for k in fields["kinds"].split("|")]
         if not all(names):
-            raise FaultSpecError(f"kinds={fields['kinds']!r} has an empty kind")
+            raise FaultSpecError(f"kinds={_q(fields['kinds'])} has an empty kind")
         kinds = tuple(dict.fromkeys(parse_kind(name) for name in names))
+    for kind in kinds:
+        if REQUIRED_OPTIONS.get(kind):
+            need = ", ".join(f"{key}=" for key in REQUIRED_OPTIONS[kind])
+            raise FaultSpecError(f"kinds={_q(fields['kinds'])}: a {kind.value} needs {need}, which a chaos schedule "
+                                 "cannot give (schedule it with --inject)")
+    if "duration" in fields and not any(k in REVERTIBLE for k in kinds):
+        # Otherwise ignored: none of these kinds is ever reverted.
+        raise FaultSpecError(f"duration={_q(fields['duration'])}: none of the kinds "
+                             f"{', '.join(k.value for k in kinds)} is reverted, so a duration does not apply")
     return ChaosSpec(
-        mtbf=_seconds("mtbf", fields["mtbf"]),
+        mtbf=_seconds("mtbf", fields["mtbf"], minimum=MIN_MTBF_S),
         seed=int(seed_text),
         kinds=kinds,
         until=_seconds("until", fields["until"]) if "until" in fields else None,
-        duration=_seconds("duration", fields["duration"]) if "duration" in fields else None,
+        duration=_seconds("duration", fields["duration"], maximum=MAX_DURATION_S) if "duration" in fields else None,
     )
 
 
