@@ -1,4 +1,5 @@
-"""Resolve a fault's target (rank, node, host or a seeded mode) against a topology."""
+"""Resolve a fault's target (rank, node, host or a seeded mode) against a topology, and check it
+against a job's shape before the job exists."""
 from __future__ import annotations
 
 import math
@@ -47,3 +48,20 @@ def resolve(spec: FaultSpec, topo: Topology) -> tuple[tuple[int, ...], tuple[int
     if by_rank:
         return chosen, tuple(sorted({topo.rank(r).node for r in chosen}))
     return (), chosen
+
+
+def check_in_job(spec: FaultSpec, world_size: int, nnodes: int) -> None:
+    """Refuse a target outside a job of this shape, before any process of it exists (the same
+    checks `resolve` makes against the live topology, for what the job's size alone decides)."""
+    target = spec.target
+    pool = world_size if spec.kind.targets_rank else nnodes
+    if target.mode is TargetMode.RANK and int(target.value) >= world_size:  # type: ignore[arg-type]
+        raise FaultSpecError(f"rank {target.value} does not exist (world size {world_size}: ranks 0-{world_size - 1})")
+    if target.mode is TargetMode.NODE and int(target.value) >= nnodes:  # type: ignore[arg-type]
+        raise FaultSpecError(f"node {target.value} does not exist ({nnodes} node(s): nodes 0-{nnodes - 1})")
+    if target.mode is TargetMode.FIXED and int(target.value) > pool:  # type: ignore[arg-type]
+        what = "ranks" if spec.kind.targets_rank else "nodes"
+        raise FaultSpecError(f"fixed:{target.value} asks for more targets than the {pool} {what} there are")
+    peer = spec.option("peer")
+    if peer is not None and peer.isascii() and peer.isdigit() and int(peer) >= nnodes:
+        raise FaultSpecError(f"peer={peer!r} is not a node of this job ({nnodes} node(s))")

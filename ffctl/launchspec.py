@@ -1,16 +1,49 @@
 """`LaunchSpec`: everything `ffctl launch` was asked to do, validated before anything starts."""
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fault_injectors.spec import FaultSpec
+from fault_injectors.spec import MAX_DURATION_S, MAX_SEED, FaultSpec, FaultSpecError
+from fault_injectors.targets import check_in_job
 from recovery.jobenv import Strategy
+from runs.store import RunStoreError, validate_run_id
+
+# Upper bounds a machine sets, far above any real job but low enough that a typo (an extra zero,
+# a pasted id) is refused rather than attempted.
+MAX_NODES = 1024
+MAX_PROCS_PER_NODE = 1024  # ranks per node; warm spares per node too
+MAX_STEPS = 1_000_000_000
+MAX_BATCH = 1 << 20
+MODELS = ("tiny", "small", "medium", "base")
+OPTIMIZERS = ("adamw", "sharded")
 
 
 class SpecError(ValueError):
     """Bad input: the message is one line naming the bad value (exit code 2)."""
+
+
+def _shown(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _whole(flag: str, value: object, low: int, high: int) -> None:
+    # bool is an int to Python, never to a user: `nnodes = true` is refused.
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise SpecError(f"{flag} {_shown(value)}: not a whole number")
+    if not low <= value <= high:
+        raise SpecError(f"{flag} {value}: must be between {low} and {high}")
+
+
+def _seconds(flag: str, value: object) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise SpecError(f"{flag} {_shown(value)}: not a number of seconds")
+    # nan compares false with everything: the range test alone would let it through.
+    if not math.isfinite(value) or not 0 < value <= MAX_DURATION_S:
+        raise SpecError(f"{flag} {value:g}: must be more than 0 and at most {MAX_DURATION_S:g} seconds")
 
 
 @dataclass(frozen=True)
@@ -49,29 +82,39 @@ class LaunchSpec:
         return self.nnodes * self.nproc_per_node
 
     def validate(self) -> LaunchSpec:
-        if self.nnodes < 1:
-            raise SpecError(f"--nnodes {self.nnodes}: must be at least 1")
-        if self.nproc_per_node < 1:
-            raise SpecError(f"--nproc-per-node {self.nproc_per_node}: must be at least 1")
-        if self.steps < 1:
-            raise SpecError(f"--steps {self.steps}: must be at least 1")
-        if self.recovery not in Strategy.ALL:
-            raise SpecError(f"--recovery {self.recovery!r}: use one of {', '.join(Strategy.ALL)}")
-        if self.ckpt_every < 0:
-            raise SpecError(f"--ckpt-every {self.ckpt_every}: must not be negative")
+        """Every field in range, whoever built the spec (CLI, scenario file, a library caller)."""
+        _whole("--nnodes", self.nnodes, 1, MAX_NODES)
+        _whole("--nproc-per-node", self.nproc_per_node, 1, MAX_PROCS_PER_NODE)
+        _whole("--steps", self.steps, 1, MAX_STEPS)
+        _whole("--seed", self.seed, 0, MAX_SEED)
+        if self.model not in MODELS:
+            raise SpecError(f"--model {_shown(self.model)}: use {', '.join(MODELS)}")
+        if self.optimizer not in OPTIMIZERS:
+            raise SpecError(f"--optimizer {_shown(self.optimizer)}: use {' or '.join(OPTIMIZERS)}")
+        if not isinstance(self.recovery, str) or self.recovery not in Strategy.ALL:
+            raise SpecError(f"--recovery {_shown(self.recovery)}: use one of {', '.join(Strategy.ALL)}")
+        _whole("--ckpt-every", self.ckpt_every, 0, MAX_STEPS)
         if self.recovery == Strategy.RESTART_DISK and self.ckpt_every == 0:
             raise SpecError("--recovery restart-disk needs --ckpt-every N (N >= 1)")
-        if self.hang_min_s <= 0:
-            raise SpecError(f"--hang-timeout {self.hang_min_s:g}: must be positive")
-        if self.batch < 0:
-            raise SpecError(f"--batch {self.batch}: must not be negative")
-        if self.spares < 0:
-            raise SpecError(f"--spares {self.spares}: must not be negative")
+        _seconds("--heartbeat-timeout", self.heartbeat_timeout)
+        _seconds("--hang-timeout", self.hang_min_s)
+        _seconds("pg_timeout", self.pg_timeout)
+        _whole("--batch", self.batch, 0, MAX_BATCH)
+        _whole("--spares", self.spares, 0, MAX_PROCS_PER_NODE)
         if self.max_restarts < 0:
             raise SpecError(f"--max-restarts {self.max_restarts}: must not be negative")
+        if self.run_id is not None:
+            try:
+                validate_run_id(self.run_id)
+            except RunStoreError as exc:
+                raise SpecError(f"--run-id: {exc}") from None
         if self.script and not self.script[0].startswith("-m") and not os.path.isfile(self.script[0]):
             raise SpecError(f"script {self.script[0]!r} does not exist")
         for spec in self.injects:
             if spec.trigger.step is not None and spec.trigger.step > self.steps:
                 raise SpecError(f"--inject {spec.kind.value} at step {spec.trigger.step}: the run has only {self.steps} steps")
+            try:
+                check_in_job(spec, self.world_size, self.nnodes)
+            except FaultSpecError as exc:
+                raise SpecError(f"--inject {spec.kind.value}: {exc}") from None
         return self

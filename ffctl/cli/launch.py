@@ -6,7 +6,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from fault_injectors import FaultSpecError, parse_spec
+from fault_injectors import FaultSpecError
+from fault_injectors.spec import parse_injection
 from ffctl.render import make_console
 from ffctl.errors import EXIT_EXPECTATION, EXIT_INTERRUPTED, EXIT_OK, BadInput
 from ffctl.launching import execute, plan_launch
@@ -56,7 +57,7 @@ def register(app: typer.Typer) -> None:
         if optimizer not in ("adamw", "sharded"):
             raise BadInput(f"--optimizer {optimizer!r}: use adamw or sharded")
         try:
-            faults = tuple(parse_spec(s) for s in inject or [])
+            faults = tuple(parse_injection(s, scheduled=True) for s in inject or [])
         except FaultSpecError as exc:
             raise BadInput(f"--inject: {exc}") from None
         spec = LaunchSpec(

@@ -88,7 +88,7 @@ def test_recovery_none_lets_the_job_fail(workdir: Path) -> None:
         (["--nproc-per-node", "0"], "--nproc-per-node 0"),
         (["--inject", "melt-gpu:rank=1"], "'melt-gpu'"),
         (["--inject", "kill-rank:rank=9,step=5"], "rank 9"),
-        (["--inject", "kill-node:node=4"], "node 4"),
+        (["--inject", "kill-node:node=4,step=5"], "node 4"),
         (["--recovery", "sometimes"], "'sometimes'"),
         (["--recovery", "restart-disk"], "--ckpt-every"),
         (["--steps", "abc"], "abc"),
