@@ -50,9 +50,13 @@ def new_run_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
 
 
-def validate_run_id(run_id: str) -> str:
-    if not RUN_ID_RE.match(run_id):
-        raise RunStoreError(f"invalid run id {run_id!r}: use letters, digits, '.', '_' or '-'")
+def validate_run_id(run_id: object) -> str:
+    """`run_id` if it can name a directory under the runs dir and nothing else: no separator, no
+    `..`, no trailing newline (fullmatch: `$` would allow one), at most 128 characters."""
+    if not isinstance(run_id, str) or not RUN_ID_RE.fullmatch(run_id) or ".." in run_id:
+        shown = repr(run_id) if len(repr(run_id)) <= 200 else repr(run_id)[:197] + "..."
+        raise RunStoreError(f"invalid run id {shown}: use letters, digits, '.', '_' or '-' (no '..'), "
+                            "starting with a letter or digit, at most 128 characters")
     return run_id
 
 
