@@ -9,7 +9,11 @@ EXIT_INTERRUPTED = 130
 
 
 class BadInput(Exception):
-    """Exit code 2: the message names the bad value."""
+    """Exit code 2: the message names the bad value, on one line whatever it quotes (a TOML
+    parser's or a tool's message may carry line breaks; a user's value is quoted with repr)."""
+
+    def __str__(self) -> str:
+        return " ".join(part.strip() for part in super().__str__().splitlines() if part.strip())
 
 
 class InfraError(Exception):

@@ -61,7 +61,14 @@ def revert_everything(hostfile: Path | None, dry_run: bool, run_id: str | None =
     """Remove what ffctl left; returns one line per place swept. Raises InfraError naming the
     first place that could not be cleaned (after trying every place)."""
     from ffctl.sandbox import SandboxError, cleanup_stale, list_namespaces
+    from runs.store import RunStoreError, validate_run_id
 
+    if run_id is not None:
+        # The id becomes owner tags, pkill patterns and namespace prefixes: only a valid one.
+        try:
+            validate_run_id(run_id)
+        except RunStoreError as exc:
+            raise BadInput(f"--run: {exc}") from None
     prefix = _sandbox_prefix(run_id)
     namespaces = list_namespaces(prefix)
     hosts = _hosts(hostfile)

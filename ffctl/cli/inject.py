@@ -1,18 +1,20 @@
 """`ffctl inject KIND --run ID ...`: break a running job now; `ffctl inject revert --all`."""
 from __future__ import annotations
 
+import math
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
 from fault_injectors import FaultSpecError
-from fault_injectors.spec import parse_kind
+from fault_injectors.spec import MAX_DURATION_S, parse_injection, parse_kind
+from fault_injectors.targets import check_in_job
 from ffctl import inject_client
 from ffctl.render import make_console
 from ffctl.errors import EXIT_INFRA, EXIT_OK, BadInput
 from ffctl.render.report import render_plan
-from runs.store import RunStoreError, open_run
+from runs.store import RunStoreError, open_run, validate_run_id
 
 
 def register(app: typer.Typer) -> None:
@@ -37,6 +39,8 @@ def register(app: typer.Typer) -> None:
 
             if not all_:
                 raise BadInput("inject revert: say --all (remove everything ffctl left on the hosts)")
+            if run is not None:
+                _check_run_id(run)
             # With --run, only that run's switches and sandbox: other runs keep theirs.
             lines = revert_everything(hosts, dry_run=dry_run, run_id=run)
             render_plan(lines, console)
@@ -47,15 +51,31 @@ def register(app: typer.Typer) -> None:
             raise BadInput(str(exc)) from None
         if run is None:
             raise BadInput(f"inject {kind}: --run ID is required")
+        _check_run_id(run)
         targets = [f"{k}={v}" for k, v in (("rank", rank), ("node", node), ("host", host)) if v is not None]
         if len(targets) > 1:
             raise BadInput(f"inject {kind}: give one of --rank, --node, --host (got {', '.join(targets)})")
-        fields = targets + ([f"duration={duration:g}"] if duration is not None else []) + list(option or [])
+        if duration is not None and not (math.isfinite(duration) and 0 < duration <= MAX_DURATION_S):
+            raise BadInput(f"--duration {duration:g}: must be more than 0 and at most {MAX_DURATION_S:g} seconds")
+        # Plain decimals: the spec grammar takes no exponent (1e-07).
+        shown = None if duration is None else f"{duration:.9f}".rstrip("0").rstrip(".")
+        fields = targets + ([f"duration={shown}"] if shown is not None else []) + list(option or [])
         spec_text = kind + (":" + ",".join(fields) if fields else "")
+        try:
+            # Checked here, not only by the controller: a bad spec needs no running job to refuse.
+            spec = parse_injection(spec_text, scheduled=False)
+        except FaultSpecError as exc:
+            raise BadInput(f"inject {kind}: {exc}") from None
         try:
             record = open_run(runs_dir, run)
         except RunStoreError as exc:
             raise BadInput(str(exc)) from None
+        shape = _job_shape(record.read_json("run.json"))
+        if shape is not None:
+            try:
+                check_in_job(spec, shape[0] * shape[1], shape[0])
+            except FaultSpecError as exc:
+                raise BadInput(f"inject {kind} into run {run}: {exc}") from None
         reply = inject_client.request(record, spec_text, dry_run)
         if dry_run:
             render_plan(list(reply.get("plan", [])), console)
@@ -65,3 +85,22 @@ def register(app: typer.Typer) -> None:
             return EXIT_INFRA
         console.print(f"injected {kind} as {reply['fault_id']} into run {run}", markup=False, highlight=False)
         return EXIT_OK
+
+
+def _check_run_id(run: str) -> None:
+    try:
+        validate_run_id(run)
+    except RunStoreError as exc:
+        raise BadInput(f"--run: {exc}") from None
+
+
+def _job_shape(info: Any) -> tuple[int, int] | None:
+    """(nodes, ranks per node) of the run as launched, when its record says (the controller
+    checks the target against the live job in any case)."""
+    spec = info.get("spec") if isinstance(info, dict) else None
+    if not isinstance(spec, dict):
+        return None
+    nnodes, nproc = spec.get("nnodes"), spec.get("nproc_per_node")
+    if type(nnodes) is int and type(nproc) is int and nnodes > 0 and nproc > 0:
+        return nnodes, nproc
+    return None
