@@ -31,7 +31,7 @@ def register(app: typer.Typer) -> None:
         try:
             sc = lib.load(scenario)
             plan = plan_launch(sc.spec(runs_dir, run_id))
-        except (lib.ScenarioError, TypeError) as exc:
+        except lib.ScenarioError as exc:
             raise BadInput(str(exc)) from None
         console = make_console()
         if dry_run:
