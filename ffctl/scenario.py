@@ -185,11 +185,18 @@ def _check(where: str, field: Field, value: Any) -> None:
 def load(path: Path) -> Scenario:
     """Read and check a scenario file: every key known, every value of its type and in range."""
     try:
-        data = tomllib.loads(path.read_text())
+        text = path.read_text()
     except FileNotFoundError:
         raise ScenarioError(f"scenario {str(path)!r} does not exist") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise ScenarioError(f"scenario {str(path)!r} cannot be read: {getattr(exc, 'strerror', None) or exc}") from None
+    return loads(text, path)
+
+
+def loads(text: str, path: Path) -> Scenario:
+    """`load` of a file's text; `path` only names it in messages."""
+    try:
+        data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ScenarioError(f"{path}: not valid TOML: {exc}") from None
     unknown = set(data) - {"launch", "expect", "name"}
