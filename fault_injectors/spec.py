@@ -240,7 +240,7 @@ def check_option(kind: FaultKind, key: str, value: str) -> None:
         if not match or float(match.group(1)) > 100:
             raise FaultSpecError(f"{bad} is not a percentage like 10% (0-100%)")
     elif key in ("port", "ports"):
-        words = [w for w in re.split(r"[|+;\s]", value) if w]
+        words = [w for w in re.split(r"[|+;\s]", value, flags=re.ASCII) if w]
         if not words:
             raise FaultSpecError(f"{bad} names no port")
         for word in words:
