@@ -113,6 +113,12 @@ class LaunchSpec:
         for spec in self.injects:
             if spec.trigger.step is not None and spec.trigger.step > self.steps:
                 raise SpecError(f"--inject {spec.kind.value} at step {spec.trigger.step}: the run has only {self.steps} steps")
+            # A spec built in code skips the parser: nan would reach the dead man's switch's sleep.
+            if spec.duration is not None and not (math.isfinite(spec.duration) and 0 < spec.duration <= MAX_DURATION_S):
+                raise SpecError(f"--inject {spec.kind.value} duration {spec.duration!r}: must be more than 0 "
+                                f"and at most {MAX_DURATION_S:g} seconds")
+            if spec.trigger.t is not None and not (math.isfinite(spec.trigger.t) and spec.trigger.t >= 0):
+                raise SpecError(f"--inject {spec.kind.value} t={spec.trigger.t!r}: must be a finite time after the start")
             try:
                 check_in_job(spec, self.world_size, self.nnodes)
             except FaultSpecError as exc:
