@@ -8,6 +8,6 @@ def register(app: typer.Typer) -> None:
     @app.command("agent", hidden=True)
     def agent() -> int:
         """Run a node agent. The controller starts this; its configuration arrives on stdin."""
-        from ffctl.agent import main
+        from ffctl.agent.agent import main
 
         return main()

@@ -13,9 +13,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from ffctl.doctor import HostReport, check_hosts, check_local
+from ffctl.hosts.doctor import HostReport, check_hosts, check_local
 from ffctl.errors import EXIT_INFRA, EXIT_OK, BadInput
-from ffctl.hostfile import HostfileError, parse_hostfile
+from ffctl.hosts.hostfile import HostfileError, parse_hostfile
 from ffctl.render import make_console
 from ffctl.render.doctor import render_doctor
 
@@ -25,7 +25,7 @@ def diagnose(hosts: Path | None, *, accept_new_host_keys: bool = False, python: 
     """The reports `ffctl doctor` draws: this machine's, or each host's (in hostfile order)."""
     if hosts is None:
         return [check_local(timeout=timeout)]
-    from ffctl.ssh import SSHError, SSHTransport
+    from ffctl.hosts.ssh.transport import SSHError, SSHTransport
 
     try:
         entries = parse_hostfile(hosts)

@@ -10,7 +10,7 @@ import typer
 from fault_injectors import FaultSpecError
 from fault_injectors.spec import MAX_DURATION_S, parse_injection, parse_kind
 from fault_injectors.targets import check_in_job
-from ffctl import inject_client
+from ffctl.controller import client as inject_client
 from ffctl.render import make_console
 from ffctl.errors import EXIT_INFRA, EXIT_OK, BadInput
 from ffctl.render.report import render_plan
@@ -35,7 +35,7 @@ def register(app: typer.Typer) -> None:
         """Inject a fault into a running job (the job's controller applies and records it)."""
         console = make_console()
         if kind == "revert":
-            from ffctl.revert_cmd import revert_everything
+            from ffctl.launch.revert import revert_everything
 
             if not all_:
                 raise BadInput("inject revert: say --all (remove everything ffctl left on the hosts)")

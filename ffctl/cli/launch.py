@@ -10,8 +10,8 @@ from fault_injectors import FaultSpecError
 from fault_injectors.spec import parse_injection
 from ffctl.render import make_console
 from ffctl.errors import EXIT_EXPECTATION, EXIT_INTERRUPTED, EXIT_OK, BadInput
-from ffctl.launching import execute, plan_launch
-from ffctl.launchspec import LaunchSpec
+from ffctl.launch.plan import execute, plan_launch
+from ffctl.launch.spec import LaunchSpec
 from ffctl.render.live import LiveView
 from ffctl.render.report import render_plan, render_report, root_cause_lines
 from runs.events import EventKind, RunStatus, finish_reason

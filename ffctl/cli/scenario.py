@@ -21,8 +21,8 @@ def register(app: typer.Typer) -> None:
         dry_run: Annotated[bool, typer.Option("--dry-run", help="Check the scenario and print the plan only.")] = False,
     ) -> int:
         """Launch the scenario's job, then check its report against the expectations."""
-        from ffctl import scenario as lib
-        from ffctl.launching import execute, plan_launch
+        from ffctl.launch import scenario as lib
+        from ffctl.launch.plan import execute, plan_launch
         from ffctl.render.live import LiveView
         from ffctl.render.report import render_checks, render_plan, render_report
         from runs.events import RunStatus

@@ -7,7 +7,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from ffctl.doctor import HostReport, QdiscSupport
+from ffctl.hosts.doctor import HostReport, QdiscSupport
 
 _YES = "[green]✓[/green]"
 _NO = "[red]✗[/red]"

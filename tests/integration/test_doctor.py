@@ -12,10 +12,10 @@ import torch
 from rich.console import Console
 
 import ffctl
-from ffctl.doctor import HostReport, QdiscSupport, check_host, check_hosts, check_local
-from ffctl.hostfile import HostEntry
+from ffctl.hosts.doctor import HostReport, QdiscSupport, check_host, check_hosts, check_local
+from ffctl.hosts.hostfile import HostEntry
 from ffctl.render.doctor import render_doctor
-from ffctl.ssh import SSHTransport
+from ffctl.hosts.ssh.transport import SSHTransport
 from tests.conftest import ROOT, needs_root
 from tests.helpers.sshd import SSHCluster, checked_sshd_cluster, empty_known_hosts
 from tests.helpers.sshd import no_ssh_agent  # noqa: F401 - autouse fixture

@@ -37,8 +37,8 @@ from fault_injectors.revert import revert_all
 from fault_injectors.schedule import parse_chaos
 from fault_injectors.targets import resolve
 from fault_injectors.transport import LocalTransport, Transport
-from ffctl.injector import chaos_faults
-from ffctl.sandbox import cleanup_stale, list_namespaces, short_id
+from ffctl.controller.injector import chaos_faults
+from ffctl.launch.sandbox import cleanup_stale, list_namespaces, short_id
 from runs.events import Event, EventKind
 from runs.store import iter_events
 from tests.conftest import is_root, needs_root

@@ -10,9 +10,9 @@ from typing import Iterator
 
 import pytest
 
-import ffctl.sandbox as sandbox_mod
+import ffctl.launch.sandbox as sandbox_mod
 from fault_injectors import make_plan, parse_spec
-from ffctl.sandbox import NetnsSandbox, SandboxError, cleanup_stale, list_namespaces, pick_subnet
+from ffctl.launch.sandbox import NetnsSandbox, SandboxError, cleanup_stale, list_namespaces, pick_subnet
 from tests.conftest import needs_root
 from tests.helpers.netns import clean_sandbox, connect, leftovers, sh, tcp_server, topology
 

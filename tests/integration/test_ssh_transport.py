@@ -11,8 +11,8 @@ from typing import Iterator
 import pytest
 
 from fault_injectors.transport import CommandResult, Transport, TransportError
-from ffctl.hostfile import HostEntry
-from ffctl.ssh import (
+from ffctl.hosts.hostfile import HostEntry
+from ffctl.hosts.ssh.transport import (
     AuthFailed,
     HostKeyChanged,
     HostKeyUnknown,

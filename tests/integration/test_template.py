@@ -21,7 +21,7 @@ from tests.helpers.netns import wait_for
 DRIVER = textwrap.dedent("""
     import json, os, sys, time
     from pathlib import Path
-    from ffctl.template import Assignment, Template, set_child_subreaper, threads_now
+    from ffctl.agent.template import Assignment, Template, set_child_subreaper, threads_now
     assert set_child_subreaper()
     tmp = Path(sys.argv[1])
     base = {**os.environ, "TEMPLATE_ONLY": "1"}

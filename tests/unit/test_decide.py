@@ -1,7 +1,7 @@
 """The recovery decision (restore step and per-rank sources) as a pure function."""
 from __future__ import annotations
 
-from ffctl.decide import Inventory, decide, ring_holder
+from ffctl.controller.decide import Inventory, decide, ring_holder
 
 MEMBERS = {0: 0, 1: 0, 2: 1, 3: 1}
 NODES = [0, 1]

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from ffctl.hostfile import HostEntry, HostfileError, parse_hostfile, parse_hostfile_text
+from ffctl.hosts.hostfile import HostEntry, HostfileError, parse_hostfile, parse_hostfile_text
 
 
 def test_every_form() -> None:

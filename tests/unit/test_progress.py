@@ -2,7 +2,7 @@
 complete everywhere."""
 from __future__ import annotations
 
-from ffctl.progress import Progress, StepReport
+from ffctl.controller.progress import Progress, StepReport
 
 
 def _rep(gen: int, step: int, rank: int = 0, loss: float | None = None) -> StepReport:

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-import ffctl.replicator as replicator
-from ffctl.replicator import Replicator
+import recovery.replicator as replicator
+from recovery.replicator import Replicator
 from recovery.peer import PeerStore
 from recovery.slots import SlotWriter, read_slot, slot_path
 from recovery.snapshot import StateEntry, capture
@@ -53,7 +53,7 @@ def test_slots_are_streamed_acknowledged_and_progress_reported_sparingly(
     agent = _Agent(tmp_path)
     neighbour = PeerStore("127.0.0.1", TOKEN, lambda rank, slot: slot_path(str(tmp_path), "other", 1, rank, slot)).start()
     writer = SlotWriter(str(tmp_path), agent.cfg.run_id, 0, 0)
-    rep = Replicator(agent, TOKEN)  # type: ignore[arg-type]
+    rep = Replicator(agent.cfg.run_id, agent.cfg.node, TOKEN, agent._slot_files, agent._report)
     rep.set_target(str(neighbour.address), neighbour.port)
     rep.start()
     try:

@@ -1,12 +1,12 @@
-"""The restart budget and the crash-loop guard (`ffctl.coordinator.restart_verdict`), and how a
+"""The restart budget and the crash-loop guard (`ffctl.controller.coordinator.restart_verdict`), and how a
 failed rank is described on screen and in the root cause."""
 from __future__ import annotations
 
 import pytest
 
-from ffctl.controller import Failure, uses_recovery_library
-from ffctl.coordinator import RankFailure, Verdict, describe, error_line, restart_verdict, root_cause, signal_name
-from ffctl.launchspec import LaunchSpec, SpecError
+from ffctl.controller.controller import Failure, uses_recovery_library
+from ffctl.controller.coordinator import RankFailure, Verdict, describe, error_line, restart_verdict, root_cause, signal_name
+from ffctl.launch.spec import LaunchSpec, SpecError
 from ffctl.render.report import root_cause_lines
 
 BOOM = (1, 10, "RuntimeError: boom")

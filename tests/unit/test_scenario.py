@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from ffctl.scenario import ScenarioError, evaluate, junit, load
+from ffctl.launch.scenario import ScenarioError, evaluate, junit, load
 
 REPORT = {
     "status": "completed", "steps_completed": 60, "lost_gpu_hours_total": 0.002, "goodput": 0.5,

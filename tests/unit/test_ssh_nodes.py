@@ -11,12 +11,12 @@ import pytest
 
 from fault_injectors.plan import HostCommand
 from fault_injectors.transport import CommandResult, LocalTransport, TransportError
-from ffctl.agent import CONFIG_ENV, AgentConfig
+from ffctl.agent.agent import CONFIG_ENV, AgentConfig
 from ffctl.errors import BadInput, InfraError
-from ffctl.hostfile import HostEntry
-from ffctl import ssh_nodes
-from ffctl.launchspec import LaunchSpec
-from ffctl.ssh_nodes import (
+from ffctl.hosts.hostfile import HostEntry
+from ffctl.hosts.ssh import nodes as ssh_nodes
+from ffctl.launch.spec import LaunchSpec
+from ffctl.hosts.ssh.nodes import (
     HostSetup,
     SSHNodes,
     check_master_addr,

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from ffctl.workerenv import KEEP_FREED_MEMORY, allocator_configured, worker_env
+from ffctl.agent.workerenv import KEEP_FREED_MEMORY, allocator_configured, worker_env
 
 
 def test_defaults_added_over_host_and_job_env() -> None:

@@ -2,7 +2,7 @@
 
 It hosts torch's TCPStore (the control plane), starts one agent per node, opens generations,
 detects failures (a rank's exit, a lost node, a hang, an error raised in a step), hands each to
-the recovery coordinator (`ffctl.coordinator`) for the selected strategy, fires scheduled faults,
+the recovery coordinator (`ffctl.controller.coordinator`) for the selected strategy, fires scheduled faults,
 shows live progress and is the only writer of the run record.
 """
 from __future__ import annotations
@@ -22,13 +22,13 @@ import torch.distributed as dist
 
 from fault_injectors import LocalTransport, NodePlace, RankPlace, Topology
 from fault_injectors.plan import HostCommand
-from ffctl.agent import AgentConfig
-from ffctl.coordinator import FatalRun, RankFailure, RecoveryAbandoned, RecoveryCoordinator, error_line
-from ffctl.decide import Decision, ring_holder
-from ffctl.injector import Injector
-from ffctl.launchspec import LaunchSpec
-from ffctl.nodes import LocalNodes, NodeLauncher, NodeProcess
-from ffctl.progress import Progress, StepReport
+from ffctl.agent.agent import AgentConfig
+from ffctl.controller.coordinator import FatalRun, RankFailure, RecoveryAbandoned, RecoveryCoordinator, error_line
+from ffctl.controller.decide import Decision, ring_holder
+from ffctl.controller.injector import Injector
+from ffctl.launch.spec import LaunchSpec
+from ffctl.launch.nodes import LocalNodes, NodeLauncher, NodeProcess
+from ffctl.controller.progress import Progress, StepReport
 from recovery import control, disk
 from recovery.jobenv import SHM_DIR, JobEnv, Strategy
 from recovery.slots import NodeBusy, claim_node, release_node
@@ -169,7 +169,7 @@ class Controller:
         # controller was killed; and what the sandbox leaves if it is (removed on a clean exit).
         sandbox: dict[str, Any] = {}
         if any(self.launcher.netns(n) for n in range(self.spec.nnodes)):
-            from ffctl.sandbox import NetnsSandbox
+            from ffctl.launch.sandbox import NetnsSandbox
 
             sandbox = {"sandbox": NetnsSandbox(self.rec.run_id, self.spec.nnodes).describe()}
         self.rec.update_run_info(controller={"address": self.spec.address, "port": self.store.port,

@@ -22,13 +22,13 @@ from fault_injectors.spec import FaultSpec
 from fault_injectors.transport import LocalTransport
 from ffctl import __version__
 from ffctl.errors import BadInput, InfraError
-from ffctl.injector import chaos_faults, plan_fault
-from ffctl.launchspec import LaunchSpec, SpecError
+from ffctl.controller.injector import chaos_faults, plan_fault
+from ffctl.launch.spec import LaunchSpec, SpecError
 from runs.events import RunStatus
 from runs.store import RunStore, RunStoreError, new_run_id, validate_run_id
 
 if TYPE_CHECKING:
-    from ffctl.sandbox import NetnsSandbox
+    from ffctl.launch.sandbox import NetnsSandbox
 
 SANDBOX_NETNS = "netns"
 CHAOS_PREVIEW = 5  # chaos faults `--dry-run` lists
@@ -63,7 +63,7 @@ def _record_dir(spec: LaunchSpec, run_id: str, remote: bool) -> str:
 def plan_launch(spec: LaunchSpec) -> LaunchPlan:
     hosts: list[str] | None = None
     if spec.hostfile is not None:
-        from ffctl.ssh_nodes import hosts_spec
+        from ffctl.hosts.ssh.nodes import hosts_spec
 
         spec, entries = hosts_spec(spec)  # one node per host, slots= ranks each
         hosts = [e.name for e in entries]
@@ -85,11 +85,11 @@ def plan_launch(spec: LaunchSpec) -> LaunchPlan:
     worker = " ".join(shlex.quote(a) for a in spec.script) if spec.script else f"built-in GPT ({spec.model})"
     for n in range(spec.nnodes):
         ranks = [r for r in range(spec.world_size) if r // spec.nproc_per_node == n]
-        where = f"`{spec.remote_python} -m ffctl.agent` over SSH on {hosts[n]}" if hosts else \
-            f"`{sys.executable} -m ffctl.agent` on localhost"
+        where = f"`{spec.remote_python} -m ffctl.agent.agent` over SSH on {hosts[n]}" if hosts else \
+            f"`{sys.executable} -m ffctl.agent.agent` on localhost"
         if sandbox is not None:
             place = topo.node(n)
-            where = (f"`ip netns exec {place.netns} {sys.executable} -m ffctl.agent` on localhost "
+            where = (f"`ip netns exec {place.netns} {sys.executable} -m ffctl.agent.agent` on localhost "
                      f"(address {place.address}, interface {place.interface})")
         lines.append(f"node {n}: agent {where}, ranks {ranks}: {worker}")
     if sandbox is not None:
@@ -100,7 +100,7 @@ def plan_launch(spec: LaunchSpec) -> LaunchPlan:
 
 
 def _preview_sandbox(spec: LaunchSpec, run_id: str) -> NetnsSandbox:
-    from ffctl.sandbox import NetnsSandbox, SandboxError, require_root
+    from ffctl.launch.sandbox import NetnsSandbox, SandboxError, require_root
 
     if spec.sandbox != SANDBOX_NETNS:
         raise BadInput(f"--sandbox {spec.sandbox!r}: the only sandbox is {SANDBOX_NETNS!r}")
@@ -178,11 +178,11 @@ def run_info(plan: LaunchPlan) -> dict[str, Any]:
 
 
 def execute(plan: LaunchPlan, view: Callable[[dict[str, Any]], None]) -> tuple[RunStatus, RunStore]:
-    from ffctl.controller import Controller
-    from ffctl.nodes import LocalNodes
+    from ffctl.controller.controller import Controller
+    from ffctl.launch.nodes import LocalNodes
 
     if plan.spec.hostfile is not None:
-        from ffctl.ssh_nodes import execute_over_ssh
+        from ffctl.hosts.ssh.nodes import execute_over_ssh
 
         return execute_over_ssh(plan.spec, plan.run_id, run_info(plan), view)
     if plan.spec.sandbox is not None:
@@ -202,9 +202,9 @@ def _interrupt(signum: int, frame: Any) -> None:
 
 def _execute_in_sandbox(plan: LaunchPlan, view: Callable[[dict[str, Any]], None]) -> tuple[RunStatus, RunStore]:
     """Run with every local node in its own network namespace, and remove them however it ends."""
-    from ffctl.controller import Controller
-    from ffctl.nodes import LocalNodes
-    from ffctl.sandbox import NetnsSandbox, SandboxError, list_namespaces
+    from ffctl.controller.controller import Controller
+    from ffctl.launch.nodes import LocalNodes
+    from ffctl.launch.sandbox import NetnsSandbox, SandboxError, list_namespaces
 
     previous = signal.getsignal(signal.SIGTERM)
     # SIGTERM unwinds like Ctrl-C from here on, so the namespaces go in either case.

@@ -4,24 +4,25 @@ A background thread watches the headers of the node's slots, woken by the ranks'
 a slot becomes valid (and every SCAN_S in case a ring was lost); each newly valid slot is read
 (seqlock-consistent), sent over the authenticated channel with its checksum, committed at the
 receiver only if the writer left it alone meanwhile, and acknowledged in the slot's header so the
-rank knows its step is safe off-node. The agent also reports the newest step held off-node, as a
-`replicated` message (a snapshot_taken event): at once the first time, then at most every
+rank knows its step is safe off-node. It also reports the newest step held off-node (the agent
+sends it to the controller as a `replicated` message (a snapshot_taken event): at once the first time, then at most every
 REPORT_S, since every node reporting every step would make the controller write (and fsync) a
-record line per node per step.
+record line per node per step).
+
+It runs inside the node agent, which hands it what it needs as callables: how to list the
+node's slot files and how to report progress.
 """
 from __future__ import annotations
 
 import math
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any, Callable
 
 from recovery.doorbell import Doorbell
 from recovery.peer import ChannelError, PeerClient
 from recovery.slots import HeaderWatch, write_ack
-
-if TYPE_CHECKING:
-    from ffctl.agent import Agent
 
 SCAN_S = 0.05  # look at the headers this often even without a ring
 RESCAN_FILES_S = 0.2
@@ -29,8 +30,11 @@ REPORT_S = 1.0
 
 
 class Replicator:
-    def __init__(self, agent: Agent, token: str) -> None:
-        self.agent = agent
+    def __init__(self, run_id: str, node: int, token: str, slot_files: Callable[[], list[Path]],
+                 report: Callable[..., None]) -> None:
+        """`slot_files` lists the node's slot files; `report(kind, **fields)` tells the controller."""
+        self.slot_files = slot_files
+        self.report = report
         self.token = token
         self.target: tuple[str, int] | None = None
         self.client: PeerClient | None = None
@@ -39,7 +43,7 @@ class Replicator:
         self.reported = 0
         self._reported_at = -math.inf  # the first step held off-node is reported at once, however young the clock
         self._stop = threading.Event()
-        self.bell = Doorbell(agent.cfg.run_id, agent.cfg.node)
+        self.bell = Doorbell(run_id, node)
         self._thread = threading.Thread(target=self._run, name="ffctl-replicator", daemon=True)
 
     def set_target(self, address: str | None, port: int | None) -> None:
@@ -69,7 +73,7 @@ class Replicator:
         while not self._stop.is_set():
             now = time.monotonic()
             if now >= next_scan:
-                files = self.agent._slot_files()  # ranks come and go; rescan now and then
+                files = self.slot_files()  # ranks come and go; rescan now and then
                 next_scan = now + RESCAN_FILES_S
                 for gone in set(self.watches) - set(files):
                     self.watches.pop(gone).close()
@@ -129,6 +133,6 @@ class Replicator:
         if held > self.reported:
             self.reported, self._reported_at = held, now
             try:
-                self.agent._report("replicated", step=held, ranks=sorted(int(r) for r in by_rank))
+                self.report("replicated", step=held, ranks=sorted(int(r) for r in by_rank))
             except Exception:
                 pass

@@ -58,7 +58,7 @@ class LaunchSpec:
     recovery: str = Strategy.PEER
     ckpt_every: int = 0
     spares: int = 0
-    max_restarts: int = 3  # recoveries from failures ffctl did not inject (see ffctl.coordinator)
+    max_restarts: int = 3  # recoveries from failures ffctl did not inject (see ffctl.controller.coordinator)
     injects: tuple[FaultSpec, ...] = ()
     chaos: str | None = None
     run_id: str | None = None

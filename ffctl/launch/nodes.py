@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import IO, Protocol
 
-from ffctl.agent import AgentConfig
+from ffctl.agent.agent import AgentConfig
 
 
 class NodeProcess(Protocol):

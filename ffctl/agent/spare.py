@@ -1,4 +1,4 @@
-"""A worker process, warm or cold: `python -m ffctl.spare`.
+"""A worker process, warm or cold: `python -m ffctl.agent.spare`.
 
 It imports torch and the recovery library first, then waits on stdin for its assignment (one
 JSON line: environment, argv, log path) and runs the training script in-process. The agent

@@ -39,12 +39,12 @@ from typing import IO, Any, Callable, Sequence
 from fault_injectors.plan import HostCommand
 from fault_injectors.transport import CommandResult, LocalTransport, Transport, TransportError
 from ffctl import __version__
-from ffctl.agent import CONFIG_ENV, TERM_GRACE_S, AgentConfig
-from ffctl.doctor import clock_offset
+from ffctl.agent.agent import CONFIG_ENV, TERM_GRACE_S, AgentConfig
+from ffctl.hosts.doctor import clock_offset
 from ffctl.errors import BadInput, InfraError
-from ffctl.hostfile import HostEntry, HostfileError, parse_hostfile
-from ffctl.launchspec import LaunchSpec
-from ffctl.ssh import (
+from ffctl.hosts.hostfile import HostEntry, HostfileError, parse_hostfile
+from ffctl.launch.spec import LaunchSpec
+from ffctl.hosts.ssh.transport import (
     AuthFailed,
     HostKeyChanged,
     HostKeyUnknown,
@@ -508,7 +508,7 @@ def execute_over_ssh(spec: LaunchSpec, run_id: str, info: dict[str, Any],
     Nothing is created or started before every host has passed its checks. Logs come home and
     the hosts' run directories go away whatever way the run ends.
     """
-    from ffctl.controller import Controller
+    from ffctl.controller.controller import Controller
 
     assert spec.hostfile is not None
     spec, entries = hosts_spec(spec)

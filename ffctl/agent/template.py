@@ -1,6 +1,6 @@
 """The worker template: a fork server that starts a node's workers in milliseconds.
 
-The agent starts one template (`python -m ffctl.template`) with the workers' base environment.
+The agent starts one template (`python -m ffctl.agent.template`) with the workers' base environment.
 It imports torch and the recovery library and pays the first optimizer step's lazy imports
 once, then waits for requests on stdin (one JSON line each: a request id, the worker's full
 environment, argv, log path and working directory) and answers each on stdout with the new
@@ -284,7 +284,7 @@ class Template:
         self.stop()
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
-                [self.python, "-m", "ffctl.template"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                [self.python, "-m", "ffctl.agent.template"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                 stderr=log, env=self.env, cwd=self.cwd or None,
             )
         self.ready = False

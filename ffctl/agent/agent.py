@@ -28,8 +28,8 @@ from typing import Any
 
 import psutil
 
-from ffctl.replicator import Replicator
-from ffctl.workerenv import worker_env
+from recovery.replicator import Replicator
+from ffctl.agent.workerenv import worker_env
 from recovery import control
 from recovery.peer import PeerStore
 from recovery.jobenv import SHM_DIR, TOKEN_ENV
@@ -67,7 +67,7 @@ class AgentConfig:
     shm_dir: str = SHM_DIR
     spares: int = 0
     incarnation: int = 0
-    keep_freed_memory: bool = True  # see ffctl.workerenv
+    keep_freed_memory: bool = True  # see ffctl.agent.workerenv
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -134,7 +134,7 @@ class Agent:
             raise
         self._wipe_slots()  # a (re)started node is an empty node
         self.peer = PeerStore(cfg.address, cfg.token, self.slot).start()
-        self.replicator = Replicator(self, cfg.token)
+        self.replicator = Replicator(cfg.run_id, cfg.node, cfg.token, self._slot_files, self._report)
         Path(cfg.log_dir).mkdir(parents=True, exist_ok=True)
 
     # -- slots --------------------------------------------------------------------------------
@@ -162,7 +162,7 @@ class Agent:
         log = open(Path(self.cfg.log_dir) / "spares.log", "ab")
         try:
             proc = subprocess.Popen(
-                [self.cfg.python, "-m", "ffctl.spare"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                [self.cfg.python, "-m", "ffctl.agent.spare"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                 stderr=log, cwd=self.cfg.cwd or None,
                 env=worker_env(os.environ, self.cfg.worker_env, self.cfg.keep_freed_memory),
             )

@@ -18,7 +18,7 @@ from fault_injectors.transport import LocalTransport, Transport, TransportError
 from ffctl.errors import BadInput, InfraError
 
 if TYPE_CHECKING:
-    from ffctl.hostfile import HostEntry
+    from ffctl.hosts.hostfile import HostEntry
 
 LOCAL = "localhost"
 
@@ -28,7 +28,7 @@ def _local(cmd: HostCommand) -> Transport:
 
 
 def _sandbox_prefix(run_id: str | None) -> str:
-    from ffctl.sandbox import NS_PREFIX, short_id
+    from ffctl.launch.sandbox import NS_PREFIX, short_id
 
     return NS_PREFIX if run_id is None else f"{NS_PREFIX}{short_id(run_id)}-"
 
@@ -36,7 +36,7 @@ def _sandbox_prefix(run_id: str | None) -> str:
 def _hosts(hostfile: Path | None) -> list[HostEntry]:
     if hostfile is None:
         return []
-    from ffctl.hostfile import HostfileError, parse_hostfile
+    from ffctl.hosts.hostfile import HostfileError, parse_hostfile
 
     try:
         return list(parse_hostfile(hostfile))
@@ -60,7 +60,7 @@ def _sweep(where: str, transport_for: Callable[[HostCommand], Transport], host: 
 def revert_everything(hostfile: Path | None, dry_run: bool, run_id: str | None = None) -> list[str]:
     """Remove what ffctl left; returns one line per place swept. Raises InfraError naming the
     first place that could not be cleaned (after trying every place)."""
-    from ffctl.sandbox import SandboxError, cleanup_stale, list_namespaces
+    from ffctl.launch.sandbox import SandboxError, cleanup_stale, list_namespaces
     from runs.store import RunStoreError, validate_run_id
 
     if run_id is not None:
@@ -106,7 +106,7 @@ def revert_everything(hostfile: Path | None, dry_run: bool, run_id: str | None =
             if namespaces:
                 failures.append(f"on {LOCAL}: {exc}")
     for entry in hosts:
-        from ffctl.ssh import SSHTransport
+        from ffctl.hosts.ssh.transport import SSHTransport
 
         name = entry.name
         transport = SSHTransport(entry)

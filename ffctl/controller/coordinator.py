@@ -20,13 +20,13 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ffctl.decide import Decision, Inventory, decide
+from ffctl.controller.decide import Decision, Inventory, decide
 from recovery import control
 from recovery.jobenv import Strategy
 from runs.events import EventKind
 
 if TYPE_CHECKING:
-    from ffctl.controller import Controller, Failure
+    from ffctl.controller.controller import Controller, Failure
 
 ABORT_ACK_TIMEOUT = 5.0
 NODE_RESTART_DELAY_S = 5.0

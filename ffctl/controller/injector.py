@@ -26,7 +26,7 @@ from fault_injectors.targets import resolve
 from runs.events import EventKind
 
 if TYPE_CHECKING:
-    from ffctl.controller import Controller
+    from ffctl.controller.controller import Controller
 
 # A scheduled fault waits while an earlier one is still unseen (not detected, not reverted, not
 # survived), so faults do not pile onto one another and each seeded pick sees the whole world;

@@ -40,7 +40,7 @@ from typing import Callable, Iterator, Mapping, Sequence
 import paramiko
 
 from fault_injectors.transport import CommandResult, Transport, TransportError
-from ffctl.hostfile import HostEntry
+from ffctl.hosts.hostfile import HostEntry
 
 _ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _STARTED_MARKER = b"\036ffctl-remote-started "
