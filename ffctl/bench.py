@@ -142,10 +142,72 @@ def scale(runs_dir: Path, model: str = BENCH_MODEL, steps: int = 40, at: int = 2
     ], details)
 
 
+# A replacement's start-up, up to its first optimizer step: what a worker pays before it can
+# rejoin. Run by both sides of `replacement_start` unchanged. It notes when it got there: the
+# interpreter's exit (most of a second of module teardown) is no part of a replacement's start.
+_FIRST_STEP = """
+import sys, time
+import torch
+import recovery.job
+model = torch.nn.Linear(64, 64)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+model(torch.randn(8, 64)).sum().backward()
+opt.step()
+with open(sys.argv[1], "w") as fh:
+    fh.write(repr(time.time()))
+"""
+
+# Plays the agent (a subreaper, so forked workers become its children) and times each start.
+_DRIVER = """
+import json, subprocess, sys, time
+from pathlib import Path
+from ffctl.agent.template import Assignment, Template, set_child_subreaper
+from ffctl.agent.workerenv import worker_env
+import os
+script, reps, log = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])
+assert set_child_subreaper()
+env = worker_env(os.environ, {}, True)
+template = Template(sys.executable, env, None, log)
+template.start()
+assert template.wait_ready(300), "the template did not warm up"
+out = {"template": [], "fresh": []}
+mark = log.with_name("first_step.t")
+for _ in range(reps):  # interleaved, so drift in machine load hits both sides
+    t0 = time.time()
+    code = template.fork(Assignment(env, (script, str(mark)), str(log), "")).wait(300)
+    assert code == 0, f"forked worker exited {code}"
+    out["template"].append(float(mark.read_text()) - t0)
+    t0 = time.time()
+    subprocess.run([sys.executable, script, str(mark)], env=env, check=True, timeout=300)
+    out["fresh"].append(float(mark.read_text()) - t0)
+template.stop()
+print(json.dumps(out))
+"""
+
+
+def replacement_start(runs_dir: Path, reps: int = 5) -> BenchResult:
+    """A replacement worker's start-up to its first optimizer step: forked from the agent's warm
+    template / started as a fresh interpreter (what a replacement without a warm spare paid
+    before, and what `restart-disk` still pays). Medians of `reps` interleaved pairs."""
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    script = runs_dir / "first_step.py"
+    script.write_text(_FIRST_STEP)
+    proc = subprocess.run([sys.executable, "-c", _DRIVER, str(script), str(reps), str(runs_dir / "template.log")],
+                          capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0:
+        raise RuntimeError(f"replacement-start benchmark failed: {proc.stderr.strip()[-500:]}")
+    times = json.loads(proc.stdout.splitlines()[-1])
+    forked, fresh = statistics.median(times["template"]), statistics.median(times["fresh"])
+    return BenchResult("replacement-start", [
+        Ratio("worker start to first step, template fork / fresh interpreter", forked, fresh, 0.10),
+    ], {"reps": reps, **times})
+
+
 BENCHMARKS: dict[str, Callable[[Path], BenchResult]] = {
     "snapshot-overhead": snapshot_overhead,
     "recovery-vs-disk": recovery_vs_disk,
     "scale": scale,
+    "replacement-start": replacement_start,
 }
 
 
