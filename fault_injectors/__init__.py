@@ -10,9 +10,6 @@ from fault_injectors.planner import PlanError, make_plan, run_commands
 from fault_injectors.spec import FaultKind, FaultSpec, FaultSpecError, Target, TargetMode, Trigger, parse_spec
 from fault_injectors.transport import CommandResult, LocalTransport, Transport, TransportError
 
-# Imported for their side effect: they register the GPU and network planners with make_plan.
-from fault_injectors import gpu, network  # noqa: E402,F401  isort: skip
-
 __all__ = [
     "CommandResult", "FaultKind", "FaultPlan", "FaultSpec", "FaultSpecError", "HostCommand",
     "LocalTransport", "NodePlace", "PlanError", "RankPlace", "Target", "TargetMode", "Topology",

@@ -35,8 +35,7 @@ from collections import OrderedDict
 from dataclasses import replace
 from typing import Callable
 
-from fault_injectors.plan import FaultPlan, HostCommand
-from fault_injectors.planner import run_commands
+from fault_injectors.plan import FaultPlan, HostCommand, run_commands
 from fault_injectors.spec import FaultSpec
 from fault_injectors.transport import CommandResult, Transport
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import re
 
 from fault_injectors.plan import FaultPlan, HostCommand, Topology
-from fault_injectors.planner import register
 from fault_injectors.process import in_step_command
 from fault_injectors.spec import FaultFamily, FaultKind, FaultSpec, FaultSpecError
 
@@ -74,5 +73,3 @@ def plan(spec: FaultSpec, topo: Topology, ranks: tuple[int, ...], nodes: tuple[i
     notes = ("no GPU on this host: the fault is emulated inside the step",) if emulated else ()
     return FaultPlan(spec, ranks, nodes, apply=tuple(apply), emulated=emulated, notes=notes)
 
-
-register(FaultFamily.GPU, plan)

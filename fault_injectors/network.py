@@ -30,7 +30,6 @@ from typing import Callable, Sequence
 
 from fault_injectors.deadman import duration_of, fault_id, guard, owner_tag, safe_id
 from fault_injectors.plan import FaultPlan, HostCommand, NodePlace, Topology
-from fault_injectors.planner import register
 from fault_injectors.spec import FaultFamily, FaultKind, FaultSpec, FaultSpecError
 from fault_injectors.transport import Transport
 
@@ -391,8 +390,6 @@ def plan(spec: FaultSpec, topo: Topology, ranks: tuple[int, ...], nodes: tuple[i
     built = FaultPlan(spec, ranks, nodes, apply=steps.apply, revert=steps.revert, notes=notes)
     return guard(built, topo.run_id, record_dir=topo.record_dir)
 
-
-register(FaultFamily.NETWORK, plan)
 
 
 # --- preflight ---

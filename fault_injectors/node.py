@@ -7,11 +7,12 @@ from __future__ import annotations
 
 from fault_injectors.plan import FaultPlan, HostCommand, Topology
 from fault_injectors.spec import FaultKind, FaultSpec
+from runs.shm import node_prefix
 
 
 def shm_prefix(run_id: str, node: int) -> str:
     """Name prefix of a node's snapshot slots in /dev/shm (the agent owns them)."""
-    return f"/dev/shm/ffctl-{run_id}-n{node}-"
+    return f"/dev/shm/{node_prefix(run_id, node)}"
 
 
 def plan(spec: FaultSpec, topo: Topology, ranks: tuple[int, ...], nodes: tuple[int, ...]) -> FaultPlan:

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import shlex
 from dataclasses import dataclass, field
+from typing import Callable
 
 from fault_injectors.spec import FaultSpec
+from fault_injectors.transport import CommandResult, Transport
 
 
 @dataclass(frozen=True)
@@ -97,3 +99,19 @@ class FaultPlan:
         lines += [f"revert: {c}" for c in self.revert]
         lines += [f"note:   {n}" for n in self.notes]
         return lines
+
+
+class PlanError(Exception):
+    """A command of a plan failed; the message names the host and the command."""
+
+
+def run_commands(
+    commands: tuple[HostCommand, ...], transport_for: Callable[[HostCommand], Transport], timeout: float = 30.0
+) -> list[CommandResult]:
+    results = []
+    for cmd in commands:
+        result = transport_for(cmd).run(cmd.argv, timeout=timeout)
+        results.append(result)
+        if not result.ok and not cmd.allow_fail:
+            raise PlanError(f"on {cmd.host}: {result.describe()}")
+    return results

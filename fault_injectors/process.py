@@ -7,12 +7,13 @@ from __future__ import annotations
 
 from fault_injectors.plan import FaultPlan, HostCommand, Topology
 from fault_injectors.spec import FaultKind, FaultSpec
+from runs.shm import fault_path
 
 SIGNALS = {FaultKind.KILL_RANK: "KILL", FaultKind.TERM_RANK: "TERM", FaultKind.HANG_RANK: "STOP"}
 
 
 def in_step_fault_path(topo: Topology, rank: int) -> str:
-    return f"{topo.fault_dir}/ffctl-{topo.run_id}-fault-r{rank}"
+    return fault_path(topo.fault_dir, topo.run_id, rank)
 
 
 def in_step_command(topo: Topology, rank: int, what: str) -> HostCommand:

@@ -61,10 +61,3 @@ def load(ckpt_dir: str | Path, step: int, rank: int) -> SlotContent | None:
 def mark_complete(ckpt_dir: str | Path, step: int) -> None:
     (step_dir(ckpt_dir, step) / "COMPLETE").touch()
 
-
-def newest_complete(ckpt_dir: str | Path) -> int | None:
-    root = Path(ckpt_dir)
-    if not root.exists():
-        return None
-    steps = [int(p.name[5:]) for p in root.glob("step-*") if (p / "COMPLETE").exists()]
-    return max(steps) if steps else None

@@ -1,6 +1,6 @@
 """Faults raised inside a rank's step: crash-rank and the GPU faults.
 
-An injector writes the fault's name to `<fault_dir>/ffctl-<run>-fault-r<rank>` and sends SIGUSR1.
+An injector writes the fault's name to the rank's fault file (`runs.shm.fault_path`) and sends SIGUSR1.
 The handler only sets a flag (nothing unsafe in a signal handler); the next `check()`, at the
 start of a step, raises the fault there as the real failure would. On a CUDA host the GPU faults
 act on the device; elsewhere they are emulated and say so.
@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from runs.shm import fault_path
+
 
 class InjectedDeviceError(RuntimeError):
     """An emulated device error (what a CUDA error would raise inside the step)."""
@@ -22,7 +24,7 @@ class InjectedDeviceError(RuntimeError):
 
 class InStepFaults:
     def __init__(self, fault_dir: str, run_id: str, rank: int) -> None:
-        self.path = Path(fault_dir) / f"ffctl-{run_id}-fault-r{rank}"
+        self.path = Path(fault_path(fault_dir, run_id, rank))
         self.pending = False
         self._hog: list[Any] = []
 

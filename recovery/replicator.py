@@ -23,6 +23,7 @@ from typing import Any, Callable
 from recovery.doorbell import Doorbell
 from recovery.peer import ChannelError, PeerClient
 from recovery.slots import HeaderWatch, write_ack
+from runs.shm import slot_rank
 
 SCAN_S = 0.05  # look at the headers this often even without a ring
 RESCAN_FILES_S = 0.2
@@ -33,6 +34,7 @@ class Replicator:
     def __init__(self, run_id: str, node: int, token: str, slot_files: Callable[[], list[Path]],
                  report: Callable[..., None]) -> None:
         """`slot_files` lists the node's slot files; `report(kind, **fields)` tells the controller."""
+        self.run_id, self.node = run_id, node
         self.slot_files = slot_files
         self.report = report
         self.token = token
@@ -112,7 +114,7 @@ class Replicator:
         if self.client is None:
             assert self.target is not None
             self.client = PeerClient(self.target[0], self.target[1], self.token, timeout=5.0)
-        rank = int(path.name.rsplit("-r", 1)[1].split("-s")[0])
+        rank = slot_rank(path, self.run_id, self.node)
         held = self.client.put_slot(rank, path)
         if held is None:
             return  # rewritten while in flight: the newer content goes on the next pass
@@ -123,9 +125,9 @@ class Replicator:
         now = time.monotonic()
         if self.target is None or now - self._reported_at < REPORT_S:
             return
-        by_rank: dict[str, int] = {}
+        by_rank: dict[int, int] = {}
         for path, (step, _) in list(self.sent.items()):
-            rank = path.name.rsplit("-r", 1)[1].split("-s")[0]
+            rank = slot_rank(path, self.run_id, self.node)
             by_rank[rank] = max(by_rank.get(rank, -1), step)
         if not by_rank:
             return
@@ -133,6 +135,6 @@ class Replicator:
         if held > self.reported:
             self.reported, self._reported_at = held, now
             try:
-                self.report("replicated", step=held, ranks=sorted(int(r) for r in by_rank))
+                self.report("replicated", step=held, ranks=sorted(by_rank))
             except Exception:
                 pass

@@ -22,6 +22,7 @@ import torch
 
 from recovery.doorbell import Ringer
 from recovery.snapshot import Capture
+from runs.shm import claim_path, slot_path
 
 MAGIC = b"FFS1"
 HEADER = struct.Struct("<4sIqQQIQ")  # magic, state, step, meta_len, shard_len, crc, seq
@@ -29,14 +30,6 @@ ACK = struct.Struct("<q")  # replicated step, written by the agent only
 ACK_OFFSET = 64
 DATA_OFFSET = 4096
 EMPTY, WRITING, VALID = 0, 1, 2
-
-
-def slot_path(shm_dir: str, run_id: str, node: int, rank: int, slot: int) -> Path:
-    return Path(shm_dir) / f"ffctl-{run_id}-n{node}-r{rank}-s{slot}"
-
-
-def _claim_path(shm_dir: str, run_id: str, node: int) -> Path:
-    return Path(shm_dir) / f"ffctl-{run_id}-n{node}.lock"
 
 
 class NodeBusy(Exception):
@@ -48,7 +41,7 @@ def claim_node(shm_dir: str, run_id: str, node: int) -> int:
     when the holder dies, however it dies. Two runs given the same run id on one host would
     otherwise wipe and overwrite each other's slots, and a slot of the other run for the same
     step passes every checksum. Returns the descriptor to keep open (not inherited by children)."""
-    path = _claim_path(shm_dir, run_id, node)
+    path = claim_path(shm_dir, run_id, node)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -62,7 +55,7 @@ def claim_node(shm_dir: str, run_id: str, node: int) -> int:
 def release_node(shm_dir: str, run_id: str, node: int, fd: int) -> None:
     """Give up a claim, removing the lock file first (while still held, so nobody holds a lock
     on a name that is gone)."""
-    _claim_path(shm_dir, run_id, node).unlink(missing_ok=True)
+    claim_path(shm_dir, run_id, node).unlink(missing_ok=True)
     os.close(fd)
 
 

@@ -34,6 +34,7 @@ from recovery import control
 from recovery.peer import PeerStore
 from recovery.jobenv import SHM_DIR, TOKEN_ENV
 from recovery.slots import NodeBusy, claim_node, read_header, release_node, slot_path
+from runs import shm
 
 POLL_S = 0.02
 HEARTBEAT_S = 0.2
@@ -142,7 +143,7 @@ class Agent:
         return slot_path(self.cfg.shm_dir, self.cfg.run_id, self.cfg.node, rank, index)
 
     def _slot_files(self) -> list[Path]:
-        return sorted(Path(self.cfg.shm_dir).glob(f"ffctl-{self.cfg.run_id}-n{self.cfg.node}-r*-s*"))
+        return shm.node_slots(self.cfg.shm_dir, self.cfg.run_id, self.cfg.node)
 
     def _wipe_slots(self) -> None:
         for path in self._slot_files():
@@ -151,7 +152,7 @@ class Agent:
     def inventory(self) -> dict[str, Any]:
         local: dict[str, list[int]] = {}
         for path in self._slot_files():
-            rank = int(path.name.rsplit("-r", 1)[1].split("-s")[0])
+            rank = shm.slot_rank(path, self.cfg.run_id, self.cfg.node)
             header = read_header(path)
             if header is not None and header.valid:
                 local.setdefault(str(rank), []).append(header.step)

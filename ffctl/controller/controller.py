@@ -20,18 +20,17 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-from fault_injectors import LocalTransport, NodePlace, RankPlace, Topology
+from fault_injectors import NodePlace, RankPlace, Topology
 from fault_injectors.plan import HostCommand
 from ffctl.agent.agent import AgentConfig
 from ffctl.controller.coordinator import FatalRun, RankFailure, RecoveryAbandoned, RecoveryCoordinator, error_line
 from ffctl.controller.decide import Decision, ring_holder
 from ffctl.controller.injector import Injector
-from ffctl.launch.spec import LaunchSpec
-from ffctl.launch.nodes import LocalNodes, NodeLauncher, NodeProcess
+from ffctl.spec import LaunchSpec
+from ffctl.controller.backend import AgentProcess, NodeBackend
 from ffctl.controller.progress import Progress, StepReport
 from recovery import control, disk
-from recovery.jobenv import SHM_DIR, JobEnv, Strategy
-from recovery.slots import NodeBusy, claim_node, release_node
+from recovery.jobenv import JobEnv, Strategy
 from runs.events import EventKind, RunStatus
 from runs.metrics import compute
 from runs.store import RunStore, controller_identity
@@ -63,7 +62,7 @@ class Failure:
 @dataclass
 class NodeState:
     node: int
-    proc: NodeProcess
+    proc: AgentProcess
     pid: int = 0
     peer: tuple[str, int] | None = None
     up: bool = False
@@ -75,7 +74,7 @@ class NodeState:
 
 
 class Controller:
-    def __init__(self, spec: LaunchSpec, record: RunStore, nodes: NodeLauncher,
+    def __init__(self, spec: LaunchSpec, record: RunStore, nodes: NodeBackend,
                  view: Callable[[dict[str, Any]], None] | None = None,
                  transport_for: Callable[[HostCommand], Any] | None = None) -> None:
         self.spec = spec
@@ -108,7 +107,7 @@ class Controller:
         self.deferred_restarts: dict[int, float] = {}  # node -> when to restart its agent
         self._incarnation: dict[int, int] = {}
         self._view_at = 0.0
-        self.injector = Injector(self, transport_for or self._local_transport,
+        self.injector = Injector(self, transport_for or nodes.transport_for,
                                  scheduled=[s for s in spec.injects])
         self.store: dist.TCPStore | None = None
         self.inbox: control.Receiver | None = None
@@ -139,9 +138,6 @@ class Controller:
         self.show(force=True)
 
     # -- plumbing -----------------------------------------------------------------------------
-    def _local_transport(self, cmd: HostCommand) -> LocalTransport:
-        return LocalTransport(cmd.host, cmd.netns)
-
     def _start_store(self) -> None:
         # Bind the listening socket ourselves: torch's TCPStore would listen on every interface.
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -166,14 +162,9 @@ class Controller:
         self.inbox = control.Receiver(self.store, control.CTL_QUEUE, opener=control.Opener(self.token),
                                       on_reject=self._rejected)
         # Who and where the controller is, so a report can tell a live run from one whose
-        # controller was killed; and what the sandbox leaves if it is (removed on a clean exit).
-        sandbox: dict[str, Any] = {}
-        if any(self.launcher.netns(n) for n in range(self.spec.nnodes)):
-            from ffctl.launch.sandbox import NetnsSandbox
-
-            sandbox = {"sandbox": NetnsSandbox(self.rec.run_id, self.spec.nnodes).describe()}
+        # controller was killed; and what the backend leaves if it is (a sandbox's namespaces).
         self.rec.update_run_info(controller={"address": self.spec.address, "port": self.store.port,
-                                             **controller_identity()}, **sandbox)
+                                             **controller_identity()}, **self.launcher.describe())
 
     @property
     def port(self) -> int:
@@ -187,11 +178,10 @@ class Controller:
             for n, st in sorted(self.nodes.items())
         )
         ranks = tuple(RankPlace(r, self.members[r], pid) for r, pid in sorted(self.pids.items()) if pid)
-        # GPU faults act on the device where the launcher says the hosts have one, else emulated.
-        has_gpu = getattr(self.launcher, "has_gpu", None)
+        # GPU faults act on the device where the backend says the hosts have one, else emulated.
         return Topology(self.rec.run_id, nodes, ranks, controller_address=self.spec.address,
-                        store_port=self.port, has_gpu=bool(has_gpu()) if callable(has_gpu) else False,
-                        record_dir=getattr(self.launcher, "run_dir", None) or str(self.rec.path.absolute()))
+                        store_port=self.port, has_gpu=self.launcher.has_gpu(),
+                        record_dir=self.launcher.run_dir or str(self.rec.path.absolute()))
 
     def _agent_config(self, node: int) -> AgentConfig:
         argv = tuple(self.spec.script) if self.spec.script else (
@@ -221,8 +211,8 @@ class Controller:
         return env.to_env()
 
     def _ckpt_dir(self) -> str:
-        # Remote hosts (SSHNodes) keep checkpoints in their own run dir, not in our record.
-        remote = getattr(self.launcher, "run_dir", None)
+        # Remote hosts keep checkpoints in their own run dir, not in our record.
+        remote = self.launcher.run_dir
         return f"{remote}/checkpoints" if remote else str(self.rec.path / "checkpoints")
 
     def agent_time(self, node: int, t: float) -> float:
@@ -299,7 +289,7 @@ class Controller:
             # Events stay stamped on receipt with our clock; the offset is what converts the
             # agent's own stamps. Measured NTP-style before the start (SSH hosts) when we can,
             # else estimated from this message (its latency counts as offset).
-            measured = getattr(self.launcher, "clock_offset", lambda n: None)(st.node)
+            measured = self.launcher.clock_offset(st.node)
             offset = float(measured) if measured is not None else float(msg["time"]) - now
             self.clock_offsets[st.node] = offset
             self.record(EventKind.AGENT_STARTED, t=now, node=st.node, host=msg["host"], pid=st.pid,
@@ -349,7 +339,7 @@ class Controller:
             got = self.ckpt_reports.setdefault(step, set())
             got.add(int(rank))
             if len(got) == self.spec.world_size:
-                if getattr(self.launcher, "run_dir", None) is None:  # remote checkpoints: hosts' dirs
+                if self.launcher.run_dir is None:  # remote checkpoints: hosts' dirs
                     disk.mark_complete(self.rec.path / "checkpoints", step)
                 self.disk_step = max(self.disk_step or 0, step)
                 self.record(EventKind.SNAPSHOT_TAKEN, t=now, step=step, kind="disk", ranks=sorted(got))
@@ -626,23 +616,11 @@ class Controller:
                 pass
         for st in self.nodes.values():
             st.proc.stop(timeout=15.0)
-        if isinstance(self.launcher, LocalNodes):
-            # Agents wipe their slots on the way out, but one SIGKILLed with its node (and never
-            # restarted, or restarted after others moved in) cannot: sweep the run's names here,
-            # node by node, where no live process (another run given the same id) holds them.
-            swept = 0
-            for n in self.nodes:
-                try:
-                    fd = claim_node(SHM_DIR, self.rec.run_id, n)
-                except NodeBusy:
-                    continue
-                for path in Path(SHM_DIR).glob(f"ffctl-{self.rec.run_id}-n{n}-*"):
-                    path.unlink(missing_ok=True)
-                release_node(SHM_DIR, self.rec.run_id, n, fd)
-                swept += 1
-            if swept == len(self.nodes):
-                for path in Path(SHM_DIR).glob(f"ffctl-{self.rec.run_id}-fault-*"):
-                    path.unlink(missing_ok=True)
+        try:
+            # Agents wipe their slots on the way out; one SIGKILLed with its node cannot.
+            self.launcher.sweep(self.rec.run_id, sorted(self.nodes))
+        except Exception:
+            pass
         self.store = None  # its server closes the listening socket
 
 
@@ -683,9 +661,3 @@ def _lines(value: Any, limit: int = 50) -> list[str]:
 
 def _raise_interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
-
-
-def launch(spec: LaunchSpec, record: RunStore, nodes: NodeLauncher,
-           view: Callable[[dict[str, Any]], None] | None = None) -> RunStatus:
-    return Controller(spec, record, nodes, view).run()
-

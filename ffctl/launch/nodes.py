@@ -1,8 +1,10 @@
-"""Starting node agents: as local subprocesses (optionally inside a sandbox network namespace).
+"""The local node backend: every node's agent a subprocess on this machine.
 
-A `NodeProcess` is the controller's handle on one agent: its pid, whether it is still running,
-and its stdin, which the controller holds open for the agent's lifetime (the agent exits when
-it closes). Remote agents over SSH provide the same handle.
+`LocalNodes` implements the controller's `NodeBackend` (`ffctl.controller.backend`) and the
+launch's lifecycle (`ffctl.launch.plan.LaunchBackend`). The netns sandbox
+(`ffctl.launch.sandbox.SandboxNodes`) is the same backend with each node in its own namespace.
+A `LocalAgent` is the controller's handle on one agent: its pid, whether it still runs, and its
+stdin, held open for the agent's lifetime (the agent exits when it closes).
 """
 from __future__ import annotations
 
@@ -10,36 +12,19 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import IO, Protocol
+from typing import IO, Any, Sequence
 
+from fault_injectors.plan import HostCommand
+from fault_injectors.transport import LocalTransport, Transport
 from ffctl.agent.agent import AgentConfig
+from ffctl.spec import LaunchSpec
+from recovery.jobenv import SHM_DIR
+from recovery.slots import NodeBusy, claim_node, release_node
+from runs import shm
+from runs.store import RunStore
 
 
-class NodeProcess(Protocol):
-    pid: int
-
-    def poll(self) -> int | None: ...
-
-    def stop(self, timeout: float) -> None:
-        """Close stdin (the agent shuts down), wait, then kill."""
-        ...
-
-
-class NodeLauncher(Protocol):
-    def start(self, cfg: AgentConfig) -> NodeProcess: ...
-
-    def address(self, node: int) -> str:
-        """Address the node's agent and ranks listen on."""
-        ...
-
-    def host(self, node: int) -> str: ...
-
-    def netns(self, node: int) -> str | None: ...
-
-    def interface(self, node: int) -> str | None: ...
-
-
-class LocalNodeProcess:
+class LocalAgent:
     def __init__(self, proc: subprocess.Popen[bytes], log: IO[bytes]) -> None:
         self.proc = proc
         self.pid = proc.pid
@@ -63,15 +48,36 @@ class LocalNodeProcess:
 
 
 class LocalNodes:
-    """Every node is an agent process on this machine; `netns` maps nodes to sandbox namespaces."""
+    """Every node is an agent process on this machine; `namespaces` maps nodes to network
+    namespaces (the sandbox's)."""
 
-    def __init__(self, log_dir: Path, addresses: dict[int, str] | None = None,
-                 namespaces: dict[int, str] | None = None, interfaces: dict[int, str] | None = None) -> None:
+    run_dir: str | None = None  # the run's files are in the record itself
+
+    def __init__(self, log_dir: Path | None = None, addresses: dict[int, str] | None = None,
+                 namespaces: dict[int, str] | None = None, interfaces: dict[int, str] | None = None,
+                 controller_address: str = "127.0.0.1") -> None:
         self.log_dir = log_dir
         self._addresses = addresses or {}
         self._netns = namespaces or {}
         self._ifaces = interfaces or {}
+        self.controller_address = controller_address
 
+    @classmethod
+    def for_launch(cls, spec: LaunchSpec, run_id: str) -> LocalNodes:
+        return cls(controller_address=spec.address)
+
+    # -- the launch's lifecycle -----------------------------------------------------------------
+    def prepare(self) -> str:
+        """Nothing to check or build on this machine: the store listens where the spec says."""
+        return self.controller_address
+
+    def attach(self, record: RunStore) -> None:
+        self.log_dir = record.path / "logs"
+
+    def release(self, record: RunStore | None) -> None:
+        """Nothing to undo: the controller stopped the agents and swept their names."""
+
+    # -- NodeBackend --------------------------------------------------------------------------
     def address(self, node: int) -> str:
         return self._addresses.get(node, "127.0.0.1")
 
@@ -90,7 +96,35 @@ class LocalNodes:
 
         return bool(torch.cuda.is_available())
 
-    def start(self, cfg: AgentConfig) -> LocalNodeProcess:
+    def clock_offset(self, node: int) -> float | None:
+        return None  # one clock: the agents' reports say so themselves
+
+    def transport_for(self, cmd: HostCommand) -> Transport:
+        return LocalTransport(cmd.host, cmd.netns)
+
+    def describe(self) -> dict[str, Any]:
+        return {}
+
+    def sweep(self, run_id: str, nodes: Sequence[int]) -> None:
+        """Remove the run's shared-memory names, node by node, where no live process (another
+        run given the same id) holds the node's claim; the fault files once every node was free."""
+        swept = 0
+        for n in nodes:
+            try:
+                fd = claim_node(SHM_DIR, run_id, n)
+            except NodeBusy:
+                continue
+            try:
+                shm.sweep_node(SHM_DIR, run_id, n)
+            finally:
+                release_node(SHM_DIR, run_id, n, fd)
+            swept += 1
+        if swept == len(nodes):
+            shm.sweep_faults(SHM_DIR, run_id)
+
+    def start(self, cfg: AgentConfig) -> LocalAgent:
+        if self.log_dir is None:
+            raise RuntimeError("LocalNodes.start before attach(): no log directory")
         argv = [sys.executable, "-m", "ffctl.agent"]
         ns = self.netns(cfg.node)
         if ns:
@@ -106,4 +140,4 @@ class LocalNodes:
         assert proc.stdin is not None
         proc.stdin.write((cfg.to_json() + "\n").encode())
         proc.stdin.flush()
-        return LocalNodeProcess(proc, log)
+        return LocalAgent(proc, log)

@@ -1,19 +1,19 @@
 """`ffctl launch` as a library: validate and plan (pure), then execute.
 
-`plan_launch` checks everything a user can get wrong before anything starts (counts, strategy,
-fault specs and their targets, the runs dir) and returns what would run; `execute` creates the
-run record, starts the controller and returns the final status.
+`plan_launch` checks everything a user can get wrong before anything starts (`LaunchSpec.validate`,
+then what needs this machine: root for a sandbox, the runs dir, each fault's tools) and returns
+what would run; `execute` is the one path for every node backend (local, netns sandbox, SSH):
+the backend prepares the nodes and names the controller's address, the run record is created,
+the controller runs over the backend, and the backend cleans up however the run ends.
 """
 from __future__ import annotations
 
-import os
 import platform
 import shlex
 import signal
-import subprocess
 import sys
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from fault_injectors import FaultSpecError, NodePlace, RankPlace, Target, TargetMode, Topology
 from fault_injectors.network import preflight
@@ -21,9 +21,10 @@ from fault_injectors.schedule import parse_chaos
 from fault_injectors.spec import FaultSpec
 from fault_injectors.transport import LocalTransport
 from ffctl import __version__
-from ffctl.errors import BadInput, InfraError
+from ffctl.controller.backend import NodeBackend
+from ffctl.errors import BadInput
 from ffctl.controller.injector import chaos_faults, plan_fault
-from ffctl.launch.spec import LaunchSpec, SpecError
+from ffctl.spec import LaunchSpec, SpecError
 from runs.events import RunStatus
 from runs.store import RunStore, RunStoreError, new_run_id, validate_run_id
 
@@ -102,10 +103,6 @@ def plan_launch(spec: LaunchSpec) -> LaunchPlan:
 def _preview_sandbox(spec: LaunchSpec, run_id: str) -> NetnsSandbox:
     from ffctl.launch.sandbox import NetnsSandbox, SandboxError, require_root
 
-    if spec.sandbox != SANDBOX_NETNS:
-        raise BadInput(f"--sandbox {spec.sandbox!r}: the only sandbox is {SANDBOX_NETNS!r}")
-    if spec.hostfile is not None:
-        raise BadInput("--sandbox netns puts local nodes in namespaces; it cannot be combined with --hosts")
     try:
         require_root()
         return NetnsSandbox(run_id, spec.nnodes).preview()
@@ -177,77 +174,78 @@ def run_info(plan: LaunchPlan) -> dict[str, Any]:
     }
 
 
+class LaunchBackend(NodeBackend, Protocol):
+    """A node backend as `execute` drives it: `prepare` checks and builds what the nodes need
+    (leaving nothing behind when it fails) and returns the address the controller's store
+    listens on; `attach` is told the run record once it exists; `release` undoes `prepare`
+    however the run ended (the record is None when it was never created)."""
+
+    def prepare(self) -> str: ...
+
+    def attach(self, record: RunStore) -> None: ...
+
+    def release(self, record: RunStore | None) -> None: ...
+
+
+def _local(spec: LaunchSpec, run_id: str) -> LaunchBackend:
+    from ffctl.launch.nodes import LocalNodes
+
+    return LocalNodes.for_launch(spec, run_id)
+
+
+def _netns(spec: LaunchSpec, run_id: str) -> LaunchBackend:
+    from ffctl.launch.sandbox import SandboxNodes
+
+    return SandboxNodes.for_launch(spec, run_id)
+
+
+def _ssh(spec: LaunchSpec, run_id: str) -> LaunchBackend:
+    from ffctl.hosts.ssh.nodes import SSHNodes  # paramiko: imported only for a run over SSH
+
+    return SSHNodes.for_launch(spec, run_id)
+
+
+# Each way of running nodes, by name; a new one (srun, Kubernetes) is one module and one line.
+BACKENDS: dict[str, Callable[[LaunchSpec, str], LaunchBackend]] = {"local": _local, SANDBOX_NETNS: _netns, "ssh": _ssh}
+
+
+def backend_name(spec: LaunchSpec) -> str:
+    if spec.hostfile is not None:
+        return "ssh"
+    return spec.sandbox or "local"
+
+
 def execute(plan: LaunchPlan, view: Callable[[dict[str, Any]], None]) -> tuple[RunStatus, RunStore]:
+    """Run the plan: the backend prepares the nodes and says where the controller listens, the
+    record is created, the controller runs over the backend, and the backend cleans up however
+    it ends (Ctrl-C and SIGTERM included)."""
     from ffctl.controller.controller import Controller
-    from ffctl.launch.nodes import LocalNodes
 
-    if plan.spec.hostfile is not None:
-        from ffctl.hosts.ssh.nodes import execute_over_ssh
-
-        return execute_over_ssh(plan.spec, plan.run_id, run_info(plan), view)
-    if plan.spec.sandbox is not None:
-        return _execute_in_sandbox(plan, view)
-    try:
-        record = RunStore.create(plan.spec.runs_dir, plan.run_id, run_info(plan))
-    except RunStoreError as exc:
-        raise BadInput(str(exc)) from None
-    nodes = LocalNodes(record.path / "logs")
-    status = Controller(plan.spec, record, nodes, view).run()
-    return status, record
-
-
-def _interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt
-
-
-def _execute_in_sandbox(plan: LaunchPlan, view: Callable[[dict[str, Any]], None]) -> tuple[RunStatus, RunStore]:
-    """Run with every local node in its own network namespace, and remove them however it ends."""
-    from ffctl.controller.controller import Controller
-    from ffctl.launch.nodes import LocalNodes
-    from ffctl.launch.sandbox import NetnsSandbox, SandboxError, list_namespaces
-
+    backend = BACKENDS[backend_name(plan.spec)](plan.spec, plan.run_id)
     previous = signal.getsignal(signal.SIGTERM)
-    # SIGTERM unwinds like Ctrl-C from here on, so the namespaces go in either case.
+    # SIGTERM unwinds like Ctrl-C from here on, so what the backend built goes in either case.
     signal.signal(signal.SIGTERM, _interrupt)
-    sb = NetnsSandbox(plan.run_id, plan.spec.nnodes)
+    record: RunStore | None = None
     try:
+        spec = replace(plan.spec, address=backend.prepare())
+        info = {**run_info(plan), "hosts": [backend.host(n) for n in range(spec.nnodes)]}
         try:
-            sb.create()
-        except SandboxError as exc:
-            raise InfraError(f"--sandbox netns: {exc}") from None
-        try:
-            record = RunStore.create(plan.spec.runs_dir, plan.run_id, run_info(plan))
+            record = RunStore.create(spec.runs_dir, plan.run_id, info)
         except RunStoreError as exc:
             raise BadInput(str(exc)) from None
-        # The store listens on the bridge only: the namespaces reach it there, nothing else does.
-        spec = replace(plan.spec, address=sb.controller_address)
-        nodes = LocalNodes(record.path / "logs", addresses=sb.addresses(), namespaces=sb.namespaces(),
-                           interfaces=sb.interfaces())
-        status = Controller(spec, record, nodes, view).run()
+        backend.attach(record)
+        status = Controller(spec, record, backend, view).run()
         return status, record
     finally:
         # A second Ctrl-C or SIGTERM must not cut the clean-up short.
         sigint = signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         try:
-            kill_inside(list_namespaces(sb.prefix))
-            sb.destroy()
+            backend.release(record)
         finally:
             signal.signal(signal.SIGINT, sigint)
             signal.signal(signal.SIGTERM, previous)
 
 
-def kill_inside(namespaces: list[str]) -> None:
-    """SIGKILL whatever still runs inside the namespaces (a namespace with a process in it
-    outlives `ip netns del`). The agents have stopped their ranks by now; this is the backstop."""
-    for ns in namespaces:
-        try:
-            out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, timeout=10,
-                                 check=False).stdout
-        except (OSError, subprocess.TimeoutExpired):
-            continue
-        for word in out.split():
-            try:
-                os.kill(int(word), signal.SIGKILL)
-            except (ValueError, ProcessLookupError, PermissionError):
-                pass
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt

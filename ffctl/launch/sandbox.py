@@ -11,7 +11,8 @@ it. The bridge and host-side veths carry the alias `ffctl-sandbox:ffctl-<short>-
 `cleanup_stale` finds what a crashed run left without any state file. Creating needs root.
 
 The caller stops every process inside the namespaces before `destroy()`: a namespace with a live
-process in it outlives `ip netns del`.
+process in it outlives `ip netns del`. `SandboxNodes` is the node backend of `--sandbox netns`:
+the local backend with the namespaces built in `prepare` and removed in `release`.
 """
 from __future__ import annotations
 
@@ -19,12 +20,18 @@ import hashlib
 import ipaddress
 import os
 import shutil
+import signal
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 from fault_injectors.plan import NodePlace
+from ffctl.errors import InfraError
+from ffctl.launch.nodes import LocalNodes
+from ffctl.spec import LaunchSpec
+from runs.store import RunStore
 
 NS_PREFIX = "ffctl-"
 LINK_ALIAS_PREFIX = "ffctl-sandbox:"
@@ -315,7 +322,54 @@ def cleanup_stale(prefix: str = NS_PREFIX) -> list[str]:
     return sorted(set(removed + links))
 
 
+def kill_inside(namespaces: list[str]) -> None:
+    """SIGKILL whatever still runs inside the namespaces (a namespace with a process in it
+    outlives `ip netns del`). The agents have stopped their ranks by now; this is the backstop."""
+    for ns in namespaces:
+        try:
+            out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, timeout=10,
+                                 check=False).stdout
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        for word in out.split():
+            try:
+                os.kill(int(word), signal.SIGKILL)
+            except (ValueError, ProcessLookupError, PermissionError):
+                pass
+
+
+class SandboxNodes(LocalNodes):
+    """Local agents, each in its own network namespace of a `NetnsSandbox` built for the run."""
+
+    def __init__(self, run_id: str, nnodes: int) -> None:
+        super().__init__()
+        self.sandbox = NetnsSandbox(run_id, nnodes)
+
+    @classmethod
+    def for_launch(cls, spec: LaunchSpec, run_id: str) -> SandboxNodes:
+        return cls(run_id, spec.nnodes)
+
+    def prepare(self) -> str:
+        """Build the namespaces; the store listens on the bridge only (the namespaces reach it
+        there, nothing else does)."""
+        try:
+            sb = self.sandbox.create()
+        except SandboxError as exc:
+            raise InfraError(f"--sandbox netns: {exc}") from None
+        self._addresses, self._netns, self._ifaces = sb.addresses(), sb.namespaces(), sb.interfaces()
+        self.controller_address = sb.controller_address
+        return self.controller_address
+
+    def describe(self) -> dict[str, Any]:
+        # What a killed controller leaves, until `ffctl inject revert --all --run RUN`.
+        return {"sandbox": self.sandbox.describe()}
+
+    def release(self, record: RunStore | None) -> None:
+        kill_inside(list_namespaces(self.sandbox.prefix))
+        self.sandbox.destroy()
+
+
 __all__ = [
-    "NetnsSandbox", "SandboxError", "SandboxNode", "cleanup_stale", "list_namespaces", "pick_subnet",
+    "NetnsSandbox", "SandboxNodes", "kill_inside", "SandboxError", "SandboxNode", "cleanup_stale", "list_namespaces", "pick_subnet",
     "require_root", "short_id",
 ]

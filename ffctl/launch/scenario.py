@@ -34,7 +34,8 @@ from xml.sax.saxutils import escape, quoteattr
 from fault_injectors import FaultSpecError
 from fault_injectors.schedule import parse_chaos
 from fault_injectors.spec import MAX_DURATION_S, MAX_SEED, parse_injection
-from ffctl.launch.spec import MAX_NODES, MAX_PROCS_PER_NODE, MAX_STEPS, MODELS, OPTIMIZERS, LaunchSpec, SpecError
+from ffctl.spec import MAX_NODES, MAX_PROCS_PER_NODE, MAX_STEPS, LaunchSpec, SpecError
+from ffctl.workload.sizes import MODELS, OPTIMIZERS
 from recovery.jobenv import Strategy
 from runs.events import RestoreSource, RunStatus
 

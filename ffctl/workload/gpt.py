@@ -2,29 +2,14 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ffctl.workload.sizes import SIZES, GPTConfig
 
-@dataclass(frozen=True)
-class GPTConfig:
-    vocab: int = 256
-    block: int = 64
-    layers: int = 2
-    heads: int = 2
-    dim: int = 64
-    batch: int = 8  # sequences per rank per step
-
-
-SIZES = {
-    "tiny": GPTConfig(block=32, layers=2, heads=2, dim=32, batch=4),
-    "small": GPTConfig(block=64, layers=4, heads=4, dim=128, batch=8),
-    "medium": GPTConfig(block=64, layers=4, heads=4, dim=192, batch=8),
-    "base": GPTConfig(block=128, layers=6, heads=8, dim=256, batch=8),
-}
+__all__ = ["GPT", "GPTConfig", "SIZES", "Block"]  # the sizes live in `sizes` (torch-free)
 
 
 class Block(nn.Module):

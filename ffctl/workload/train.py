@@ -12,7 +12,8 @@ import argparse
 import torch
 
 from ffctl.workload.data import batch
-from ffctl.workload.gpt import GPT, SIZES
+from ffctl.workload.gpt import GPT
+from ffctl.workload.sizes import MODELS, OPTIMIZERS, SIZES
 from recovery import Job, StepContext
 
 
@@ -61,10 +62,10 @@ def build(model_size: str, seed: int) -> GPT:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="ffctl-gpt")
-    parser.add_argument("--model", default="tiny", choices=sorted(SIZES))
+    parser.add_argument("--model", default="tiny", choices=sorted(MODELS))
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--optimizer", default="adamw", choices=["adamw", "sharded"],
+    parser.add_argument("--optimizer", default="adamw", choices=list(OPTIMIZERS),
                         help="adamw (replicated) or sharded (ZeRO-1: each rank owns a slice of the state)")
     parser.add_argument("--batch", type=int, default=0, help="sequences per rank per step (0: the size's default)")
     args = parser.parse_args(argv)

@@ -6,7 +6,7 @@ import pytest
 
 from ffctl.controller.controller import Failure, uses_recovery_library
 from ffctl.controller.coordinator import RankFailure, Verdict, describe, error_line, restart_verdict, root_cause, signal_name
-from ffctl.launch.spec import LaunchSpec, SpecError
+from ffctl.spec import LaunchSpec, SpecError
 from ffctl.render.report import root_cause_lines
 
 BOOM = (1, 10, "RuntimeError: boom")

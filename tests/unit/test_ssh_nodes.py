@@ -15,7 +15,7 @@ from ffctl.agent.agent import CONFIG_ENV, AgentConfig
 from ffctl.errors import BadInput, InfraError
 from ffctl.hosts.hostfile import HostEntry
 from ffctl.hosts.ssh import nodes as ssh_nodes
-from ffctl.launch.spec import LaunchSpec
+from ffctl.spec import LaunchSpec
 from ffctl.hosts.ssh.nodes import (
     HostSetup,
     SSHNodes,

@@ -9,7 +9,8 @@ midpoint of the round trip). The first host that fails gives one line naming it 
 code says whose problem it is (2: the hostfile, a host key or a refused login key; 3: a host
 that cannot be reached or cannot run ffctl).
 
-`SSHNodes` is the `NodeLauncher` of such a run. Each agent is started with
+`SSHNodes` is the node backend of such a run (`ffctl.controller.backend.NodeBackend`, and the
+launch's lifecycle: `prepare` checks the hosts, `release` brings the logs home). Each agent is started with
 `SSHTransport.start`, its `AgentConfig` (job token included) going in the environment sent over
 the channel, never on a command line. The agent lives in its own process group on the host;
 when the channel closes (the run ends, the controller is interrupted or killed, the connection
@@ -43,7 +44,7 @@ from ffctl.agent.agent import CONFIG_ENV, TERM_GRACE_S, AgentConfig
 from ffctl.hosts.doctor import clock_offset
 from ffctl.errors import BadInput, InfraError
 from ffctl.hosts.hostfile import HostEntry, HostfileError, parse_hostfile
-from ffctl.launch.spec import LaunchSpec
+from ffctl.spec import LaunchSpec
 from ffctl.hosts.ssh.transport import (
     AuthFailed,
     HostKeyChanged,
@@ -54,8 +55,7 @@ from ffctl.hosts.ssh.transport import (
     SSHTransport,
     require_command,
 )
-from runs.events import RunStatus
-from runs.store import RunStore, RunStoreError
+from runs.store import RunStore
 
 DEFAULT_REMOTE_RUNS_DIR = "/tmp/ffctl-runs"
 PROBE_TIMEOUT_S = 30.0
@@ -378,21 +378,63 @@ class SSHNodeProcess:
 
 
 class SSHNodes:
-    """One node per hostfile host: `NodeLauncher` over SSH (see the module docstring)."""
+    """One node per hostfile host: the node backend over SSH (see the module docstring)."""
 
-    def __init__(self, hosts: Sequence[tuple[SSHTransport, HostSetup]], run_id: str, log_dir: Path,
+    def __init__(self, hosts: Sequence[tuple[SSHTransport, HostSetup]], run_id: str, log_dir: Path | None,
                  remote_runs_dir: str = DEFAULT_REMOTE_RUNS_DIR) -> None:
-        self.transports = [t for t, _ in hosts]
-        self.setups = [s for _, s in hosts]
-        self.log_dir = log_dir
         if not remote_runs_dir.startswith("/"):
             raise BadInput(f"--remote-runs-dir {remote_runs_dir!r}: must be an absolute path")
+        self.log_dir = log_dir
         # Where this run's files live on every host; ranks write disk checkpoints under it.
         self.run_dir = f"{remote_runs_dir.rstrip('/') or ''}/{run_id}"
-        self._by_name = {t.host: t for t in self.transports}
+        self._use(hosts)
         self._prepared: set[int] = set()
+        self._spec: LaunchSpec | None = None
+        self._entries: list[HostEntry] = []
 
-    # -- NodeLauncher ---------------------------------------------------------------------------
+    def _use(self, hosts: Sequence[tuple[SSHTransport, HostSetup]]) -> None:
+        self.transports = [t for t, _ in hosts]
+        self.setups = [s for _, s in hosts]
+        self._by_name = {t.host: t for t in self.transports}
+
+    @classmethod
+    def for_launch(cls, spec: LaunchSpec, run_id: str) -> SSHNodes:
+        """The backend of `ffctl launch --hosts`: the hostfile read and `--master-addr` checked
+        (bad input, before connecting anywhere); the hosts are checked in `prepare`."""
+        spec, entries = hosts_spec(spec)
+        if spec.master_addr:
+            check_master_addr(spec.master_addr)
+        nodes = cls([], run_id, None, spec.remote_runs_dir)
+        nodes._spec, nodes._entries = spec, entries
+        return nodes
+
+    # -- the launch's lifecycle -----------------------------------------------------------------
+    def prepare(self) -> str:
+        """Check every host (nothing is started anywhere before all pass) and return the
+        address of this machine the controller's store listens on."""
+        assert self._spec is not None, "prepare() needs SSHNodes.for_launch"
+        spec = self._spec
+        self._use(preflight(self._entries, accept_new_host_keys=spec.accept_new_host_keys,
+                            python=spec.remote_python))
+        try:
+            return controller_address(self.setups, spec.master_addr)
+        except BaseException:
+            self.close()
+            raise
+
+    def attach(self, record: RunStore) -> None:
+        self.log_dir = record.path / "logs"
+
+    def release(self, record: RunStore | None) -> None:
+        """Logs home, the hosts' run directories gone, connections closed, however it ended."""
+        if record is None:
+            self.close()
+            return
+        problems = self.finish(record.path)
+        if problems:
+            record.update_run_info(log_copy_problems=problems)
+
+    # -- NodeBackend ----------------------------------------------------------------------------
     def host(self, node: int) -> str:
         return self.setups[node].entry.name
 
@@ -404,6 +446,14 @@ class SSHNodes:
 
     def netns(self, node: int) -> str | None:
         return None
+
+    def has_gpu(self) -> bool:
+        # The hosts' devices are not probed before a run: GPU faults run emulated there.
+        return False
+
+    def sweep(self, run_id: str, nodes: Sequence[int]) -> None:
+        """Nothing here: each host's wrapper ends its agent's process group when the channel
+        closes, and the agent wipes its slots on the way out."""
 
     def clock_offset(self, node: int) -> float | None:
         """The host's clock minus ours, measured before the run (None: not measurable)."""
@@ -422,6 +472,8 @@ class SSHNodes:
         remote = replace(cfg, log_dir=self.remote_log_dir(node), cwd=self.run_dir, python=setup.python,
                          worker_argv=tuple(argv))
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        if self.log_dir is None:
+            raise RuntimeError("SSHNodes.start before attach(): no log directory")
         log = open(self.log_dir / f"agent-{node}.log", "a", encoding="utf-8")
         try:
             if node not in self._prepared:
@@ -452,8 +504,8 @@ class SSHNodes:
         return _Guarded(inner)
 
     # -- the end of the run ---------------------------------------------------------------------
-    def describe(self) -> list[dict[str, Any]]:
-        return [{**s.describe(), "remote_run_dir": self.run_dir} for s in self.setups]
+    def describe(self) -> dict[str, Any]:
+        return {"host_details": [{**s.describe(), "remote_run_dir": self.run_dir} for s in self.setups]}
 
     def collect_logs(self, dest: Path) -> list[str]:
         """Copy every host's ``logs/<node>/`` into ``dest/<node>/``; problems, one line each."""
@@ -495,45 +547,3 @@ class SSHNodes:
         finally:
             self.close()
         return problems
-
-
-# --------------------------------------------------------------------------------------------
-# a launch over SSH
-
-
-def execute_over_ssh(spec: LaunchSpec, run_id: str, info: dict[str, Any],
-                     view: Callable[[dict[str, Any]], None]) -> tuple[RunStatus, RunStore]:
-    """Check every host, then create the record and run the controller with `SSHNodes`.
-
-    Nothing is created or started before every host has passed its checks. Logs come home and
-    the hosts' run directories go away whatever way the run ends.
-    """
-    from ffctl.controller.controller import Controller
-
-    assert spec.hostfile is not None
-    spec, entries = hosts_spec(spec)
-    if spec.master_addr:
-        check_master_addr(spec.master_addr)  # bad input: refused before connecting anywhere
-    hosts = preflight(entries, accept_new_host_keys=spec.accept_new_host_keys, python=spec.remote_python)
-    record: RunStore | None = None
-    nodes: SSHNodes | None = None
-    try:
-        address = controller_address([s for _, s in hosts], spec.master_addr)
-        spec = replace(spec, address=address)
-        info = {**info, "hosts": [s.entry.name for _, s in hosts]}
-        try:
-            record = RunStore.create(spec.runs_dir, run_id, info)
-        except RunStoreError as exc:
-            raise BadInput(str(exc)) from None
-        nodes = SSHNodes(hosts, run_id, record.path / "logs", spec.remote_runs_dir)
-        record.update_run_info(host_details=nodes.describe())
-        status = Controller(spec, record, nodes, view, transport_for=nodes.transport_for).run()
-    finally:
-        if nodes is not None and record is not None:
-            problems = nodes.finish(record.path)
-            if problems:
-                record.update_run_info(log_copy_problems=problems)
-        else:
-            for transport, _ in hosts:
-                transport.close()
-    return status, record

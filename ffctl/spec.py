@@ -1,4 +1,9 @@
-"""`LaunchSpec`: everything `ffctl launch` was asked to do, validated before anything starts."""
+"""`LaunchSpec`: everything `ffctl launch` was asked to do, validated before anything starts.
+
+A loose module of `ffctl/` (like `errors`): the launch plans it, the controller runs it and the
+hosts' backend reshapes it, so it lives where all three may import it. Every check of a launch is
+here, the built-in workload's model and optimizer names taken from its own table.
+"""
 from __future__ import annotations
 
 import math
@@ -9,6 +14,7 @@ from pathlib import Path
 from fault_injectors.spec import MAX_DURATION_S, MAX_SEED, FaultSpec, FaultSpecError
 from fault_injectors.targets import check_in_job
 from recovery.jobenv import Strategy
+from ffctl.workload.sizes import MODELS, OPTIMIZERS
 from runs.store import RunStoreError, validate_run_id
 
 # Upper bounds a machine sets, far above any real job but low enough that a typo (an extra zero,
@@ -17,8 +23,7 @@ MAX_NODES = 1024
 MAX_PROCS_PER_NODE = 1024  # ranks per node; warm spares per node too
 MAX_STEPS = 1_000_000_000
 MAX_BATCH = 1 << 20
-MODELS = ("tiny", "small", "medium", "base")
-OPTIMIZERS = ("adamw", "sharded")
+SANDBOXES = ("netns",)  # --sandbox values (ffctl.launch.plan.BACKENDS has one backend each)
 
 
 class SpecError(ValueError):
@@ -101,13 +106,19 @@ class LaunchSpec:
         _seconds("pg_timeout", self.pg_timeout)
         _whole("--batch", self.batch, 0, MAX_BATCH)
         _whole("--spares", self.spares, 0, MAX_PROCS_PER_NODE)
-        if self.max_restarts < 0:
-            raise SpecError(f"--max-restarts {self.max_restarts}: must not be negative")
+        _whole("--max-restarts", self.max_restarts, 0, MAX_STEPS)
         if self.run_id is not None:
             try:
                 validate_run_id(self.run_id)
             except RunStoreError as exc:
                 raise SpecError(f"--run-id: {exc}") from None
+        if self.sandbox is not None and self.sandbox not in SANDBOXES:
+            raise SpecError(f"--sandbox {_shown(self.sandbox)}: the only sandbox is {SANDBOXES[0]!r}")
+        if self.sandbox is not None and self.hostfile is not None:
+            raise SpecError(f"--sandbox {self.sandbox} and --hosts {self.hostfile}: the sandbox is for nodes on this "
+                            "machine; give one or the other")
+        if self.hostfile is not None and not (isinstance(self.remote_runs_dir, str) and self.remote_runs_dir.startswith("/")):
+            raise SpecError(f"--remote-runs-dir {_shown(self.remote_runs_dir)}: must be an absolute path")
         if self.script and not self.script[0].startswith("-m") and not os.path.isfile(self.script[0]):
             raise SpecError(f"script {self.script[0]!r} does not exist")
         for spec in self.injects:
