@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass, fields
-from typing import Mapping
+from typing import ClassVar, Mapping
+
+from runs.events import Label
 
 SHM_DIR = "/dev/shm"  # where slots and in-step fault files live unless configured otherwise
 # The job token reaches a rank only through its agent's own process environment under this name,
@@ -15,14 +17,20 @@ SHM_DIR = "/dev/shm"  # where slots and in-step fault files live unless configur
 TOKEN_ENV = "FFCTL_TOKEN"
 
 
-class Strategy:
-    """Recovery strategies (DESIGN.md): values of `--recovery`."""
+class Strategy(Label):
+    """Recovery strategies (DESIGN.md): values of `--recovery`. `Strategy.ALL` lists the values,
+    in the order help texts show them."""
 
     PEER = "peer"
     RESTART_MEMORY = "restart-memory"
     RESTART_DISK = "restart-disk"
     NONE = "none"
-    ALL = (PEER, RESTART_MEMORY, RESTART_DISK, NONE)
+
+    ALL: ClassVar[tuple[str, ...]]
+
+
+# Set after the class: assigned inside its body it would be a member.
+Strategy.ALL = tuple(s.value for s in Strategy)
 
 
 @dataclass(frozen=True)

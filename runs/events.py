@@ -12,6 +12,20 @@ from enum import Enum
 from typing import Any, Iterable
 
 
+class Label(str, Enum):
+    """A `str` enum that is its value wherever a string is: printed, formatted, written to JSON,
+    hashed (a dict keyed by the string finds the member and the other way round), so values read
+    back from a record or a message compare and look up the same as the members."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+    __hash__ = str.__hash__
+
+
 class EventKind(str, Enum):
     """What happened. The fields each kind carries are listed beside it."""
 
@@ -48,8 +62,8 @@ class RunStatus(str, Enum):
     INCOMPLETE = "incomplete"
 
 
-class RestoreSource(str, Enum):
-    """Where a lost rank's state came from."""
+class RestoreSource(Label):
+    """Where a rank's state came from (`none`: a fresh start from step 0)."""
 
     LOCAL_MEMORY = "local-memory"
     PEER_MEMORY = "peer-memory"
