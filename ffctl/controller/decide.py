@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from recovery.jobenv import Strategy
+from runs.events import RestoreSource
 
 
 @dataclass(frozen=True)
@@ -30,7 +31,7 @@ class Inventory:
 @dataclass(frozen=True)
 class Decision:
     restore_step: int
-    restore_source: str  # local-memory | peer-memory | disk | none (fresh start)
+    restore_source: RestoreSource  # local-memory | peer-memory | disk | none (fresh start)
     sources: dict[int, dict[str, Any]]
     lost_both_copies: tuple[int, ...] = ()  # ranks whose memory copies were all gone
 
@@ -46,7 +47,7 @@ def ring_holder(node: int, nodes: list[int]) -> int | None:
 def _disk(world: list[int], disk_step: int | None, lost_both: tuple[int, ...]) -> Decision | None:
     if disk_step is None:
         return None
-    return Decision(disk_step, "disk", {r: {"kind": "disk"} for r in world}, lost_both)
+    return Decision(disk_step, RestoreSource.DISK, {r: {"kind": "disk"} for r in world}, lost_both)
 
 
 def decide(
@@ -63,7 +64,7 @@ def decide(
     world = sorted(members)
     if strategy == Strategy.RESTART_DISK:
         if disk_step is None:
-            return Decision(0, "none", {r: {"kind": "none"} for r in world})
+            return Decision(0, RestoreSource.NONE, {r: {"kind": "none"} for r in world})
         return _disk(world, disk_step, ())
     options: dict[int, dict[int, dict[str, Any]]] = {}
     for rank in world:
@@ -89,5 +90,5 @@ def decide(
     step = max(common)
     sources = {r: options[r][step] for r in world}
     lost_kinds = {sources[r]["kind"] for r in lost_ranks} or {"local-memory"}
-    label = "peer-memory" if "peer-memory" in lost_kinds else "local-memory"
+    label = RestoreSource.PEER_MEMORY if RestoreSource.PEER_MEMORY in lost_kinds else RestoreSource.LOCAL_MEMORY
     return Decision(step, label, sources)

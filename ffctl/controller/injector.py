@@ -15,7 +15,7 @@ from __future__ import annotations
 import ipaddress
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import Callable, Iterator
 
 from fault_injectors import FaultSpec, FaultSpecError, PlanError, Transport, TransportError, deadman, make_plan, network
 from fault_injectors.plan import FaultPlan, HostCommand, Topology
@@ -23,10 +23,9 @@ from fault_injectors.schedule import ChaosSpec, iter_mtbf, parse_chaos
 from fault_injectors.process import in_step_fault_path
 from fault_injectors.spec import FaultFamily, FaultKind
 from fault_injectors.targets import resolve
+from ffctl.controller.cluster import FaultCluster
+from ffctl.controller.state import JobState
 from runs.events import EventKind
-
-if TYPE_CHECKING:
-    from ffctl.controller.controller import Controller
 
 # A scheduled fault waits while an earlier one is still unseen (not detected, not reverted, not
 # survived), so faults do not pile onto one another and each seeded pick sees the whole world;
@@ -108,7 +107,11 @@ class ActiveFault:
 
 @dataclass
 class Injector:
-    ctl: Controller
+    """Fires, applies and reverts faults: plans them against `cluster.topology()`, writes them to
+    the record through `cluster`, reads the job's progress and placement from `job`."""
+
+    cluster: FaultCluster
+    job: JobState
     transport_for: Callable[[HostCommand], Transport]
     scheduled: list[FaultSpec] = field(default_factory=list)
     timed: list[tuple[float, FaultSpec]] = field(default_factory=list)  # (seconds after start, spec)
@@ -118,16 +121,17 @@ class Injector:
     _chaos_next: tuple[float, FaultSpec] | None = None
     _seen_step: int = -1
     _progress_t: float = 0.0  # when the committed step last moved
+    chaos: str | None = None  # a `--chaos` schedule
+    hang_min_s: float = 5.0  # the floor of the hang limit (a fault outlasting it was survived)
 
     def __post_init__(self) -> None:
         # Scheduled faults get their ids up front, in the order given, so the ids (and the chain
         # names and owner tags derived from them) that `--dry-run` printed are the ones used.
         self.scheduled = [deadman.with_fault_id(s, self._take_id()) for s in self.scheduled]
         self.timed = [(t, deadman.with_fault_id(s, self._take_id())) for t, s in self.timed]
-        chaos = getattr(self.ctl.spec, "chaos", None)
-        if chaos:
+        if self.chaos:
             # Drawn lazily: an MTBF schedule has no end unless `until=` gives one.
-            self._chaos = chaos_faults(parse_chaos(chaos))
+            self._chaos = chaos_faults(parse_chaos(self.chaos))
             self._chaos_next = next(self._chaos, None)
 
     # -- ids ----------------------------------------------------------------------------------
@@ -142,16 +146,14 @@ class Injector:
     def _ready(self) -> bool:
         """Every rank placed and nothing failing: a fault now sees the whole world, so a seeded
         target pick is the same from run to run."""
-        ctl = self.ctl
-        return ctl.pending is None and all(ctl.pids.get(r) for r in ctl.members)
+        return self.job.pending is None and self.job.placed()
 
     def _survived(self, fault: ActiveFault) -> bool:
         """The job carries on: it committed a step after the fault was reverted, or longer after
         the injection than any detector needs."""
         if fault.reverted_t is not None and self._progress_t > fault.reverted_t:
             return True
-        ctl = self.ctl
-        hang_limit = ctl.progress.hang_limit(ctl.spec.hang_min_s)
+        hang_limit = self.job.progress.hang_limit(self.hang_min_s)
         return self._progress_t - fault.injected_t > hang_limit + SURVIVE_MARGIN_S
 
     def _settled(self) -> bool:
@@ -165,7 +167,13 @@ class Injector:
             self.timed.append((t, deadman.with_fault_id(spec, self._take_id())))
             self._chaos_next = next(self._chaos, None)
 
-    def tick(self, committed_step: int, elapsed: float) -> None:
+    def tick(self, elapsed: float) -> None:
+        """Fire what is due, `elapsed` seconds after the start; revert what has run its time."""
+        # A fault "at step k" lands once every rank has committed step k (and made it durable),
+        # not when the first one has: the job has completed step k, and no copy of it is still
+        # in flight when the fault hits. During a replay after a recovery that is the new
+        # generation's progress, so a fault waits until the replay reaches its step.
+        committed_step = self.job.progress.everywhere(sorted(self.job.members))
         if committed_step != self._seen_step:
             self._seen_step, self._progress_t = committed_step, time.time()
         self.revert_due()
@@ -200,7 +208,7 @@ class Injector:
     def plan(self, spec: FaultSpec) -> FaultPlan:
         """The checked plan `spec` would run now (for `--dry-run`): touches nothing, raises
         FaultSpecError (FaultUnsupported included) with one line."""
-        plan = plan_fault(spec, self.ctl.topology(), spec.option(deadman.ID_OPTION) or self._peek_id())
+        plan = plan_fault(spec, self.cluster.topology(), spec.option(deadman.ID_OPTION) or self._peek_id())
         network.preflight(plan, self.transport_for)
         return plan
 
@@ -214,18 +222,18 @@ class Injector:
         except FaultSpecError as exc:
             if raise_refused:
                 raise
-            self.ctl.record(EventKind.FAULT_FAILED, fault_id=spec.option(deadman.ID_OPTION) or self._take_id(),
+            self.cluster.record(EventKind.FAULT_FAILED, fault_id=spec.option(deadman.ID_OPTION) or self._take_id(),
                             kind=spec.kind.value, target=str(spec.target), trigger=str(spec.trigger),
                             error=str(exc), refused=True)
             return None, str(exc)
         fault_id = deadman.fault_id(plan.spec)
         if spec.option(deadman.ID_OPTION) is None:
             self._take_id()
-        fault = ActiveFault(fault_id, plan.spec, plan, time.time(), self.ctl.gen)
-        self.ctl.record(
+        fault = ActiveFault(fault_id, plan.spec, plan, time.time(), self.job.gen)
+        self.cluster.record(
             EventKind.FAULT_INJECTED, fault_id=fault_id, kind=spec.kind.value, target=str(spec.target),
             trigger=str(spec.trigger), ranks=list(plan.ranks), nodes=list(plan.nodes),
-            at_step=self.ctl.progress.committed_step, gen=self.ctl.gen, emulated=plan.emulated,
+            at_step=self.job.progress.committed_step, gen=self.job.gen, emulated=plan.emulated,
             duration=deadman.duration_of(spec) if plan.revertible else None,
             commands=[str(c) for c in plan.apply], guarded=bool(plan.deadman),
         )
@@ -234,7 +242,7 @@ class Injector:
             deadman.apply_guarded(plan, self.transport_for)
         except (PlanError, TransportError, OSError) as exc:
             # apply_guarded has reverted what was applied and cancelled the switches.
-            self.ctl.record(EventKind.FAULT_FAILED, fault_id=fault_id, error=str(exc))
+            self.cluster.record(EventKind.FAULT_FAILED, fault_id=fault_id, error=str(exc))
             fault.detected = fault.reverted = True  # nothing to detect: it never took effect
             return fault, str(exc)
         if plan.revertible:
@@ -249,9 +257,9 @@ class Injector:
             deadman.revert_guarded(fault.plan, self.transport_for)
         except (PlanError, TransportError, OSError) as exc:
             # The switch stays armed when the revert failed: it reverts after duration + grace.
-            self.ctl.record(EventKind.FAULT_FAILED, fault_id=fault.fault_id, error=f"revert: {exc}")
+            self.cluster.record(EventKind.FAULT_FAILED, fault_id=fault.fault_id, error=f"revert: {exc}")
             return
-        self.ctl.record(EventKind.FAULT_REVERTED, fault_id=fault.fault_id)
+        self.cluster.record(EventKind.FAULT_REVERTED, fault_id=fault.fault_id)
 
     def revert_all(self) -> None:
         for fault in self.faults:
@@ -262,7 +270,7 @@ class Injector:
     def _drop_unfired(self) -> None:
         """Remove the fault files of in-step faults no step picked up (the job ended first), so
         nothing of the run is left in the hosts' shared memory."""
-        topo = self.ctl.topology()
+        topo = self.cluster.topology()
         for fault in self.faults:
             if not (fault.spec.kind is FaultKind.CRASH_RANK or fault.spec.kind.family is FaultFamily.GPU):
                 continue
@@ -293,6 +301,3 @@ class Injector:
             return None
         f = live[-1]
         return f"{f.spec.kind.value} {f.spec.target}"
-
-    def summary(self) -> list[dict[str, Any]]:
-        return [{"fault_id": f.fault_id, "kind": f.spec.kind.value} for f in self.faults]

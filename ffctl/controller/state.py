@@ -1,0 +1,113 @@
+"""The job's state as the controller knows it: one object, owned by the controller, read and
+updated by its message handlers, the recovery coordinator and the fault scheduler.
+
+Which node each rank runs on and under which pid, each agent's health, the open generation and
+what its ranks reported (started, joined, restored, aborted, done), the agents' snapshot
+inventories, copies found corrupt, the newest complete disk checkpoint, the pending failure and
+the controller's phase. Plain data: no store, no process, so a test can build one in a line.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from ffctl.controller.backend import AgentProcess
+from ffctl.controller.failures import Failure, RankFailure
+from ffctl.controller.progress import Progress
+from recovery import messages
+from runs.events import Label
+
+
+class Phase(Label):
+    """The controller's phase, shown live and in the final view.
+
+    Transitions (`TRANSITIONS`): `starting` -> `running` once generation 0 is open;
+    `running` -> `recovering` when a failure is pending; `recovering` -> `running` once the next
+    generation runs (a failure during a recovery restarts it without leaving `recovering`);
+    any phase -> `completed`, `failed` or `interrupted` (the run's status) when the run ends.
+    """
+
+    STARTING = "starting"
+    RUNNING = "running"
+    RECOVERING = "recovering"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    INTERRUPTED = "interrupted"
+
+
+_ENDS = {Phase.COMPLETED, Phase.FAILED, Phase.INTERRUPTED}
+TRANSITIONS: dict[Phase, frozenset[Phase]] = {
+    Phase.STARTING: frozenset({Phase.RUNNING} | _ENDS),
+    Phase.RUNNING: frozenset({Phase.RECOVERING} | _ENDS),
+    Phase.RECOVERING: frozenset({Phase.RUNNING} | _ENDS),
+    Phase.COMPLETED: frozenset(),
+    Phase.FAILED: frozenset(),
+    Phase.INTERRUPTED: frozenset(),
+}
+
+
+@dataclass
+class NodeState:
+    node: int
+    proc: AgentProcess
+    pid: int = 0
+    peer: tuple[str, int] | None = None
+    up: bool = False
+    hb_value: int = -1
+    hb_seen: float = field(default_factory=time.monotonic)
+    spares: int = -1  # warm (torch imported) spares
+    spares_total: int = 0  # including those still warming up
+    failed: str = ""  # why the agent gave up starting (its own words)
+
+
+@dataclass
+class JobState:
+    members: dict[int, int]  # rank -> the node it runs on
+    pids: dict[int, int | None]  # rank -> its live process, None while it has none
+    nodes: dict[int, NodeState] = field(default_factory=dict)
+    gen: int = 0
+    phase: Phase = Phase.STARTING
+    progress: Progress = field(default_factory=Progress)
+    last_progress: float = field(default_factory=time.monotonic)  # when the open generation last moved
+    gen_msgs: dict[tuple[str, int], set[int]] = field(default_factory=dict)  # (report kind, gen) -> ranks
+    restore_how: dict[int, dict[int, str]] = field(default_factory=dict)  # gen -> rank -> kept | received | gathered
+    ckpt_reports: dict[int, set[int]] = field(default_factory=dict)  # step -> ranks that wrote it
+    disk_step: int | None = None  # the newest complete disk checkpoint
+    bad_sources: set[tuple[int, int, str]] = field(default_factory=set)  # (rank, step, source kind) found corrupt
+    inventories: dict[tuple[int, int], messages.Inventory] = field(default_factory=dict)  # (node, req) -> answer
+    pending: Failure | None = None  # detected, not yet taken by the coordinator
+    rank_failed: dict[int, RankFailure] = field(default_factory=dict)  # rank -> its newest failure
+    deferred_restarts: dict[int, float] = field(default_factory=dict)  # node -> when to restart its agent
+
+    @classmethod
+    def for_world(cls, world_size: int, nproc_per_node: int) -> JobState:
+        members = {r: r // nproc_per_node for r in range(world_size)}
+        return cls(members=members, pids={r: None for r in members})
+
+    def enter(self, phase: Phase) -> None:
+        """Move to `phase`; a transition the table does not allow is a bug (ValueError)."""
+        phase = Phase(phase)
+        if phase is not self.phase and phase not in TRANSITIONS[self.phase]:
+            raise ValueError(f"phase {self.phase.value} -> {phase.value} is not a transition")
+        self.phase = phase
+
+    def fail(self, failure: Failure) -> None:
+        """Make `failure` pending, merged into the one already pending."""
+        if self.pending is None:
+            self.pending = failure
+        else:
+            self.pending.merge(failure)
+
+    def take_pending(self) -> Failure | None:
+        failure, self.pending = self.pending, None
+        return failure
+
+    def reported(self, kind: str, gen: int) -> set[int]:
+        """The ranks that sent report `kind` (`started`, `joined`, `aborted`, ...) in `gen`."""
+        return self.gen_msgs.get((kind, gen), set())
+
+    def live_nodes(self) -> list[int]:
+        return sorted(n for n, st in self.nodes.items() if st.up)
+
+    def placed(self) -> bool:
+        """Every rank has a live process."""
+        return all(self.pids.get(r) for r in self.members)
