@@ -1,0 +1,401 @@
+"""The orchestrator in-process: the recovery coordinator and the fault scheduler driven through a
+fake cluster that plays the agents and ranks (abort acknowledgements, inventories, exits, node
+restarts, generations that start or fail) and records what was sent, recorded and said.
+
+No process, no store, no socket: each case runs in milliseconds and asserts on the messages sent,
+the events recorded and the outcome returned (or the reason the job stopped)."""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pytest
+
+from fault_injectors import parse_spec
+from fault_injectors.plan import NodePlace, RankPlace, Topology
+from fault_injectors.transport import CommandResult
+from ffctl.controller.cluster import FatalRun, RecoveryAbandoned
+from ffctl.controller.coordinator import RecoveryCoordinator, RecoveryOutcome
+from ffctl.controller.decide import Decision
+from ffctl.controller.failures import Cause, Failure, RankFailure
+from ffctl.controller.injector import Injector
+from ffctl.controller.progress import StepReport
+from ffctl.controller.state import JobState, NodeState, Phase
+from recovery import messages
+from recovery.jobenv import Strategy
+from runs.events import EventKind, RestoreSource
+
+NNODES, PER_NODE = 2, 2  # ranks 0, 1 on node 0; ranks 2, 3 on node 1
+
+
+class FakeProc:
+    pid = 1
+
+    def poll(self) -> int | None:
+        return None
+
+    def stop(self, timeout: float) -> None:
+        pass
+
+
+class FakeCluster:
+    """Plays the agents and ranks. `hooks[what]` run when the coordinator waits for `what`
+    (`abort`, `inventory`, `teardown`, ...) and `on_await[gen]` while generation `gen` starts:
+    that is where a test makes something else fail."""
+
+    def __init__(self, job: JobState) -> None:
+        self.job = job
+        self.sent: list[tuple[int, messages.Message]] = []
+        self.events: list[tuple[EventKind, dict[str, Any]]] = []
+        self.notices: list[str] = []
+        self.aborted: list[int] = []
+        self.started_agents: list[int] = []
+        self.opened: list[tuple[int, Decision | None, list[int]]] = []
+        self.hooks: dict[str, list[Callable[[], None]]] = {}
+        self.on_await: dict[int, Callable[[], None]] = {}
+        self.blame: list[list[str]] = []  # fault ids for each failure, in order
+        self.stuck: set[int] = set()  # ranks that never acknowledge an abort
+        # node -> what its agent holds: (own ranks' steps, neighbour's ranks' steps)
+        self.held: dict[int, tuple[dict[int, set[int]], dict[int, set[int]]]] = {}
+
+    # -- Cluster --------------------------------------------------------------------------
+    def record(self, kind: EventKind, /, t: float | None = None, **data: Any) -> None:
+        self.events.append((kind, data))
+
+    def announce(self, line: str) -> None:
+        self.notices.append(line)
+
+    def send(self, node: int, msg: messages.Message) -> None:
+        self.sent.append((node, msg))
+        if isinstance(msg, messages.Kill):
+            for r in msg.ranks:  # the agent stops them and reports the (expected) exits
+                self.job.pids[r] = None
+        elif isinstance(msg, messages.InventoryRequest):
+            local, replica = self.held.get(node, ({}, {}))
+            self.job.inventories[(node, msg.req)] = messages.Inventory(
+                node=node, req=msg.req, local={str(r): sorted(s) for r, s in local.items()},
+                replica={str(r): sorted(s) for r, s in replica.items()})
+
+    def wait_for(self, cond: Callable[[], bool], timeout: float, what: str, abandon_on_failure: bool = True) -> bool:
+        for hook in self.hooks.pop(what, []):
+            hook()
+        if abandon_on_failure and self.job.pending is not None:
+            raise RecoveryAbandoned(what)
+        return cond()
+
+    def abort_generation(self, gen: int) -> None:
+        self.aborted.append(gen)
+        acks = self.job.gen_msgs.setdefault(("aborted", gen), set())
+        acks.update(r for r, pid in self.job.pids.items() if pid and r not in self.stuck)
+
+    def wire_ring(self) -> None:
+        pass
+
+    def start_agent(self, node: int) -> None:
+        self.started_agents.append(node)
+        self.job.nodes[node] = NodeState(node, FakeProc())
+
+    def wait_agents(self, nodes: list[int]) -> None:
+        for n in nodes:
+            self.job.nodes[n].up, self.job.nodes[n].peer = True, (f"10.0.0.{n}", 29400)
+            self.held[n] = ({}, {})  # a restarted node holds nothing from before
+
+    def open_generation(self, gen: int, decision: Decision | None, respawn: list[int]) -> None:
+        self.opened.append((gen, decision, respawn))
+        self.job.gen = gen
+        self.job.progress.open(gen, decision.restore_step if decision else 0)
+        for r in respawn:
+            self.job.pids[r] = 1000 * (gen + 1) + r
+
+    def await_generation(self, gen: int, respawn: list[int], restore_step: int, source: RestoreSource) -> None:
+        hook = self.on_await.pop(gen, None)
+        if hook is not None:
+            hook()
+        if self.job.pending is not None:
+            raise RecoveryAbandoned("rendezvous")
+
+    def attribute_faults(self, ranks: set[int], nodes: set[int]) -> list[str]:
+        return self.blame.pop(0) if self.blame else []
+
+    # -- FaultCluster ---------------------------------------------------------------------
+    def topology(self) -> Topology:
+        nodes = tuple(NodePlace(n, "localhost", "127.0.0.1", st.pid) for n, st in sorted(self.job.nodes.items()))
+        ranks = tuple(RankPlace(r, self.job.members[r], pid) for r, pid in sorted(self.job.pids.items()) if pid)
+        return Topology("run1", nodes, ranks, record_dir="/nonexistent")
+
+    # -- what happened --------------------------------------------------------------------
+    def recorded(self, kind: EventKind) -> list[dict[str, Any]]:
+        return [data for k, data in self.events if k is kind]
+
+    def kills(self) -> list[tuple[int, list[int]]]:
+        return [(n, list(m.ranks)) for n, m in self.sent if isinstance(m, messages.Kill)]
+
+
+def _job(steps: int = 8, spares: int = 0) -> JobState:
+    """Two nodes of two ranks, every rank at `steps`; each agent holds its ranks' two newest steps
+    and replicas of its ring neighbour's."""
+    job = JobState.for_world(NNODES * PER_NODE, PER_NODE)
+    for n in range(NNODES):
+        job.nodes[n] = NodeState(n, FakeProc(), pid=100 + n, peer=(f"10.0.0.{n}", 29400), up=True,
+                                 spares_total=spares)
+    for r in job.members:
+        job.pids[r] = 500 + r
+    for step in range(1, steps + 1):
+        for r in job.members:
+            job.progress.report(StepReport(0, step, r, 1.0 / step, 0.1))
+    job.enter(Phase.RUNNING)
+    return job
+
+
+def _cluster(job: JobState, newest: int = 8) -> FakeCluster:
+    cluster = FakeCluster(job)
+    held = {newest - 1, newest}
+    for n in range(NNODES):
+        mine = {r: set(held) for r, m in job.members.items() if m == n}
+        theirs = {r: set(held) for r, m in job.members.items() if m == (n - 1) % NNODES}
+        cluster.held[n] = (mine, theirs)
+    return cluster
+
+
+def _rank_exit(job: JobState, rank: int, step: int = 9, error: str = "", code: int = -9, t: float = 1.0) -> Failure:
+    job.pids[rank] = None
+    rf = RankFailure(rank, job.members[rank], "h", t, step=step, pid=500 + rank, exitcode=code, error=error)
+    return Failure(Cause.PROCESS_EXIT, {rank}, t=t, detail=f"exit code {code}", rank_failures={rank: rf})
+
+
+def _coordinator(cluster: FakeCluster, strategy: str = Strategy.PEER, max_restarts: int = 3) -> RecoveryCoordinator:
+    return RecoveryCoordinator(cluster, cluster.job, strategy, max_restarts)
+
+
+def test_a_killed_rank_is_restored_from_its_own_node_in_one_step() -> None:
+    job = _job()
+    cluster = _cluster(job)
+    job.fail(_rank_exit(job, 1))
+    cluster.blame = [["f1"]]
+    outcome = _coordinator(cluster).recover()
+    assert outcome == RecoveryOutcome(gen=1, restore_step=8, restore_source=RestoreSource.LOCAL_MEMORY, ranks=(1,),
+                                      fault_ids=("f1",), attempts=1, restarts=0)
+    assert cluster.aborted == [0] and job.pending is None
+    assert [n for n, m in cluster.sent if isinstance(m, messages.InventoryRequest)] == [0, 1]
+    (detected,) = cluster.recorded(EventKind.FAILURE_DETECTED)
+    assert detected["cause"] == "process-exit" and detected["ranks"] == [1] and detected["fault_ids"] == ["f1"]
+    (decided,) = cluster.recorded(EventKind.RECOVERY_DECIDED)
+    assert decided["restore_source"] == "local-memory" and decided["restore_step"] == 8 and decided["ranks"] == [1]
+    assert decided["strategy"] == "peer"
+    assert cluster.notices == ["rank 1 (node 0) failed after step 8: SIGKILL (fault f1)"]
+    assert cluster.opened[0][0] == 1 and cluster.opened[0][2] == [1]
+
+
+def test_a_second_rank_failing_while_survivors_acknowledge_joins_the_same_recovery() -> None:
+    job = _job()
+    cluster = _cluster(job)
+    job.fail(_rank_exit(job, 1))
+    cluster.stuck = {2}  # rank 2 is dying: it never acknowledges the abort
+    cluster.hooks["abort"] = [lambda: job.fail(_rank_exit(job, 2, t=2.0))]
+    outcome = _coordinator(cluster).recover()
+    assert outcome.ranks == (1, 2) and outcome.attempts == 1 and outcome.gen == 1
+    # Rank 1 from its own node, rank 2 too (node 1 survived): one decision for both.
+    assert outcome.restore_source is RestoreSource.LOCAL_MEMORY
+    assert len(cluster.recorded(EventKind.FAILURE_DETECTED)) == 1
+    assert cluster.recorded(EventKind.RECOVERY_DECIDED)[0]["ranks"] == [1, 2]
+
+
+def test_a_failure_during_the_recovery_abandons_it_and_starts_over_with_both() -> None:
+    job = _job()
+    cluster = _cluster(job)
+    job.fail(_rank_exit(job, 1))
+    cluster.blame = [["f1"], ["f2"]]
+    # While generation 1 starts, rank 3 dies: generation 1 is abandoned before it runs.
+    cluster.on_await[1] = lambda: job.fail(_rank_exit(job, 3, t=2.0))
+    outcome = _coordinator(cluster).recover()
+    assert outcome.attempts == 2 and outcome.gen == 2 and outcome.fault_ids == ("f1", "f2")
+    assert cluster.aborted == [0, 1]  # the abandoned generation is aborted too
+    detected = cluster.recorded(EventKind.FAILURE_DETECTED)
+    assert [d["ranks"] for d in detected] == [[1], [3]] and [d["gen"] for d in detected] == [0, 1]
+    decided = cluster.recorded(EventKind.RECOVERY_DECIDED)
+    assert [d["gen"] for d in decided] == [1, 2]
+    assert [o[0] for o in cluster.opened] == [1, 2] and cluster.opened[1][2] == [3]
+    assert job.gen == 2 and job.pending is None and all(job.pids.values())
+
+
+def test_the_same_injected_fault_on_the_same_rank_twice_is_recovered_twice() -> None:
+    job = _job()
+    cluster = _cluster(job)
+    coordinator = _coordinator(cluster, max_restarts=0)
+    cluster.blame = [["f1"], ["f2"]]
+    for attempt in (1, 2):
+        job.fail(_rank_exit(job, 1, step=9))
+        outcome = coordinator.recover()
+        assert outcome.gen == attempt and outcome.ranks == (1,) and outcome.restarts == 0
+    assert not cluster.recorded(EventKind.RECOVERY_FAILED)
+
+
+def test_the_same_rank_failing_twice_the_same_way_after_a_restore_is_a_crash_loop() -> None:
+    job = _job()
+    cluster = _cluster(job)
+    coordinator = _coordinator(cluster, max_restarts=10)
+    job.fail(_rank_exit(job, 1, step=9, error="RuntimeError: boom", code=1))
+    assert coordinator.recover().restarts == 1
+    job.fail(_rank_exit(job, 1, step=9, error="RuntimeError: boom", code=1, t=5.0))
+    with pytest.raises(FatalRun) as stopped:
+        coordinator.recover()
+    reason = stopped.value.reason
+    assert reason.startswith("crash loop: rank 1 failed again at step 9") and reason.endswith(": the job stops")
+    assert stopped.value.root_cause is not None and stopped.value.root_cause["rank"] == 1
+    (failed,) = cluster.recorded(EventKind.RECOVERY_FAILED)
+    assert failed["reason"] == reason and failed["restarts"] == 1 and failed["max_restarts"] == 10
+    assert cluster.notices[-1] == reason
+    assert len(cluster.opened) == 1  # no generation opened for the second failure
+
+
+def test_the_restart_budget_stops_the_job_once_spent() -> None:
+    job = _job()
+    cluster = _cluster(job)
+    coordinator = _coordinator(cluster, max_restarts=1)
+    job.fail(_rank_exit(job, 1, error="RuntimeError: a", code=1))
+    assert coordinator.recover().restarts == 1
+    job.fail(_rank_exit(job, 2, error="RuntimeError: b", code=1, t=3.0))
+    with pytest.raises(FatalRun, match=r"^restart budget spent: 1 of --max-restarts 1 used: the job stops$"):
+        coordinator.recover()
+    assert cluster.recorded(EventKind.RECOVERY_FAILED)[0]["root_cause"]["rank"] == 2
+
+
+def test_recovery_none_stops_at_the_first_failure() -> None:
+    job = _job()
+    cluster = _cluster(job)
+    job.fail(_rank_exit(job, 2))
+    with pytest.raises(FatalRun, match="^process-exit and --recovery none: the job stops$"):
+        _coordinator(cluster, strategy=Strategy.NONE).recover()
+    assert cluster.aborted == [0] and not cluster.opened
+
+
+def test_both_copies_lost_falls_back_to_the_disk_checkpoint() -> None:
+    job = _job()
+    job.disk_step = 5
+    cluster = _cluster(job)
+    cluster.held[0] = (cluster.held[0][0], {})  # node 0 lost its replicas of node 1's ranks
+    job.nodes[1].up = False
+    job.fail(Failure(Cause.NODE_LOST, nodes={1}))
+    outcome = _coordinator(cluster).recover()
+    assert outcome.restore_source is RestoreSource.DISK and outcome.restore_step == 5
+    assert outcome.ranks == (0, 1, 2, 3)  # survivors hold no memory copy of step 5: all restart
+    assert (0, [0, 1]) in [(n, sorted(rs)) for n, rs in cluster.kills()]
+    assert cluster.started_agents == [1]  # no spare anywhere: the node's agent comes back
+    assert "every memory copy of rank(s) [2, 3] is gone: falling back to the disk checkpoint of step 5" \
+        in cluster.notices
+    (decided,) = cluster.recorded(EventKind.RECOVERY_DECIDED)
+    assert decided["restore_source"] == "disk" and decided["lost_both_copies"] == [2, 3]
+
+
+def test_both_copies_lost_and_no_disk_checkpoint_stops_the_job_with_the_reason() -> None:
+    job = _job()
+    cluster = _cluster(job)
+    cluster.held[0] = (cluster.held[0][0], {})
+    job.nodes[1].up = False
+    job.fail(Failure(Cause.NODE_LOST, nodes={1}))
+    with pytest.raises(FatalRun) as stopped:
+        _coordinator(cluster).recover()
+    reason = "no copy of the state of rank(s) [2, 3] survives and there is no complete disk checkpoint: the job stops"
+    assert stopped.value.reason == reason and cluster.notices[-1] == reason
+    assert stopped.value.root_cause is not None and stopped.value.root_cause["cause"] == "node-lost"
+    (failed,) = cluster.recorded(EventKind.RECOVERY_FAILED)
+    assert failed["reason"] == reason and failed["root_cause"]["nodes"] == [1]
+    assert not cluster.opened
+
+
+def test_a_node_lost_while_survivors_acknowledge_moves_its_ranks_to_spares() -> None:
+    job = _job(spares=2)
+    cluster = _cluster(job)
+    job.fail(_rank_exit(job, 1))
+
+    def node_1_dies() -> None:
+        job.nodes[1].up = False
+        job.fail(Failure(Cause.NODE_LOST, nodes={1}, t=2.0))
+
+    cluster.hooks["abort"] = [node_1_dies]
+    outcome = _coordinator(cluster).recover()
+    assert outcome.ranks == (1, 2, 3) and outcome.attempts == 1
+    # Ranks 2 and 3 come from node 0's replicas of node 1: peer memory.
+    assert outcome.restore_source is RestoreSource.PEER_MEMORY and outcome.restore_step == 8
+    assert job.members[2] == job.members[3] == 0  # on node 0's warm spares
+    assert cluster.started_agents == [] and 1 in job.deferred_restarts  # node 1 comes back later
+    (decided,) = cluster.recorded(EventKind.RECOVERY_DECIDED)
+    assert decided["placement"] == {"1": 0, "2": 0, "3": 0}
+    assert job.pending is None
+
+
+class FakeTransport:
+    def __init__(self, ran: list[tuple[str, ...]]) -> None:
+        self.host = "localhost"
+        self.ran = ran
+
+    def run(self, argv: Any, *, timeout: float, input: str | None = None) -> CommandResult:
+        self.ran.append(tuple(argv))
+        return CommandResult(tuple(argv), 0, "", "")
+
+    def spawn_detached(self, argv: Any, *, timeout: float) -> None:
+        self.ran.append(tuple(argv))
+
+
+def _report(job: JobState, gen: int, step: int, ranks: list[int]) -> None:
+    for r in ranks:
+        job.progress.report(StepReport(gen, step, r, 0.5, 0.1))
+
+
+def test_a_fault_scheduled_during_replay_fires_when_every_rank_reaches_its_step() -> None:
+    job = _job(steps=6)
+    cluster = _cluster(job)
+    ran: list[tuple[str, ...]] = []
+    injector = Injector(cluster, job, lambda cmd: FakeTransport(ran), scheduled=[parse_spec("kill-rank:rank=1,step=7")])
+    _report(job, 0, 7, [0])  # only rank 0 has step 7
+    injector.tick(1.0)
+    assert not cluster.recorded(EventKind.FAULT_INJECTED)
+    # A failure: generation 1 restores step 5 and replays 6, 7, ...
+    job.gen = 1
+    job.progress.open(1, 5)
+    injector.tick(2.0)
+    _report(job, 1, 6, [0, 1, 2, 3])
+    _report(job, 1, 7, [0, 1, 2])
+    injector.tick(3.0)
+    assert not cluster.recorded(EventKind.FAULT_INJECTED) and not ran
+    _report(job, 1, 7, [3])
+    injector.tick(4.0)
+    (injected,) = cluster.recorded(EventKind.FAULT_INJECTED)
+    assert injected["fault_id"] == "f1" and injected["ranks"] == [1] and injected["gen"] == 1
+    assert injected["at_step"] == 7
+    assert any(str(job.pids[1]) in argv for argv in ran)  # rank 1's process got the signal
+    injector.tick(5.0)
+    assert len(cluster.recorded(EventKind.FAULT_INJECTED)) == 1  # fired once
+
+
+def test_a_scheduled_fault_waits_while_a_failure_is_pending() -> None:
+    job = _job(steps=7)
+    cluster = _cluster(job)
+    ran: list[tuple[str, ...]] = []
+    injector = Injector(cluster, job, lambda cmd: FakeTransport(ran), scheduled=[parse_spec("kill-rank:rank=2,step=7")])
+    job.fail(_rank_exit(job, 1))
+    injector.tick(1.0)
+    assert not ran and not cluster.recorded(EventKind.FAULT_INJECTED)
+
+
+def test_phase_transitions_follow_the_table() -> None:
+    job = JobState.for_world(2, 1)
+    assert job.phase is Phase.STARTING
+    job.enter(Phase.RUNNING)
+    job.enter(Phase.RECOVERING)
+    job.enter(Phase.RUNNING)
+    with pytest.raises(ValueError, match="starting"):
+        JobState.for_world(2, 1).enter(Phase.RECOVERING)
+    job.enter(Phase.COMPLETED)
+    with pytest.raises(ValueError):
+        job.enter(Phase.RUNNING)
+    assert str(Phase.RECOVERING) == "recovering" and f"{Cause.HANG}" == "hang"
+
+
+def test_enums_keep_the_recorded_strings() -> None:
+    assert Strategy.ALL == ("peer", "restart-memory", "restart-disk", "none")
+    assert {"peer": 1}[Strategy.PEER] == 1 and Strategy("restart-disk") is Strategy.RESTART_DISK
+    assert [s.value for s in RestoreSource] == ["local-memory", "peer-memory", "replica", "disk", "none"]
+    merged = Failure(Cause.PROCESS_EXIT, {1})
+    merged.merge(Failure(Cause.NODE_LOST, nodes={1}))
+    assert merged.cause == "process-exit+node-lost" and type(merged.cause) is str
+    assert merged.causes == (Cause.PROCESS_EXIT, Cause.NODE_LOST)
