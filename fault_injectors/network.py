@@ -31,7 +31,7 @@ from typing import Callable, Sequence
 from fault_injectors.deadman import duration_of, fault_id, guard, owner_tag, safe_id
 from fault_injectors.plan import FaultPlan, HostCommand, NodePlace, Topology
 from fault_injectors.spec import FaultFamily, FaultKind, FaultSpec, FaultSpecError
-from fault_injectors.transport import Transport
+from fault_injectors.transport import CommandResult, Transport
 
 CHAIN_PREFIX = "FFCTL-"
 QDISC_HANDLE = "ffc1:"  # reserved root handle: whatever has it is ffctl's
@@ -86,7 +86,8 @@ esac
 _MISSING_TOOL = r"""for b; do command -v "$b" >/dev/null 2>&1 || { printf '%s\n' "$b"; exit 3; }; done"""
 
 # $@: the leaf qdisc (e.g. `netem delay 100ms`). Builds the fault's qdisc tree on the loopback
-# of a throwaway namespace (gone when unshare exits), so nothing on the host changes.
+# of a throwaway namespace (gone when unshare exits), so nothing on the host changes. Where no
+# namespace can be made it says `@untried` and looks only for netem in the kernel.
 _QDISC_PROBE = r"""if unshare -n true >/dev/null 2>&1; then
   unshare -n sh -c '
     tc qdisc add dev lo root handle ffc1: htb default 2 || { echo @htb; exit 4; }
@@ -95,6 +96,7 @@ _QDISC_PROBE = r"""if unshare -n true >/dev/null 2>&1; then
     tc qdisc add dev lo parent ffc1:2 handle ffc2: "$@" || { echo "@$1"; exit 4; }' sh "$@" 2>&1
   exit
 fi
+echo @untried
 [ "$1" = netem ] || exit 0
 [ -d /sys/module/sch_netem ] && exit 0
 cfg=$( { zcat /proc/config.gz || cat "/boot/config-$(uname -r)"; } 2>/dev/null)
@@ -395,6 +397,26 @@ def plan(spec: FaultSpec, topo: Topology, ranks: tuple[int, ...], nodes: tuple[i
 # --- preflight ---
 
 
+# The leaves `ffctl doctor` tries, one per qdisc kind the faults use.
+QDISC_TRIALS: dict[str, tuple[str, ...]] = {
+    "tbf": ("tbf", "rate", "1mbit", "burst", "32kbit", "latency", "400ms"),
+    "netem": ("netem", "delay", "1ms"),
+}
+
+
+def probe_qdisc(transport: Transport, leaf: Sequence[str], timeout: float) -> CommandResult:
+    """The one qdisc probe, run by the launch preflight and by `ffctl doctor`: build a network
+    fault's qdisc tree (htb root, u32 filter, then `leaf`) on the loopback of a throwaway network
+    namespace. Exit 0: the kernel takes it (or it could not be tried: an `@untried` line says so);
+    exit 4: the last `@` line names the part refused (`@htb`, `@u32`, `@netem`, ...)."""
+    return transport.run(("sh", "-c", _QDISC_PROBE, "sh", *leaf), timeout=timeout)
+
+
+def probe_iptables(transport: Transport, tool: str, timeout: float) -> CommandResult:
+    """The one iptables probe: can `tool` (iptables or ip6tables) read the filter table here."""
+    return transport.run((tool, "-w", "-n", "-L", "INPUT"), timeout=timeout)
+
+
 def _where(cmd: HostCommand) -> str:
     return cmd.host + (f" (netns {cmd.netns})" if cmd.netns else "")
 
@@ -450,7 +472,8 @@ def preflight(plan: FaultPlan, transport_for: TransportFor, timeout: float = 30.
             raise FaultUnsupported(f"{kind.value} cannot run on {where}: {_last_line(out)}")
         if kind in IPTABLES_KINDS:
             for tool in sorted(tools & {"iptables", "ip6tables"}):
-                rc, out = _probe(transport_for, cmd, (tool, "-w", "-n", "-L", "INPUT"), timeout)
+                probe = probe_iptables(transport_for(cmd), tool, timeout)
+                rc, out = probe.returncode, (probe.stdout + probe.stderr).strip()
                 if rc != 0:
                     raise FaultUnsupported(f"{kind.value} cannot run on {where}: {tool}: {_last_line(out)}")
             continue
@@ -458,7 +481,8 @@ def preflight(plan: FaultPlan, transport_for: TransportFor, timeout: float = 30.
             _check_interface(kind, where, dev, transport_for, cmd, timeout)
         if kind in TC_KINDS:
             leaf = leaf_qdisc(plan.spec)
-            rc, out = _probe(transport_for, cmd, ("sh", "-c", _QDISC_PROBE, "sh", *leaf), timeout)
+            probe = probe_qdisc(transport_for(cmd), leaf, timeout)
+            rc, out = probe.returncode, (probe.stdout + probe.stderr).strip()
             if rc != 0:
                 _check_qdisc(kind, where, leaf, out)
 

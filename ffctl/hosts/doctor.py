@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields
 from enum import Enum
 from typing import Callable, Sequence
 
+from fault_injectors.network import QDISC_TRIALS, probe_qdisc
 from fault_injectors.transport import CommandResult, LocalTransport, Transport, TransportError
 
 MIN_PYTHON = (3, 10)
@@ -49,10 +50,7 @@ command -v modprobe >/dev/null 2>&1 && modprobe -n "$m" 2>/dev/null && { echo pr
 echo unknown
 """
 
-_QDISC_TRIAL = {
-    "tbf": ("tbf", "rate", "1mbit", "burst", "32kbit", "latency", "400ms"),
-    "netem": ("netem", "delay", "1ms"),
-}
+_QDISC_TRIAL = QDISC_TRIALS  # the launch preflight's probe, with these leaves
 
 
 class QdiscSupport(str, Enum):
@@ -286,11 +284,10 @@ def _qdisc_support(
     transport: Transport, kind: str, tc: str | None, unshare: str | None, timeout: float
 ) -> QdiscSupport:
     if tc and unshare:
-        # Adding the qdisc to lo in a brand-new network namespace is a real test that touches
-        # none of the host's interfaces; the namespace vanishes with the command.
-        argv = [unshare, "-n", tc, "qdisc", "add", "dev", "lo", "root", *_QDISC_TRIAL[kind]]
-        trial = transport.run(argv, timeout=timeout)
-        if trial.ok:
+        # The tree a fault builds, on lo in a brand-new network namespace: a real test that
+        # touches none of the host's interfaces, the same one the launch preflight runs.
+        trial = probe_qdisc(transport, _QDISC_TRIAL[kind], timeout)
+        if trial.ok and "@untried" not in trial.stdout.split():
             return QdiscSupport.USABLE
         if _unknown_qdisc(trial):
             return QdiscSupport.ABSENT
