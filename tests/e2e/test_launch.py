@@ -177,8 +177,10 @@ def test_controller_sigkill_keeps_record_and_takes_everything_down(workdir: Path
     steps = [json.loads(line)["step"] for line in raw if json.loads(line)["event"] == "step"]
     assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 5
     assert_nothing_left(workdir, within=30)
+    # The controller is gone without a run_finished: the run is incomplete, not running, and
+    # `ffctl report` exits 1 so a script does not take it for a run that ended.
     out = run_ffctl(workdir, "report", run_id, "--json")
-    assert out.returncode == 0 and json.loads(out.stdout)["status"] == "running"
+    assert out.returncode == 1 and json.loads(out.stdout)["status"] == "incomplete"
 
 
 
