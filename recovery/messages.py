@@ -1,0 +1,547 @@
+"""The typed messages of the control plane: what ranks and agents tell the controller, and the
+commands the controller gives agents.
+
+Each kind of message is one frozen dataclass; its fields say the type and range of each value
+they carry (a rank within the job, a step not negative, a port in range). On the wire a message
+is a JSON object whose `type` is the kind and whose other keys are the fields, exactly as the
+dataclass names them; `to_dict` writes that form and `decode` is the one way back: it returns the
+message or raises `DecodeError` with one line naming the kind, the field and the bad value, for
+anything at all (an unknown kind, a field missing, of the wrong type, out of range, or one the
+kind does not have). It never raises anything else, so a value read from the store cannot crash
+its reader.
+
+Reports (ranks and agents -> the controller, on `ctl/q`) and commands (the controller -> an
+agent, on the agent's queue) are separate sets: `decode(..., command=True)` reads a command, so
+a report forged onto an agent's queue (or the reverse) is an unknown kind there.
+
+Checking is driven by per-kind tables built once, when this module is imported: decoding the
+per-step `step` report costs a dict lookup, one small check per field and a dataclass call.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from enum import Enum
+from typing import Any, Callable, ClassVar, Mapping, NamedTuple, TypeVar
+
+# Without a job to compare with (`limits` not given), ranks and nodes are only bounded by these.
+MAX_RANKS = 1 << 20
+MAX_NODES = 1 << 16
+MAX_STR = 100_000
+MAX_LIST = 100_000
+MAX_GRACE_S = 86_400.0
+
+
+class Kind(str, Enum):
+    """What a rank or an agent reports to the controller (on `ctl/q`)."""
+
+    STEP = "step"
+    STARTED = "started"
+    JOINED = "joined"
+    RESTORED = "restored"
+    DONE = "done"
+    ABORTED = "aborted"
+    RESTORE_FAILED = "restore_failed"
+    ERROR = "error"
+    CKPT = "ckpt"
+    AGENT_FAILED = "agent_failed"
+    AGENT_UP = "agent_up"
+    AGENT_ERROR = "agent_error"
+    SPARES = "spares"
+    SPAWNED = "spawned"
+    RANK_EXITED = "rank_exited"
+    REPLICATED = "replicated"
+    INVENTORY = "inventory"
+    INJECT_REQUEST = "inject_request"
+    # A sender that refused something it read (an agent's queue, an abort flag, a plan).
+    REJECTED = "rejected"
+
+
+class CommandKind(str, Enum):
+    """What the controller tells an agent (on the agent's queue)."""
+
+    SPAWN = "spawn"
+    KILL = "kill"
+    NEIGHBOR = "neighbor"
+    INVENTORY = "inventory"
+    STOP = "stop"
+
+
+class DecodeError(ValueError):
+    """A value is not a valid message; `reason` says which kind, field and value, in one line."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class Limits:
+    """What a field's value must lie within: the job's world size and node count."""
+
+    def __init__(self, world_size: int, nnodes: int) -> None:
+        self.world_size = world_size
+        self.nnodes = nnodes
+
+
+def short_repr(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# -- value checks: (value, limits or None) -> whether it is valid ---------------------------------
+Check = Callable[[Any, "Limits | None"], bool]
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _int(v: Any, _: Limits | None) -> bool:
+    return _is_int(v) and abs(v) < 1 << 62
+
+
+def _nat(v: Any, _: Limits | None) -> bool:
+    return _is_int(v) and 0 <= v < 1 << 62
+
+
+def _num(v: Any, _: Limits | None) -> bool:
+    # Not necessarily finite: a diverged loss is NaN or inf and is a fact worth reporting.
+    return isinstance(v, float) or (_is_int(v) and abs(v) < 1 << 62)
+
+
+def _finite(v: Any) -> bool:
+    # Ints are bounded first: math.isfinite refuses an int too large for a float with an error.
+    return (isinstance(v, float) and math.isfinite(v)) or (_is_int(v) and abs(v) < 1 << 62)
+
+
+def _seconds(v: Any, _: Limits | None) -> bool:
+    return _finite(v) and 0 <= v <= 1e12
+
+
+def _time(v: Any, _: Limits | None) -> bool:  # a wall-clock timestamp
+    return _finite(v) and 0 <= v < 1e11
+
+
+def _grace(v: Any, _: Limits | None) -> bool:
+    return _finite(v) and 0 <= v <= MAX_GRACE_S
+
+
+def _str(v: Any, _: Limits | None) -> bool:
+    return isinstance(v, str) and len(v) <= MAX_STR
+
+
+def _bool(v: Any, _: Limits | None) -> bool:
+    return isinstance(v, bool)
+
+
+def _rank(v: Any, lim: Limits | None) -> bool:
+    return _is_int(v) and 0 <= v < (lim.world_size if lim is not None else MAX_RANKS)
+
+
+def _node(v: Any, lim: Limits | None) -> bool:
+    return _is_int(v) and 0 <= v < (lim.nnodes if lim is not None else MAX_NODES)
+
+
+def _rank_key(k: Any, lim: Limits | None) -> bool:
+    # JSON object keys are strings: a rank as a key is its decimal digits (ASCII only, since
+    # str.isdigit also admits other scripts' digits, which int() may refuse).
+    return isinstance(k, str) and 0 < len(k) <= 10 and k.isascii() and k.isdigit() and _rank(int(k), lim)
+
+
+def _ranks(v: Any, lim: Limits | None) -> bool:
+    return isinstance(v, list) and len(v) <= MAX_LIST and all(_rank(r, lim) for r in v)
+
+
+def _lines(v: Any, lim: Limits | None) -> bool:  # a log tail or a traceback
+    return isinstance(v, list) and len(v) <= 10_000 and all(_str(x, lim) for x in v)
+
+
+def _pids(v: Any, lim: Limits | None) -> bool:  # {"<rank>": pid}
+    return isinstance(v, dict) and all(_rank_key(k, lim) and _nat(p, lim) for k, p in v.items())
+
+
+def _rank_words(v: Any, lim: Limits | None) -> bool:  # {"<rank>": "spare" | "template" | ...}
+    return isinstance(v, dict) and all(_rank_key(k, lim) and _str(x, lim) for k, x in v.items())
+
+
+def _rank_seconds(v: Any, lim: Limits | None) -> bool:  # {"<rank>": seconds}
+    return isinstance(v, dict) and all(_rank_key(k, lim) and _seconds(x, lim) for k, x in v.items())
+
+
+def _held(v: Any, lim: Limits | None) -> bool:  # {"<rank>": [steps]}
+    return isinstance(v, dict) and all(
+        _rank_key(k, lim) and isinstance(s, list) and len(s) <= MAX_LIST and all(_int(x, lim) for x in s)
+        for k, s in v.items())
+
+
+def _req(v: Any, _: Limits | None) -> bool:  # an inject request id: it names a store key
+    return isinstance(v, str) and 0 < len(v) <= 64 and v.isascii() and v.isalnum()
+
+
+def _addr(v: Any, _: Limits | None) -> bool:
+    return isinstance(v, str) and 0 < len(v) <= 255
+
+
+def _port(v: Any, _: Limits | None) -> bool:
+    return _is_int(v) and 0 < v < 65536
+
+
+def _env(v: Any, _: Limits | None) -> bool:
+    return isinstance(v, dict) and all(isinstance(k, str) and isinstance(x, str) for k, x in v.items())
+
+
+def _rank_specs(v: Any, lim: Limits | None) -> bool:  # spawn: [{"rank": r, "env": {str: str}}]
+    return isinstance(v, list) and len(v) <= MAX_LIST and all(
+        isinstance(s, dict) and s.keys() == {"rank", "env"} and _rank(s["rank"], lim) and _env(s["env"], lim)
+        for s in v)
+
+
+_WANT: dict[Check, str] = {
+    _int: "an integer", _nat: "an integer >= 0", _num: "a number", _seconds: "a finite number of seconds >= 0",
+    _time: "a timestamp", _grace: f"seconds from 0 to {MAX_GRACE_S:g}", _str: "a string",
+    _bool: "true or false", _rank: "a rank of the job", _node: "a node of the job",
+    _ranks: "a list of ranks", _lines: "a list of strings", _pids: "{rank: pid}",
+    _rank_words: "{rank: string}", _rank_seconds: "{rank: seconds}", _held: "{rank: [steps]}",
+    _req: "1-64 ASCII letters or digits", _addr: "a host address", _port: "a port (1-65535)",
+    _rank_specs: '[{"rank": rank, "env": {string: string}}]',
+}
+
+
+def _field(check: Check) -> Any:
+    """A field every message of its kind carries."""
+    return dataclasses.field(metadata={"check": check})
+
+
+def _optional(check: Check) -> Any:
+    """A field that may be absent (or null): None then."""
+    return dataclasses.field(default=None, metadata={"check": check, "optional": True})
+
+
+class _Spec(NamedTuple):
+    cls: type[Message]
+    fields: tuple[tuple[str, Check, bool], ...]  # (name, check, optional)
+    names: frozenset[str]
+
+
+# -- messages --------------------------------------------------------------------------------------
+class Message:
+    """One message of the control plane. Subclasses are frozen dataclasses registered with
+    `@_report` or `@_command`, which build their wire tables once."""
+
+    __slots__ = ()
+    kind: ClassVar[Kind | CommandKind]
+    _spec: ClassVar[_Spec]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The wire form: `{"type": kind, field: value, ...}`, optional fields left out when None."""
+        out: dict[str, Any] = {"type": self.kind.value}
+        for name, _, optional in self._spec.fields:
+            value = getattr(self, name)
+            if value is not None or not optional:
+                out[name] = value
+        return out
+
+    @classmethod
+    def from_dict(cls: type[M], raw: Mapping[str, Any], limits: Limits | None = None) -> M:
+        """`raw` decoded as this kind of message (DecodeError if it is another or is invalid)."""
+        if raw.get("type") != cls.kind.value:
+            raise DecodeError(f"a {short_repr(raw.get('type'))} message where a {cls.kind.value} belongs")
+        return _decode_fields(cls._spec, cls.kind.value, raw, limits)  # type: ignore[return-value]
+
+
+M = TypeVar("M", bound=Message)
+REPORTS: dict[str, _Spec] = {}
+COMMANDS: dict[str, _Spec] = {}
+
+
+def _register(table: dict[str, _Spec], kind: Kind | CommandKind) -> Callable[[type[M]], type[M]]:
+    def wrap(cls: type[M]) -> type[M]:
+        cls = dataclasses.dataclass(frozen=True, slots=True, kw_only=True)(cls)
+        fields = tuple((f.name, f.metadata["check"], bool(f.metadata.get("optional")))
+                       for f in dataclasses.fields(cls))  # type: ignore[arg-type]
+        cls.kind = kind
+        cls._spec = _Spec(cls, fields, frozenset(name for name, _, _ in fields))
+        table[kind.value] = cls._spec
+        return cls
+    return wrap
+
+
+def _report(kind: Kind) -> Callable[[type[M]], type[M]]:
+    return _register(REPORTS, kind)
+
+
+def _command(kind: CommandKind) -> Callable[[type[M]], type[M]]:
+    return _register(COMMANDS, kind)
+
+
+# Reports from a rank name the rank, its node and the generation it is in.
+@_report(Kind.STEP)
+class Step(Message):
+    """A rank committed `step` (its snapshot is durable) with this loss, in `dt` seconds."""
+
+    rank: int = _field(_rank)
+    node: int = _field(_node)
+    gen: int = _field(_nat)
+    step: int = _field(_nat)
+    loss: float = _field(_num)
+    dt: float = _field(_seconds)
+
+
+@_report(Kind.STARTED)
+class Started(Message):
+    """A rank's process is up and about to join its generation."""
+
+    rank: int = _field(_rank)
+    node: int = _field(_node)
+    gen: int = _field(_nat)
+    pid: int | None = _optional(_nat)
+
+
+@_report(Kind.JOINED)
+class Joined(Message):
+    rank: int = _field(_rank)
+    node: int = _field(_node)
+    gen: int = _field(_nat)
+
+
+@_report(Kind.RESTORED)
+class Restored(Message):
+    """A rank holds the state of `step`, from `source`; `how` it got it (kept, received, ...)."""
+
+    rank: int = _field(_rank)
+    node: int = _field(_node)
+    gen: int = _field(_nat)
+    step: int = _field(_nat)
+    how: str | None = _optional(_str)
+    source: str | None = _optional(_str)
+
+
+@_report(Kind.DONE)
+class Done(Message):
+    rank: int = _field(_rank)
+    node: int = _field(_node)
+    gen: int = _field(_nat)
+    step: int | None = _optional(_nat)
+
+
+@_report(Kind.ABORTED)
+class Aborted(Message):
+    """A rank left its generation (told to, or its group failed) with `step` its last commit."""
+
+    rank: int = _field(_rank)
+    node: int = _field(_node)
+    gen: int = _field(_nat)
+    step: int = _field(_nat)
+    reason: str | None = _optional(_str)
+
+
+@_report(Kind.RESTORE_FAILED)
+class RestoreFailed(Message):
+    """The copy of `step` at `source` could not be used (missing, torn, checksum wrong)."""
+
+    rank: int = _field(_rank)
+    node: int = _field(_node)
+    gen: int = _field(_nat)
+    step: int = _field(_nat)
+    source: str = _field(_str)
+    reason: str | None = _optional(_str)
+
+
+@_report(Kind.ERROR)
+class StepError(Message):
+    """A step raised: its error's first line and the traceback's last lines."""
+
+    rank: int = _field(_rank)
+    node: int = _field(_node)
+    gen: int = _field(_nat)
+    step: int | None = _optional(_int)
+    error: str | None = _optional(_str)
+    traceback: list[str] | None = _optional(_lines)
+
+
+@_report(Kind.CKPT)
+class Ckpt(Message):
+    """A rank wrote its disk checkpoint of `step`."""
+
+    rank: int = _field(_rank)
+    node: int = _field(_node)
+    step: int = _field(_nat)
+
+
+# Reports from an agent name its node.
+@_report(Kind.AGENT_FAILED)
+class AgentFailed(Message):
+    """The agent could not start (its node is held by another live agent, ...)."""
+
+    node: int = _field(_node)
+    reason: str = _field(_str)
+
+
+@_report(Kind.AGENT_UP)
+class AgentUp(Message):
+    """The agent runs: its pid, host, clock (`time`) and the address of its snapshot store."""
+
+    node: int = _field(_node)
+    pid: int = _field(_nat)
+    host: str = _field(_str)
+    time: float = _field(_time)
+    peer_address: str = _field(_str)
+    peer_port: int | None = _optional(_port)
+
+
+@_report(Kind.AGENT_ERROR)
+class AgentError(Message):
+    """A command the agent accepted failed while it carried it out."""
+
+    node: int = _field(_node)
+    error: str = _field(_str)
+
+
+@_report(Kind.SPARES)
+class Spares(Message):
+    """Warm spares the agent holds (`count`), of `total` started; whether its template is warm."""
+
+    node: int = _field(_node)
+    count: int = _field(_nat)
+    total: int | None = _optional(_nat)
+    template: bool | None = _optional(_bool)
+
+
+@_report(Kind.SPAWNED)
+class Spawned(Message):
+    """Ranks started for generation `gen`: their pids, how each started and how long it took."""
+
+    node: int = _field(_node)
+    gen: int = _field(_nat)
+    pids: dict[str, int] = _field(_pids)
+    how: dict[str, str] | None = _optional(_rank_words)
+    start_s: dict[str, float] | None = _optional(_rank_seconds)
+
+
+@_report(Kind.RANK_EXITED)
+class RankExited(Message):
+    """A rank's process ended; `expected` when it was told to; a failed one's log tail."""
+
+    node: int = _field(_node)
+    rank: int = _field(_rank)
+    gen: int = _field(_nat)
+    pid: int = _field(_nat)
+    exitcode: int = _field(_int)
+    expected: bool | None = _optional(_bool)
+    host: str | None = _optional(_str)
+    log_tail: list[str] | None = _optional(_lines)
+
+
+@_report(Kind.REPLICATED)
+class Replicated(Message):
+    """Every slot of `ranks` on the node is held off-node up to `step`."""
+
+    node: int = _field(_node)
+    step: int = _field(_nat)
+    ranks: list[int] = _field(_ranks)
+
+
+@_report(Kind.INVENTORY)
+class Inventory(Message):
+    """The answer to inventory request `req`: the steps held per rank, own and replicas."""
+
+    node: int = _field(_node)
+    req: int = _field(_int)
+    local: dict[str, list[int]] = _field(_held)
+    replica: dict[str, list[int]] = _field(_held)
+
+
+@_report(Kind.INJECT_REQUEST)
+class InjectRequest(Message):
+    """`ffctl inject` asks for a fault; the answer goes to `inject/reply/<req>`."""
+
+    spec: str = _field(_str)
+    req: str = _field(_req)
+    dry_run: bool | None = _optional(_bool)
+
+
+@_report(Kind.REJECTED)
+class Refusal(Message):
+    """A rank (`rank` set) or an agent refused a value it read at `where` (index in its queue)."""
+
+    where: str = _field(_str)
+    reason: str = _field(_str)
+    raw: str | None = _optional(_str)
+    index: int | None = _optional(_int)
+    node: int | None = _optional(_node)
+    rank: int | None = _optional(_rank)
+
+
+# Commands to an agent.
+@_command(CommandKind.SPAWN)
+class Spawn(Message):
+    """Start these ranks of generation `gen`, each with its environment."""
+
+    gen: int = _field(_nat)
+    ranks: list[dict[str, Any]] = _field(_rank_specs)
+
+
+@_command(CommandKind.KILL)
+class Kill(Message):
+    """End these ranks (SIGTERM, then SIGKILL after `grace` seconds); their exits are expected."""
+
+    ranks: list[int] = _field(_ranks)
+    grace: float | None = _optional(_grace)
+
+
+@_command(CommandKind.NEIGHBOR)
+class Neighbor(Message):
+    """Replicate to the snapshot store at address:port (none: replicate nowhere)."""
+
+    address: str | None = _optional(_addr)
+    port: int | None = _optional(_port)
+
+
+@_command(CommandKind.INVENTORY)
+class InventoryRequest(Message):
+    """Report what the node holds, as an `inventory` report answering `req`."""
+
+    req: int = _field(_int)
+
+
+@_command(CommandKind.STOP)
+class Stop(Message):
+    """Take every worker down and exit."""
+
+
+def report_type(kind: Kind | str) -> type[Message]:
+    """The message class of a report kind (KeyError for a kind that is not one)."""
+    return REPORTS[Kind(kind).value].cls
+
+
+def _decode_fields(spec: _Spec, kind: str, raw: Mapping[Any, Any], limits: Limits | None) -> Message:
+    values: dict[str, Any] = {}
+    for name, check, optional in spec.fields:
+        value = raw.get(name)
+        if value is None:
+            if optional:
+                continue
+            if name not in raw:
+                raise DecodeError(f"{kind}: missing field {name!r}")
+        if not check(value, limits):
+            raise DecodeError(f"{kind}: bad {name}={short_repr(value)} (want {_WANT[check]})")
+        values[name] = value
+    if len(raw) > len(values) + 1:
+        extra = [k for k in raw if k != "type" and k not in spec.names]
+        if extra:
+            raise DecodeError(f"{kind}: unexpected field {short_repr(extra[0])}")
+    return spec.cls(**values)
+
+
+def decode(raw: Any, limits: Limits | None = None, *, command: bool = False) -> Message:
+    """The message `raw` (a wire dict) holds: a report, or with `command` an agent command.
+    `limits` bounds ranks and nodes by the job's shape. Raises DecodeError, and only that."""
+    if not isinstance(raw, dict):
+        raise DecodeError(f"not a message: {short_repr(raw)}")
+    kind = raw.get("type")
+    table = COMMANDS if command else REPORTS
+    spec = table.get(kind) if isinstance(kind, str) else None
+    if spec is None:
+        what = "command" if command else "message"
+        raise DecodeError(f"unknown {what} kind {short_repr(kind)}")
+    return _decode_fields(spec, kind, raw, limits)  # type: ignore[arg-type]
