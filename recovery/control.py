@@ -14,8 +14,9 @@ random per-process nonce), the sender's sequence number, a timestamp, the key it
 and the body. A receiver (`Opener`) refuses a bad MAC, a value written for another key, a
 timestamp outside a window, and, per sender, any sequence number not above the last it accepted
 (replay). Refusals are reported through a callback with a reason; nothing read from the store
-raises out of a receiver. `FIELDS` lists what each kind of message must carry, checked in one
-step (`check_fields`) before anyone uses a field.
+raises out of a receiver. What a queue message may hold is typed in `recovery.messages`: `send`
+takes one of its messages, and a consumer decodes what it receives (`messages.decode`) before
+it uses a field.
 """
 from __future__ import annotations
 
@@ -30,6 +31,9 @@ import time
 from typing import Any, Callable
 
 import torch.distributed as dist
+
+# Limits is re-exported: a queue's consumer checks its messages against the job's shape.
+from recovery.messages import Limits as Limits, Message
 
 CTL_QUEUE = "ctl/q"
 GEN_KEY = "gen/current"
@@ -160,137 +164,15 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-# -- message fields --------------------------------------------------------------------------------
-Check = Callable[[Any, "Limits"], bool]
-
-
-class Limits:
-    """What a field's value must lie within: the job's world size and node count."""
-
-    def __init__(self, world_size: int, nnodes: int) -> None:
-        self.world_size = world_size
-        self.nnodes = nnodes
-
-
-def _int(v: Any, _: Limits) -> bool:
-    return _is_int(v) and abs(v) < 1 << 62
-
-
-def _nat(v: Any, lim: Limits) -> bool:
-    return _int(v, lim) and v >= 0
-
-
-def _num(v: Any, _: Limits) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def _str(v: Any, _: Limits) -> bool:
-    return isinstance(v, str) and len(v) <= 100_000
-
-
-def _bool(v: Any, _: Limits) -> bool:
-    return isinstance(v, bool)
-
-
-def _rank(v: Any, lim: Limits) -> bool:
-    return _is_int(v) and 0 <= v < lim.world_size
-
-
-def _node(v: Any, lim: Limits) -> bool:
-    return _is_int(v) and 0 <= v < lim.nnodes
-
-
-def _ranks(v: Any, lim: Limits) -> bool:
-    return isinstance(v, list) and all(_rank(r, lim) for r in v)
-
-
-def _pids(v: Any, lim: Limits) -> bool:  # {"<rank>": pid}
-    return isinstance(v, dict) and all(k.isdigit() and k.isascii() and int(k) < lim.world_size and _nat(p, lim)
-                                       for k, p in v.items())
-
-
-def _held(v: Any, lim: Limits) -> bool:  # {"<rank>": [steps]}
-    return isinstance(v, dict) and all(
-        k.isdigit() and k.isascii() and isinstance(s, list) and all(_int(x, lim) for x in s) for k, s in v.items())
-
-
-def _req(v: Any, _: Limits) -> bool:  # an inject request id: it names a store key
-    return isinstance(v, str) and 0 < len(v) <= 64 and v.isascii() and v.isalnum()
-
-
-def _addr(v: Any, lim: Limits) -> bool:
-    return v is None or (isinstance(v, str) and 0 < len(v) <= 255)
-
-
-def _port(v: Any, lim: Limits) -> bool:
-    return v is None or (_is_int(v) and 0 < v < 65536)
-
-
-def _rank_specs(v: Any, lim: Limits) -> bool:  # spawn: [{"rank": r, "env": {str: str}}]
-    return isinstance(v, list) and all(
-        isinstance(s, dict) and _rank(s.get("rank"), lim) and isinstance(s.get("env"), dict)
-        and all(isinstance(k, str) and isinstance(x, str) for k, x in s["env"].items()) for s in v)
-
-
-def optional(check: Check) -> Check:
-    """A field that may be absent or null."""
-    def opt(v: Any, lim: Limits) -> bool:
-        return v is None or check(v, lim)
-    opt.optional = True  # type: ignore[attr-defined]
-    return opt
-
-
-_RANK_MSG = {"rank": _rank, "node": _node, "gen": _nat}
-# What each message kind on `ctl/q` (to the controller) must carry; other fields are allowed.
-FIELDS: dict[str, dict[str, Check]] = {
-    "step": {**_RANK_MSG, "step": _nat, "loss": _num, "dt": _num},
-    "started": {**_RANK_MSG, "pid": optional(_nat)},
-    "joined": _RANK_MSG,
-    "restored": {**_RANK_MSG, "step": _nat, "how": optional(_str), "source": optional(_str)},
-    "done": {**_RANK_MSG, "step": optional(_nat)},
-    "aborted": {**_RANK_MSG, "step": _nat, "reason": optional(_str)},
-    "restore_failed": {**_RANK_MSG, "step": _nat, "source": _str, "reason": optional(_str)},
-    "error": {**_RANK_MSG, "step": optional(_int), "error": optional(_str)},
-    "ckpt": {"rank": _rank, "node": _node, "step": _nat},
-    "agent_failed": {"node": _node, "reason": _str},
-    "agent_up": {"node": _node, "pid": _nat, "host": _str, "time": _num, "peer_address": _str, "peer_port": _port},
-    "agent_error": {"node": _node, "error": _str},
-    "spares": {"node": _node, "count": _nat, "total": optional(_nat)},
-    "spawned": {"node": _node, "gen": _nat, "pids": _pids},
-    "rank_exited": {"node": _node, "rank": _rank, "gen": _nat, "pid": _nat, "exitcode": _int,
-                    "expected": optional(_bool)},
-    "replicated": {"node": _node, "step": _nat, "ranks": _ranks},
-    "inventory": {"node": _node, "req": _int, "local": _held, "replica": _held},
-    "inject_request": {"spec": _str, "req": _req, "dry_run": optional(_bool)},
-    # A sender that refused something it read (an agent's queue, an abort flag, a plan).
-    "rejected": {"where": _str, "reason": _str, "raw": optional(_str), "index": optional(_int)},
-}
-# What each command on an agent's queue must carry.
-AGENT_FIELDS: dict[str, dict[str, Check]] = {
-    "spawn": {"gen": _nat, "ranks": _rank_specs},
-    "kill": {"ranks": _ranks, "grace": optional(_num)},
-    "neighbor": {"address": _addr, "port": _port},
-    "inventory": {"req": _int},
-    "stop": {},
-}
-
-
-def check_fields(msg: dict[str, Any], table: dict[str, dict[str, Check]], limits: Limits) -> None:
-    """Raise Rejected unless `msg` is of a known kind and carries its fields with valid values."""
-    kind = msg.get("type")
-    fields = table.get(kind) if isinstance(kind, str) else None
-    if fields is None:
-        raise Rejected(f"unknown kind {short_repr(str(kind), 60)}")
-    for name, check in fields.items():
-        if name not in msg and not getattr(check, "optional", False):
-            raise Rejected(f"{kind}: missing field {name!r}")
-        if not check(msg.get(name), limits):
-            raise Rejected(f"{kind}: bad {name}={short_repr(str(msg.get(name)), 60)}")
-
-
 # -- queues -----------------------------------------------------------------------------------------
-def send(store: dist.Store, queue: str, msg: dict[str, Any], sealer: Sealer | None = None) -> None:
+def send(store: dist.Store, queue: str, msg: Message, sealer: Sealer | None = None) -> None:
     """Append `msg` to `queue`, sealed by `sealer` (unsealed only where no job token exists)."""
+    send_dict(store, queue, msg.to_dict(), sealer)
+
+
+def send_dict(store: dist.Store, queue: str, msg: dict[str, Any], sealer: Sealer | None = None) -> None:
+    """Append a value in wire form, unchecked: for what speaks the wire format directly (tests
+    that forge a message, values that are not messages). Everything else sends a `Message`."""
     if sealer is None:
         idx = store.add(f"{queue}/n", 1)
         store.set(f"{queue}/{idx}", json.dumps(msg))

@@ -26,7 +26,7 @@ from typing import Any, Callable, TypeVar
 
 import torch
 
-from recovery import control, disk
+from recovery import control, disk, messages
 from recovery.errors import PeerFailure, RecoveryError, StepRestart
 from recovery.faults import InStepFaults
 from recovery.group import Generation
@@ -101,7 +101,7 @@ class Job:
         self._retry_input: torch.Tensor | None = None
         self._ack_degraded = False
         signal.signal(signal.SIGTERM, _exit_on_term)
-        self._send("started", gen=env.gen, pid=os.getpid())
+        self._send(messages.Started, gen=env.gen, pid=os.getpid())
 
     @classmethod
     def from_env(cls) -> Job:
@@ -227,7 +227,7 @@ class Job:
                 except PeerFailure as exc:
                     start, _ = self._recover(exc)
             assert self.group is not None
-            self._send("done", gen=self.group.gen, step=self.last_committed)
+            self._send(messages.Done, gen=self.group.gen, step=self.last_committed)
         finally:
             if self.group is not None:
                 self.group.close()
@@ -246,22 +246,23 @@ class Job:
             raise RecoveryError(str(exc)) from None
         while True:
             self._settle_snapshot()
-            self._send("aborted", gen=exc.gen, step=self.last_committed, reason=exc.reason)
+            self._send(messages.Aborted, gen=exc.gen, step=self.last_committed, reason=exc.reason)
             gen, plan = control.newest_plan(self.store, exc.gen + 1, PLAN_TIMEOUT, self._opener, self._rejected)
             try:
                 return self._join(gen, plan, in_step)
             except PeerFailure as again:
                 exc = again
 
-    def _send(self, kind: str, **fields: Any) -> None:
+    def _send(self, kind: type[messages.Message], **fields: Any) -> None:
+        """Report a message of `kind` (every one from a rank names the rank and its node)."""
+        msg = kind(rank=self.env.rank, node=self.env.node, **fields)  # type: ignore[call-arg]
         with self._send_lock:
-            control.send(self.store, control.CTL_QUEUE, {"type": kind, "rank": self.env.rank, "node": self.env.node, **fields},
-                         self._sealer)
+            control.send(self.store, control.CTL_QUEUE, msg, self._sealer)
 
     def _rejected(self, where: str, index: int, reason: str, raw: bytes) -> None:
         """A forged plan, generation pointer or abort flag: ignored, and the controller told."""
         try:
-            self._send("rejected", where=where, index=index, reason=reason, raw=control.short_repr(raw))
+            self._send(messages.Refusal, where=where, index=index, reason=reason, raw=control.short_repr(raw))
         except Exception:  # noqa: BLE001 - the controller is gone: nobody to tell
             pass
 
@@ -284,17 +285,17 @@ class Job:
         how = ""
         if step == 0:
             self.group.barrier()
-            self._send("joined", gen=gen)
+            self._send(messages.Joined, gen=gen)
         else:
             # The exchange of what each rank holds is the group's first collective: it serves as
             # the barrier too, which saves a round through every rank of the ring.
             table = agree(self.group, prepared[0])
-            self._send("joined", gen=gen)
+            self._send(messages.Joined, gen=gen)
             # Only a survivor stopped in the step right after the restore step may go on with it.
             keep_live = in_step and step == self._step - 1
             how = self._restore(gen, step, source, prepared[0], table, keep_live)
             how = CONTINUED if keep_live and how == KEPT else how
-            self._send("restored", gen=gen, step=step, source=source["kind"], how=how)
+            self._send(messages.Restored, gen=gen, step=step, source=source["kind"], how=how)
         self.last_committed = step
         if step == 0 and self.writer is not None:
             # The initial state is a step too: a rank lost in step 1 is restored from step 0
@@ -326,7 +327,7 @@ class Job:
         except Unusable as exc:
             why = "missing" if prepared.content is None else "checksum mismatch"
             if exc.mine:
-                self._send("restore_failed", gen=gen, step=step, source=source["kind"], reason=why)
+                self._send(messages.RestoreFailed, gen=gen, step=step, source=source["kind"], reason=why)
             raise PeerFailure(gen, f"state for step {step} unusable on some rank ({why if exc.mine else 'peer'})") from None
 
     def _train(self, step_fn: Callable[[StepContext], float], start: int, steps: int) -> None:
@@ -351,7 +352,7 @@ class Job:
         # The traceback's last lines, for the root cause the controller prints if the job stops.
         trace = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).splitlines()
         try:
-            self._send("error", gen=self.group.gen if self.group else self.env.gen, step=step, error=text[:500],
+            self._send(messages.StepError, gen=self.group.gen if self.group else self.env.gen, step=step, error=text[:500],
                        traceback=[line[:400] for line in trace[-ERROR_TRACE_LINES:]])
         except Exception:  # noqa: BLE001 - the controller may be gone; the exit still tells the agent
             pass
@@ -364,15 +365,15 @@ class Job:
         gen = self.group.gen if self.group else 0
         needs_disk = self.env.ckpt_every > 0 and step % self.env.ckpt_every == 0 and self.env.ckpt_dir
         if self.writer is None and not needs_disk:
-            self._send("step", gen=gen, step=step, loss=loss, dt=time.perf_counter() - t0)
+            self._send(messages.Step, gen=gen, step=step, loss=loss, dt=time.perf_counter() - t0)
             return
         cap = capture(self.entries, step, self.env.rank, self.group.world_size if self.group else self.env.world_size)
         dt = time.perf_counter() - t0
-        report = lambda: self._send("step", gen=gen, step=step, loss=loss, dt=dt)  # noqa: E731
+        report = lambda: self._send(messages.Step, gen=gen, step=step, loss=loss, dt=dt)  # noqa: E731
         if self.writer is not None:
             self._snapshot(cap, report)
         else:
             report()
         if needs_disk:
             disk.save(self.env.ckpt_dir, cap)
-            self._send("ckpt", step=step)
+            self._send(messages.Ckpt, step=step)

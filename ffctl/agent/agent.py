@@ -8,9 +8,10 @@ on `stop`, on SIGTERM, when its stdin closes (the controller or the SSH session 
 the controller's store stops answering. Shutdown is SIGTERM, a deadline, then SIGKILL.
 
 The job token comes in the agent's own configuration (stdin, or the SSH session's environment),
-never through the store. Every command on its queue must be sealed by the controller and carry
-valid fields; anything else is dropped and reported to the controller as a sealed `rejected`
-message. Ranks get the token from the agent's process environment (`FFCTL_TOKEN`).
+never through the store. Every command on its queue must be sealed by the controller and decode
+as one of `recovery.messages`' commands; anything else is dropped and reported to the controller
+as a sealed `rejected` message, and a command that fails is reported as an `agent_error`.
+Ranks get the token from the agent's process environment (`FFCTL_TOKEN`).
 """
 from __future__ import annotations
 
@@ -24,13 +25,13 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import psutil
 
 from recovery.replicator import Replicator
 from ffctl.agent.workerenv import worker_env
-from recovery import control
+from recovery import control, messages
 from recovery.peer import PeerStore
 from recovery.jobenv import SHM_DIR, TOKEN_ENV
 from recovery.slots import NodeBusy, claim_node, read_header, release_node, slot_path
@@ -131,11 +132,12 @@ class Agent:
         try:
             self._claim = claim_node(cfg.shm_dir, cfg.run_id, cfg.node)
         except NodeBusy as exc:
-            self._report("agent_failed", reason=str(exc))
+            self._report(messages.AgentFailed, reason=str(exc))
             raise
         self._wipe_slots()  # a (re)started node is an empty node
         self.peer = PeerStore(cfg.address, cfg.token, self.slot).start()
-        self.replicator = Replicator(cfg.run_id, cfg.node, cfg.token, self._slot_files, self._report)
+        self.replicator = Replicator(cfg.run_id, cfg.node, cfg.token, self._slot_files,
+                                     self._report_kind)
         Path(cfg.log_dir).mkdir(parents=True, exist_ok=True)
 
     # -- slots --------------------------------------------------------------------------------
@@ -195,7 +197,7 @@ class Agent:
         ready = sum(1 for p in self.spares if self._spare_ready(p))
         if (ready, len(self.spares)) != self.reported_spares:
             self.reported_spares = (ready, len(self.spares))
-            self._report("spares", count=ready, total=len(self.spares))
+            self._report(messages.Spares, count=ready, total=len(self.spares))
 
     def spawn(self, gen: int, ranks: list[dict[str, Any]]) -> None:
         if gen > 0:
@@ -221,7 +223,7 @@ class Agent:
             with self.lock:
                 self.workers[rank] = Worker(rank, gen, proc)
             pids[str(rank)] = proc.pid
-        self._report("spawned", gen=gen, pids=pids)
+        self._report(messages.Spawned, gen=gen, pids=pids)
 
     def kill(self, ranks: list[int], grace: float) -> None:
         with self.lock:
@@ -246,7 +248,7 @@ class Agent:
                 # The end of its log says why it failed; read here, so it reaches the controller
                 # from any host. Exits asked for (a kill, the end of the run) need none.
                 tail = [] if w.expected_exit or code == 0 else self._log_tail(rank)
-                self._report("rank_exited", rank=rank, gen=w.gen, pid=w.proc.pid, exitcode=code,
+                self._report(messages.RankExited, rank=rank, gen=w.gen, pid=w.proc.pid, exitcode=code,
                              expected=w.expected_exit, host=socket.gethostname(), log_tail=tail)
 
     def _log_tail(self, rank: int, lines: int = LOG_TAIL_LINES) -> list[str]:
@@ -262,34 +264,70 @@ class Agent:
         return [line[:LOG_LINE_CHARS] for line in text[-lines:]]
 
     # -- control -------------------------------------------------------------------------------
-    def _report(self, kind: str, **fields: Any) -> None:
-        control.send(self.store, control.CTL_QUEUE, {"type": kind, "node": self.cfg.node, **fields}, self.sealer)
+    def _report(self, kind: type[messages.Message], **fields: Any) -> None:
+        """Report a message of `kind` to the controller (every one from an agent names its node)."""
+        msg = kind(node=self.cfg.node, **fields)  # type: ignore[call-arg]
+        control.send(self.store, control.CTL_QUEUE, msg, self.sealer)
+
+    def _report_kind(self, kind: str, **fields: Any) -> None:
+        # The replicator names what it reports by its wire kind: it knows nothing of the agent.
+        self._report(messages.report_type(kind), **fields)
 
     def _rejected(self, where: str, index: int, reason: str, raw: bytes) -> None:
         print(f"ffctl agent {self.cfg.node}: rejected {where}/{index}: {reason}: {control.short_repr(raw)}",
               file=sys.stderr, flush=True)
         try:
-            self._report("rejected", where=where, index=index, reason=reason, raw=control.short_repr(raw))
+            self._report(messages.Refusal, where=where, index=index, reason=reason, raw=control.short_repr(raw))
         except Exception:  # noqa: BLE001 - the controller is gone; the log line stays
             pass
 
-    def handle(self, msg: dict[str, Any]) -> None:
+    def handle(self, raw: dict[str, Any]) -> None:
+        """Carry out one command read from our queue. One that does not decode or has no handler
+        is reported as refused; one whose handler fails is reported as an `agent_error`: the
+        controller hears of every command it sent that was not carried out."""
         try:
-            control.check_fields(msg, control.AGENT_FIELDS, self.limits)
-        except control.Rejected as exc:
-            self._rejected(self.inbox.queue, -1, exc.reason, json.dumps(msg)[:200].encode())
+            cmd = messages.decode(raw, self.limits, command=True)
+        except messages.DecodeError as exc:
+            self._rejected(self.inbox.queue, -1, exc.reason, json.dumps(raw)[:200].encode())
             return
-        kind = msg["type"]
-        if kind == "spawn":
-            self.spawn(int(msg["gen"]), msg["ranks"])
-        elif kind == "kill":
-            self.kill([int(r) for r in msg["ranks"]], float(msg.get("grace", TERM_GRACE_S)))
-        elif kind == "neighbor":
-            self.replicator.set_target(msg.get("address"), msg.get("port"))
-        elif kind == "inventory":
-            self._report("inventory", req=msg["req"], **self.inventory())
-        elif kind == "stop":
-            self.stopping.set()
+        handler = self.COMMAND_HANDLERS.get(cmd.kind)  # type: ignore[call-overload]
+        if handler is None:
+            self._rejected(self.inbox.queue, -1, f"no handler for command {cmd.kind.value!r}",
+                           json.dumps(raw)[:200].encode())
+            return
+        try:
+            handler(self, cmd)
+        except Exception as exc:  # noqa: BLE001 - reported, and the agent goes on with the next
+            error = f"{cmd.kind.value}: {type(exc).__name__}: {exc}"[:500]
+            print(f"ffctl agent {self.cfg.node}: command failed: {error}", file=sys.stderr, flush=True)
+            try:
+                self._report(messages.AgentError, error=error)
+            except Exception:  # noqa: BLE001 - the controller is gone; the log line stays
+                pass
+
+    def _on_spawn(self, cmd: messages.Spawn) -> None:
+        self.spawn(cmd.gen, cmd.ranks)
+
+    def _on_kill(self, cmd: messages.Kill) -> None:
+        self.kill(list(cmd.ranks), TERM_GRACE_S if cmd.grace is None else float(cmd.grace))
+
+    def _on_neighbor(self, cmd: messages.Neighbor) -> None:
+        self.replicator.set_target(cmd.address, cmd.port)
+
+    def _on_inventory(self, cmd: messages.InventoryRequest) -> None:
+        self._report(messages.Inventory, req=cmd.req, **self.inventory())
+
+    def _on_stop(self, cmd: messages.Stop) -> None:
+        self.stopping.set()
+
+    # One handler per command kind (tests check that every kind has one).
+    COMMAND_HANDLERS: dict[messages.CommandKind, Callable[[Agent, Any], None]] = {
+        messages.CommandKind.SPAWN: _on_spawn,
+        messages.CommandKind.KILL: _on_kill,
+        messages.CommandKind.NEIGHBOR: _on_neighbor,
+        messages.CommandKind.INVENTORY: _on_inventory,
+        messages.CommandKind.STOP: _on_stop,
+    }
 
     def _watch_stdin(self) -> None:
         # The controller holds our stdin open; EOF means it (or its SSH session) is gone.
@@ -305,7 +343,7 @@ class Agent:
             threading.Thread(target=self._watch_stdin, name="ffctl-stdin", daemon=True).start()
         signal.signal(signal.SIGTERM, lambda *_: self.stopping.set())
         signal.signal(signal.SIGINT, lambda *_: self.stopping.set())
-        self._report("agent_up", pid=os.getpid(), host=socket.gethostname(), time=time.time(),
+        self._report(messages.AgentUp, pid=os.getpid(), host=socket.gethostname(), time=time.time(),
                      peer_address=self.peer.address, peer_port=self.peer.port)
         self.replicator.start()
         if self.cfg.spares:

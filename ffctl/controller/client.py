@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 from ffctl.errors import BadInput, InfraError
-from recovery import control
+from recovery import control, messages
 from runs.events import RunStatus
 from runs.store import RunStore
 
@@ -33,8 +33,7 @@ def request(record: RunStore, spec_text: str, dry_run: bool, timeout: float = 30
         raise BadInput(f"run {record.run_id!r}: cannot read its token file ({exc.strerror})") from None
     sealer, opener = control.Sealer(token, "inject"), control.Opener(token)
     req = secrets.token_hex(8)
-    control.send(store, control.CTL_QUEUE, {"type": "inject_request", "spec": spec_text, "req": req, "dry_run": dry_run},
-                 sealer)
+    control.send(store, control.CTL_QUEUE, messages.InjectRequest(spec=spec_text, req=req, dry_run=dry_run), sealer)
     key = f"inject/reply/{req}"
     deadline = time.monotonic() + timeout
     refused = ""

@@ -29,7 +29,7 @@ from ffctl.controller.injector import Injector
 from ffctl.spec import LaunchSpec
 from ffctl.controller.backend import AgentProcess, NodeBackend
 from ffctl.controller.progress import Progress, StepReport
-from recovery import control, disk
+from recovery import control, disk, messages
 from recovery.jobenv import JobEnv, Strategy
 from runs.events import EventKind, RunStatus
 from runs.metrics import compute
@@ -94,7 +94,7 @@ class Controller:
         self.ckpt_reports: dict[int, set[int]] = {}
         self.disk_step: int | None = None
         self.bad_sources: set[tuple[int, int, str]] = set()
-        self.inventories: dict[tuple[int, int], dict[str, Any]] = {}
+        self.inventories: dict[tuple[int, int], messages.Inventory] = {}
         self.clock_offsets: dict[int, float] = {}  # node -> its clock minus ours (seconds)
         self.pending: Failure | None = None
         self.phase = "starting"
@@ -219,7 +219,7 @@ class Controller:
         """A timestamp taken on `node`'s clock, on the controller's clock."""
         return t - self.clock_offsets.get(node, 0.0)
 
-    def send(self, node: int, msg: dict[str, Any]) -> None:
+    def send(self, node: int, msg: messages.Message) -> None:
         assert self.store is not None
         control.send(self.store, control.agent_queue(node, self._incarnation.get(node, 0)), msg, self.sealer)
 
@@ -256,134 +256,177 @@ class Controller:
         # Faults end on time even while a recovery waits on them (a partition, a downed link).
         self.injector.revert_due()
 
-    def _handle(self, msg: dict[str, Any]) -> None:
+    def _handle(self, raw: dict[str, Any]) -> None:
         # Every field is checked before any is used: a sealed message from one of our own
         # processes with a bad value is still refused, never a crash.
         try:
-            control.check_fields(msg, control.FIELDS, self.limits)
-        except control.Rejected as exc:
-            self._rejected(control.CTL_QUEUE, -1, exc.reason, json.dumps(msg)[:200].encode())
+            msg = messages.decode(raw, self.limits)
+        except messages.DecodeError as exc:
+            self._rejected(control.CTL_QUEUE, -1, exc.reason, json.dumps(raw)[:200].encode())
+            return
+        self._dispatch(msg)
+
+    def _dispatch(self, msg: messages.Message) -> None:
+        handler = self.HANDLERS.get(msg.kind)  # type: ignore[call-overload]
+        if handler is None:
+            # A valid message nobody here acts on is recorded, never dropped unseen.
+            self._rejected(control.CTL_QUEUE, -1, f"unhandled: no handler for {msg.kind.value!r}",
+                           json.dumps(msg.to_dict())[:200].encode(), unhandled=True)
             return
         try:
-            self._dispatch(msg)
+            handler(self, msg)
         except (KeyError, ValueError, TypeError) as exc:
-            self._rejected(control.CTL_QUEUE, -1, f"{msg['type']}: {type(exc).__name__}: {exc}"[:200],
-                           json.dumps(msg)[:200].encode())
+            self._rejected(control.CTL_QUEUE, -1, f"{msg.kind.value}: {type(exc).__name__}: {exc}"[:200],
+                           json.dumps(msg.to_dict())[:200].encode())
 
-    def _dispatch(self, msg: dict[str, Any]) -> None:
-        kind = msg["type"]
+    # -- message handlers: one per kind, each given its decoded message -------------------------
+    def _on_step(self, msg: messages.Step) -> None:
+        rep = StepReport(msg.gen, msg.step, msg.rank, float(msg.loss), float(msg.dt))
+        if rep.gen == self.gen:
+            self.last_progress = time.monotonic()
+        if self.progress.report(rep):
+            self.record(EventKind.STEP, t=time.time(), step=rep.step, loss=rep.loss,
+                        step_time_s=rep.dt, gen=rep.gen, rank=rep.rank)
+
+    def _on_agent_failed(self, msg: messages.AgentFailed) -> None:
+        self.nodes[msg.node].failed = msg.reason
+
+    def _on_agent_up(self, msg: messages.AgentUp) -> None:
         now = time.time()
-        rank = msg.get("rank")
-        if kind == "step":
-            rep = StepReport(int(msg["gen"]), int(msg["step"]), int(rank), float(msg["loss"]), float(msg["dt"]))
-            if rep.gen == self.gen:
-                self.last_progress = time.monotonic()
-            if self.progress.report(rep):
-                self.record(EventKind.STEP, t=now, step=rep.step, loss=rep.loss,
-                            step_time_s=rep.dt, gen=rep.gen, rank=rep.rank)
-        elif kind == "agent_failed":
-            self.nodes[int(msg["node"])].failed = str(msg["reason"])
-        elif kind == "agent_up":
-            st = self.nodes[int(msg["node"])]
-            st.pid, st.peer, st.up = int(msg["pid"]), (msg["peer_address"], int(msg["peer_port"])), True
-            # Events stay stamped on receipt with our clock; the offset is what converts the
-            # agent's own stamps. Measured NTP-style before the start (SSH hosts) when we can,
-            # else estimated from this message (its latency counts as offset).
-            measured = self.launcher.clock_offset(st.node)
-            offset = float(measured) if measured is not None else float(msg["time"]) - now
-            self.clock_offsets[st.node] = offset
-            self.record(EventKind.AGENT_STARTED, t=now, node=st.node, host=msg["host"], pid=st.pid,
-                        clock_offset_s=offset, clock_offset_source="ntp" if measured is not None else "receipt",
-                        agent_up_at=self.agent_time(st.node, float(msg["time"])))
-            st.hb_seen = time.monotonic()
-            if self.phase != "starting":
-                self.wire_ring()  # a node came back: it holds replicas again
-        elif kind == "spares":
-            st = self.nodes[int(msg["node"])]
-            st.spares_total = int(msg.get("total", msg["count"]))
-            if int(msg["count"]) != st.spares:
-                st.spares = int(msg["count"])
-                self.record(EventKind.SPARES_HELD, t=now, node=st.node, count=st.spares)
-        elif kind == "spawned":
-            for r, pid in msg["pids"].items():
-                self.pids[int(r)] = int(pid)
-            self.gen_msgs.setdefault(("spawned", int(msg["gen"])), set()).update(int(r) for r in msg["pids"])
-        elif kind == "rank_exited":
-            self._on_exit(msg, now)
-        elif kind == "error":
-            trace = _lines(msg.get("traceback"))
-            self.record(EventKind.RANK_EXITED, t=now, node=msg["node"], rank=rank, error=msg.get("error"),
-                        gen=msg.get("gen"), reason="error-in-step", step=msg.get("step"), traceback=trace)
-            if self.pids.get(int(rank)):
-                step = msg.get("step")
-                rf = RankFailure(int(rank), int(msg["node"]), self._host(int(msg["node"])), now,
-                                 step=int(step) if step is not None else None, step_exact=step is not None,
-                                 pid=self.pids.get(int(rank)), error=str(msg.get("error") or ""), tail=trace)
-                self.rank_failed[rf.rank] = rf
-                self._fail(Failure("step-error", {rf.rank}, t=now, detail=str(msg.get("error")),
-                                   rank_failures={rf.rank: rf}))
-        elif kind in ("started", "joined", "restored", "done"):
-            self.gen_msgs.setdefault((kind, int(msg["gen"])), set()).add(int(rank))
-            if kind == "restored" and msg.get("how"):
-                self.restore_how.setdefault(int(msg["gen"]), {})[int(rank)] = str(msg["how"])
-        elif kind == "aborted":
-            self.aborted_at[int(rank)] = int(msg["step"])
-            self.gen_msgs.setdefault(("aborted", int(msg["gen"])), set()).add(int(rank))
-        elif kind == "restore_failed":
-            self.gen_msgs.setdefault(("restore_failed", int(msg["gen"])), set()).add(int(rank))
-            # That copy is never offered again: the next decision picks another or disk.
-            self.bad_sources.add((int(rank), int(msg["step"]), str(msg["source"])))
-            self._fail(Failure("restore-failed", {int(rank)}, t=now, detail=str(msg.get("reason"))))
-        elif kind == "ckpt":
-            step = int(msg["step"])
-            got = self.ckpt_reports.setdefault(step, set())
-            got.add(int(rank))
-            if len(got) == self.spec.world_size:
-                if self.launcher.run_dir is None:  # remote checkpoints: hosts' dirs
-                    disk.mark_complete(self.rec.path / "checkpoints", step)
-                self.disk_step = max(self.disk_step or 0, step)
-                self.record(EventKind.SNAPSHOT_TAKEN, t=now, step=step, kind="disk", ranks=sorted(got))
-        elif kind == "replicated":
-            self.record(EventKind.SNAPSHOT_TAKEN, t=now, step=int(msg["step"]), kind="memory",
-                        node=msg["node"], ranks=msg["ranks"])
-        elif kind == "inventory":
-            self.inventories[(int(msg["node"]), int(msg["req"]))] = msg
-        elif kind == "inject_request":
-            self._adhoc_inject(msg)
-        elif kind == "agent_error":
-            self.record(EventKind.MESSAGE_REJECTED, t=now, queue="agent", index=-1, node=msg["node"],
-                        reason=str(msg["error"])[:500], raw="")
-        elif kind == "rejected":
-            # An agent or rank refused something it read (its queue, a plan, an abort flag).
-            self._rejected(str(msg["where"])[:200], int(msg.get("index") if msg.get("index") is not None else -1),
-                           str(msg["reason"])[:500], str(msg.get("raw") or "")[:200], reported_by_node=msg.get("node"),
-                           **({"reported_by_rank": rank} if rank is not None else {}))
+        st = self.nodes[msg.node]
+        st.pid, st.peer, st.up = msg.pid, (msg.peer_address, int(msg.peer_port)), True  # type: ignore[arg-type]
+        # Events stay stamped on receipt with our clock; the offset is what converts the
+        # agent's own stamps. Measured NTP-style before the start (SSH hosts) when we can,
+        # else estimated from this message (its latency counts as offset).
+        measured = self.launcher.clock_offset(st.node)
+        offset = float(measured) if measured is not None else float(msg.time) - now
+        self.clock_offsets[st.node] = offset
+        self.record(EventKind.AGENT_STARTED, t=now, node=st.node, host=msg.host, pid=st.pid,
+                    clock_offset_s=offset, clock_offset_source="ntp" if measured is not None else "receipt",
+                    agent_up_at=self.agent_time(st.node, float(msg.time)))
+        st.hb_seen = time.monotonic()
+        if self.phase != "starting":
+            self.wire_ring()  # a node came back: it holds replicas again
 
-    def _on_exit(self, msg: dict[str, Any], now: float) -> None:
-        rank, pid, code = int(msg["rank"]), int(msg["pid"]), int(msg["exitcode"])
-        tail = _lines(msg.get("log_tail"))
-        self.record(EventKind.RANK_EXITED, t=now, node=msg["node"], rank=rank, pid=pid, exitcode=code,
-                    gen=msg.get("gen"), expected=bool(msg.get("expected")), **({"log_tail": tail} if tail else {}))
+    def _on_spares(self, msg: messages.Spares) -> None:
+        st = self.nodes[msg.node]
+        st.spares_total = msg.count if msg.total is None else msg.total
+        if msg.count != st.spares:
+            st.spares = msg.count
+            self.record(EventKind.SPARES_HELD, t=time.time(), node=st.node, count=st.spares)
+
+    def _on_spawned(self, msg: messages.Spawned) -> None:
+        for r, pid in msg.pids.items():
+            self.pids[int(r)] = pid
+        self.gen_msgs.setdefault(("spawned", msg.gen), set()).update(int(r) for r in msg.pids)
+
+    def _on_step_error(self, msg: messages.StepError) -> None:
+        now = time.time()
+        trace = _lines(msg.traceback)
+        self.record(EventKind.RANK_EXITED, t=now, node=msg.node, rank=msg.rank, error=msg.error,
+                    gen=msg.gen, reason="error-in-step", step=msg.step, traceback=trace)
+        if self.pids.get(msg.rank):
+            rf = RankFailure(msg.rank, msg.node, self._host(msg.node), now, step=msg.step,
+                             step_exact=msg.step is not None, pid=self.pids.get(msg.rank),
+                             error=msg.error or "", tail=trace)
+            self.rank_failed[rf.rank] = rf
+            self._fail(Failure("step-error", {rf.rank}, t=now, detail=str(msg.error),
+                               rank_failures={rf.rank: rf}))
+
+    def _on_generation_report(self, msg: messages.Started | messages.Joined | messages.Done) -> None:
+        # Keyed by the kind's value: an enum member does not hash as its string does.
+        self.gen_msgs.setdefault((msg.kind.value, msg.gen), set()).add(msg.rank)
+
+    def _on_restored(self, msg: messages.Restored) -> None:
+        self.gen_msgs.setdefault(("restored", msg.gen), set()).add(msg.rank)
+        if msg.how:
+            self.restore_how.setdefault(msg.gen, {})[msg.rank] = msg.how
+
+    def _on_aborted(self, msg: messages.Aborted) -> None:
+        self.gen_msgs.setdefault(("aborted", msg.gen), set()).add(msg.rank)
+
+    def _on_restore_failed(self, msg: messages.RestoreFailed) -> None:
+        self.gen_msgs.setdefault(("restore_failed", msg.gen), set()).add(msg.rank)
+        # That copy is never offered again: the next decision picks another or disk.
+        self.bad_sources.add((msg.rank, msg.step, msg.source))
+        self._fail(Failure("restore-failed", {msg.rank}, t=time.time(), detail=str(msg.reason)))
+
+    def _on_ckpt(self, msg: messages.Ckpt) -> None:
+        got = self.ckpt_reports.setdefault(msg.step, set())
+        got.add(msg.rank)
+        if len(got) == self.spec.world_size:
+            if self.launcher.run_dir is None:  # remote checkpoints: hosts' dirs
+                disk.mark_complete(self.rec.path / "checkpoints", msg.step)
+            self.disk_step = max(self.disk_step or 0, msg.step)
+            self.record(EventKind.SNAPSHOT_TAKEN, t=time.time(), step=msg.step, kind="disk", ranks=sorted(got))
+
+    def _on_replicated(self, msg: messages.Replicated) -> None:
+        self.record(EventKind.SNAPSHOT_TAKEN, t=time.time(), step=msg.step, kind="memory",
+                    node=msg.node, ranks=msg.ranks)
+
+    def _on_inventory(self, msg: messages.Inventory) -> None:
+        self.inventories[(msg.node, msg.req)] = msg
+
+    def _on_agent_error(self, msg: messages.AgentError) -> None:
+        # A command the agent accepted and could not carry out.
+        self.record(EventKind.MESSAGE_REJECTED, t=time.time(), queue="agent", index=-1, node=msg.node,
+                    reason=msg.error[:500], raw="")
+
+    def _on_refusal(self, msg: messages.Refusal) -> None:
+        # An agent or rank refused something it read (its queue, a plan, an abort flag).
+        self._rejected(msg.where[:200], -1 if msg.index is None else msg.index, msg.reason[:500],
+                       (msg.raw or "")[:200], reported_by_node=msg.node,
+                       **({"reported_by_rank": msg.rank} if msg.rank is not None else {}))
+
+    def _on_rank_exited(self, msg: messages.RankExited) -> None:
+        now = time.time()
+        rank, pid, code = msg.rank, msg.pid, msg.exitcode
+        tail = _lines(msg.log_tail)
+        self.record(EventKind.RANK_EXITED, t=now, node=msg.node, rank=rank, pid=pid, exitcode=code,
+                    gen=msg.gen, expected=bool(msg.expected), **({"log_tail": tail} if tail else {}))
         if self.pids.get(rank) != pid:
             return  # a process of an earlier generation, already replaced
         self.pids[rank] = None
-        if msg.get("expected") or rank in self.gen_msgs.get(("done", self.gen), set()):
+        if msg.expected or rank in self.gen_msgs.get(("done", self.gen), set()):
             return
         if self.plain_script and code == 0:
             # A script without the recovery library has no other way to say it finished.
-            self.gen_msgs.setdefault(("done", int(msg["gen"])), set()).add(rank)
+            self.gen_msgs.setdefault(("done", msg.gen), set()).add(rank)
             return
-        node = int(msg["node"])
+        node = msg.node
         rf = self.rank_failed.get(rank)
         if rf is not None and rf.pid == pid and rf.exitcode is None:
             rf.exitcode = code  # the end of the exception it reported: keep its traceback
             rf.tail = rf.tail or tail
         else:
-            host = msg.get("host") if isinstance(msg.get("host"), str) else self._host(node)
-            rf = RankFailure(rank, node, str(host)[:255], now, step=self._failing_step(rank), pid=pid,
+            host = msg.host if msg.host is not None else self._host(node)
+            rf = RankFailure(rank, node, host[:255], now, step=self._failing_step(rank), pid=pid,
                              exitcode=code, error=error_line(tail)[:500], tail=tail)
             self.rank_failed[rank] = rf
         self._fail(Failure("process-exit", {rank}, t=now, detail=f"exit code {code}", rank_failures={rank: rf}))
+
+    # Every kind of report has its handler (a unit test holds this table to `messages.Kind`).
+    HANDLERS: dict[messages.Kind, Callable[[Controller, Any], None]] = {
+        messages.Kind.STEP: _on_step,
+        messages.Kind.STARTED: _on_generation_report,
+        messages.Kind.JOINED: _on_generation_report,
+        messages.Kind.RESTORED: _on_restored,
+        messages.Kind.DONE: _on_generation_report,
+        messages.Kind.ABORTED: _on_aborted,
+        messages.Kind.RESTORE_FAILED: _on_restore_failed,
+        messages.Kind.ERROR: _on_step_error,
+        messages.Kind.CKPT: _on_ckpt,
+        messages.Kind.AGENT_FAILED: _on_agent_failed,
+        messages.Kind.AGENT_UP: _on_agent_up,
+        messages.Kind.AGENT_ERROR: _on_agent_error,
+        messages.Kind.SPARES: _on_spares,
+        messages.Kind.SPAWNED: _on_spawned,
+        messages.Kind.RANK_EXITED: _on_rank_exited,
+        messages.Kind.REPLICATED: _on_replicated,
+        messages.Kind.INVENTORY: _on_inventory,
+        messages.Kind.INJECT_REQUEST: lambda self, msg: self._adhoc_inject(msg),
+        messages.Kind.REJECTED: _on_refusal,
+    }
 
     def _failing_step(self, rank: int) -> int | None:
         """The step a rank that exited was most likely in: the one after its newest commit in this
@@ -434,20 +477,20 @@ class Controller:
         if time.monotonic() - self.last_progress > limit:
             self._fail(Failure("hang", detail=f"no step progress for {limit:.1f}s"))
 
-    def _adhoc_inject(self, msg: dict[str, Any]) -> None:
+    def _adhoc_inject(self, msg: messages.InjectRequest) -> None:
         from fault_injectors.spec import FaultSpecError, parse_spec
 
         assert self.store is not None
         try:
-            spec = parse_spec(msg["spec"])
-            if msg.get("dry_run"):
+            spec = parse_spec(msg.spec)
+            if msg.dry_run:
                 reply = {"ok": True, "plan": self.injector.plan(spec).describe()}
             else:
                 fault, err = self.injector.inject(spec, raise_refused=True)
                 reply = {"ok": err is None, "error": err, "fault_id": fault.fault_id if fault else None}
         except FaultSpecError as exc:
             reply = {"ok": False, "error": str(exc), "bad_input": True}
-        key = f"inject/reply/{msg['req']}"  # req is checked alphanumeric (control.FIELDS)
+        key = f"inject/reply/{msg.req}"  # req is checked alphanumeric (messages.InjectRequest)
         self.store.set(key, self.sealer.seal(key, {"type": "inject_reply", **reply}))
 
     # -- waiting ------------------------------------------------------------------------------
@@ -491,15 +534,14 @@ class Controller:
         for n in live:
             holder = ring_holder(n, live) if self.spec.recovery in (Strategy.PEER, Strategy.RESTART_MEMORY) else None
             peer = self.nodes[holder].peer if holder is not None else None
-            self.send(n, {"type": "neighbor", "address": peer[0] if peer else None, "port": peer[1] if peer else None})
+            self.send(n, messages.Neighbor(address=peer[0] if peer else None, port=peer[1] if peer else None))
 
     def _spawn(self, gen: int, ranks: list[int]) -> None:
         by_node: dict[int, list[int]] = {}
         for r in ranks:
             by_node.setdefault(self.members[r], []).append(r)
         for node, rs in by_node.items():
-            self.send(node, {"type": "spawn", "gen": gen,
-                             "ranks": [{"rank": r, "env": self._rank_env(r, gen)} for r in rs]})
+            self.send(node, messages.Spawn(gen=gen, ranks=[{"rank": r, "env": self._rank_env(r, gen)} for r in rs]))
 
     def open_generation(self, gen: int, decision: Decision | None, respawn: list[int]) -> None:
         assert self.store is not None
@@ -611,7 +653,7 @@ class Controller:
         for n, st in self.nodes.items():
             try:
                 if st.up and self.store is not None:
-                    self.send(n, {"type": "stop"})
+                    self.send(n, messages.Stop())
             except Exception:
                 pass
         for st in self.nodes.values():

@@ -113,17 +113,17 @@ def test_an_unauthenticated_store_client_can_neither_read_a_secret_nor_control_t
         # -- try to control the job -----------------------------------------------------------
         for n in range(NNODES):
             q = control.agent_queue(n, 0)
-            control.send(attacker, q, {"type": "kill", "ranks": [n], "grace": 0.0})
-            control.send(attacker, q, {"type": "stop"})
+            control.send_dict(attacker, q, {"type": "kill", "ranks": [n], "grace": 0.0})
+            control.send_dict(attacker, q, {"type": "stop"})
             idx = attacker.add(f"{q}/n", 1)  # a genuine spawn, replayed: would start rank n twice
             attacker.set(f"{q}/{idx}", spawns[0] if f'"to":"{q}"'.encode() in spawns[0] else spawns[1])
         for r in range(NNODES):
-            control.send(attacker, control.CTL_QUEUE,
-                         {"type": "done", "rank": r, "node": r, "gen": 0, "step": STEPS})
-        control.send(attacker, control.CTL_QUEUE,
-                     {"type": "step", "rank": 0, "node": 0, "gen": 0, "step": STEPS, "loss": 0.0, "dt": 0.1})
-        control.send(attacker, control.CTL_QUEUE,
-                     {"type": "inject_request", "spec": "kill-node:node=1", "req": "evil", "dry_run": False})
+            control.send_dict(attacker, control.CTL_QUEUE,
+                              {"type": "done", "rank": r, "node": r, "gen": 0, "step": STEPS})
+        control.send_dict(attacker, control.CTL_QUEUE,
+                          {"type": "step", "rank": 0, "node": 0, "gen": 0, "step": STEPS, "loss": 0.0, "dt": 0.1})
+        control.send_dict(attacker, control.CTL_QUEUE,
+                          {"type": "inject_request", "spec": "kill-node:node=1", "req": "evil", "dry_run": False})
         idx = attacker.add(f"{control.CTL_QUEUE}/n", 1)
         attacker.set(f"{control.CTL_QUEUE}/{idx}", b"\xde\xad\xbe\xef not json at all")
         attacker.set(control.gen_abort_key(0, 0), "1")

@@ -12,14 +12,14 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from recovery import control
+from recovery import control, messages
 from recovery.peer import _LEN, ChannelError, PeerClient, PeerStore
 from recovery.slots import SlotContent, slot_path
 
 TOKEN = "a" * 64
 OTHER = "b" * 64
 Q = "ctl/q"
-LIMITS = control.Limits(world_size=4, nnodes=2)
+LIMITS = messages.Limits(world_size=4, nnodes=2)
 
 _SOCKETS: list[socket.socket] = []  # the listening sockets must outlive their stores
 
@@ -99,8 +99,8 @@ def test_a_timestamp_outside_the_window_is_refused(monkeypatch: pytest.MonkeyPat
 
 
 @pytest.mark.parametrize("msg,why", [
-    ({"type": "launch_missiles"}, "unknown kind"),
-    ({"type": 7}, "unknown kind"),
+    ({"type": "launch_missiles"}, "unknown message kind"),
+    ({"type": 7}, "unknown message kind"),
     ({**_step(), "rank": 4}, "bad rank"),  # world is 4: ranks 0..3
     ({**_step(), "rank": True}, "bad rank"),
     ({**_step(), "gen": "1"}, "bad gen"),
@@ -111,17 +111,18 @@ def test_a_timestamp_outside_the_window_is_refused(monkeypatch: pytest.MonkeyPat
     ({"type": "inject_request", "spec": "kill-rank:rank=1", "req": "../../x"}, "bad req"),
 ])
 def test_fields_are_checked_before_use(msg: dict[str, Any], why: str) -> None:
-    with pytest.raises(control.Rejected, match=why.replace("(", r"\(")):
-        control.check_fields(msg, control.FIELDS, LIMITS)
+    with pytest.raises(messages.DecodeError, match=why.replace("(", r"\(")):
+        messages.decode(msg, LIMITS)
 
 
 def test_valid_messages_pass_the_field_check() -> None:
-    control.check_fields(_step(), control.FIELDS, LIMITS)
-    control.check_fields({"type": "spawn", "gen": 1, "ranks": [{"rank": 3, "env": {"RANK": "3"}}]},
-                         control.AGENT_FIELDS, LIMITS)
-    control.check_fields({"type": "kill", "ranks": [0, 3], "grace": 3.0}, control.AGENT_FIELDS, LIMITS)
-    with pytest.raises(control.Rejected, match="unknown kind"):
-        control.check_fields({"type": "step"}, control.AGENT_FIELDS, LIMITS)  # not an agent command
+    assert messages.decode(_step(), LIMITS) == messages.Step(rank=1, node=0, gen=0, step=3, loss=2.5, dt=0.1)
+    spawn = {"type": "spawn", "gen": 1, "ranks": [{"rank": 3, "env": {"RANK": "3"}}]}
+    assert messages.decode(spawn, LIMITS, command=True).to_dict() == spawn
+    kill = messages.decode({"type": "kill", "ranks": [0, 3], "grace": 3.0}, LIMITS, command=True)
+    assert kill == messages.Kill(ranks=[0, 3], grace=3.0)
+    with pytest.raises(messages.DecodeError, match="unknown command kind"):
+        messages.decode({"type": "step"}, LIMITS, command=True)  # not an agent command
 
 
 def test_the_receiver_drops_and_reports_what_does_not_open() -> None:
@@ -130,15 +131,16 @@ def test_the_receiver_drops_and_reports_what_does_not_open() -> None:
     rx = control.Receiver(store, Q, opener=control.Opener(TOKEN),
                           on_reject=lambda q, i, reason, raw: rejected.append((q, i, reason, raw)))
     sealer = control.Sealer(TOKEN, "rank/1")
-    control.send(store, Q, _step(1), sealer)
-    control.send(store, Q, {"type": "done", "rank": 0, "node": 0, "gen": 0, "step": 40, "note": "x" * 64})  # unsealed
+    control.send(store, Q, messages.decode(_step(1)), sealer)
+    # Unsealed, as a forger would write it (long enough to be taken for a sealed value).
+    control.send_dict(store, Q, {"type": "done", "rank": 0, "node": 0, "gen": 0, "step": 40, "note": "x" * 64})
     idx = store.add(f"{Q}/n", 1)
     store.set(f"{Q}/{idx}", b"\x80\x81 not json")
     replayed = sealer.seal(Q, _step(2))
     for _ in range(2):
         idx = store.add(f"{Q}/n", 1)
         store.set(f"{Q}/{idx}", replayed)
-    control.send(store, Q, _step(3), sealer)
+    control.send(store, Q, messages.decode(_step(3)), sealer)
     got = rx.poll()
     assert [m["step"] for m in got] == [1, 2, 3]
     assert [(q, i) for q, i, _, _ in rejected] == [(Q, 2), (Q, 3), (Q, 5)]
@@ -153,7 +155,7 @@ def test_unsealed_queues_refuse_non_json_instead_of_raising() -> None:
     rx = control.Receiver(store, "q", on_reject=lambda q, i, reason, raw: rejected.append(reason))
     store.set("q/1", "{broken")
     store.add("q/n", 1)
-    control.send(store, "q", {"i": 1})
+    control.send_dict(store, "q", {"i": 1})
     assert rx.poll() == [{"i": 1}] and len(rejected) == 1 and rejected[0].startswith("not JSON")
 
 

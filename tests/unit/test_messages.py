@@ -1,0 +1,338 @@
+"""The typed control plane: every message kind round-trips through its wire form, `decode` refuses
+anything else with one `DecodeError` naming the kind, field and value (and never raises another
+error, whatever it is given), and the controller and the agent handle every kind they can
+receive: an unknown or unhandled one is recorded (controller) or reported back (agent)."""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import math
+import socket
+import threading
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ffctl.agent.agent import Agent
+from ffctl.controller.controller import Controller
+from recovery import control, messages
+from recovery.messages import CommandKind, DecodeError, Kind
+from runs.events import EventKind
+
+LIMITS = messages.Limits(world_size=4, nnodes=2)
+TOKEN = "c" * 64
+
+# One valid message of every kind, as it travels.
+REPORTS: dict[Kind, dict[str, Any]] = {
+    Kind.STEP: {"rank": 1, "node": 0, "gen": 2, "step": 7, "loss": 2.5, "dt": 0.125},
+    Kind.STARTED: {"rank": 3, "node": 1, "gen": 0, "pid": 4242},
+    Kind.JOINED: {"rank": 0, "node": 0, "gen": 1},
+    Kind.RESTORED: {"rank": 2, "node": 1, "gen": 1, "step": 5, "how": "received", "source": "replica"},
+    Kind.DONE: {"rank": 1, "node": 0, "gen": 3, "step": 40},
+    Kind.ABORTED: {"rank": 1, "node": 0, "gen": 3, "step": 12, "reason": "abort flag"},
+    Kind.RESTORE_FAILED: {"rank": 2, "node": 1, "gen": 1, "step": 5, "source": "peer-memory", "reason": "missing"},
+    Kind.ERROR: {"rank": 0, "node": 0, "gen": 0, "step": 3, "error": "RuntimeError: boom",
+                 "traceback": ["Traceback (most recent call last):", "RuntimeError: boom"]},
+    Kind.CKPT: {"rank": 3, "node": 1, "step": 10},
+    Kind.AGENT_FAILED: {"node": 1, "reason": "node 1 of run r is held by pid 77"},
+    Kind.AGENT_UP: {"node": 0, "pid": 100, "host": "h0", "time": 1.7e9, "peer_address": "10.0.0.1",
+                    "peer_port": 40000},
+    Kind.AGENT_ERROR: {"node": 1, "error": "spawn: OSError: no memory"},
+    Kind.SPARES: {"node": 0, "count": 1, "total": 2, "template": True},
+    Kind.SPAWNED: {"node": 1, "gen": 2, "pids": {"2": 501, "3": 502}, "how": {"2": "spare", "3": "cold"},
+                   "start_s": {"2": 0.01, "3": 1.5}},
+    Kind.RANK_EXITED: {"node": 1, "rank": 3, "gen": 2, "pid": 502, "exitcode": -9, "expected": False,
+                       "host": "h1", "log_tail": ["step 4", "Killed"]},
+    Kind.REPLICATED: {"node": 0, "step": 9, "ranks": [0, 1]},
+    Kind.INVENTORY: {"node": 0, "req": 3, "local": {"0": [8, 9], "1": [9]}, "replica": {"2": [9]}},
+    Kind.INJECT_REQUEST: {"spec": "kill-rank:rank=1", "req": "a1b2c3", "dry_run": True},
+    Kind.REJECTED: {"where": "agent/0/0/q", "reason": "bad MAC", "raw": "b'x'", "index": 4, "node": 0},
+}
+COMMANDS: dict[CommandKind, dict[str, Any]] = {
+    CommandKind.SPAWN: {"gen": 1, "ranks": [{"rank": 3, "env": {"RANK": "3", "FFCTL_GEN": "1"}}]},
+    CommandKind.KILL: {"ranks": [0, 3], "grace": 3.0},
+    CommandKind.NEIGHBOR: {"address": "10.0.0.2", "port": 41000},
+    CommandKind.INVENTORY: {"req": 12},
+    CommandKind.STOP: {},
+}
+
+
+def _wire(kind: Kind | CommandKind, fields: dict[str, Any]) -> dict[str, Any]:
+    return {"type": kind.value, **fields}
+
+
+def test_the_examples_cover_every_kind() -> None:
+    assert set(REPORTS) == set(Kind) and set(COMMANDS) == set(CommandKind)
+    assert set(messages.REPORTS) == {k.value for k in Kind}
+    assert set(messages.COMMANDS) == {k.value for k in CommandKind}
+
+
+@pytest.mark.parametrize("kind", list(Kind))
+def test_every_report_round_trips(kind: Kind) -> None:
+    wire = _wire(kind, REPORTS[kind])
+    msg = messages.decode(json.loads(json.dumps(wire)), LIMITS)
+    assert msg.kind is kind and type(msg) is messages.report_type(kind)
+    assert msg.to_dict() == wire  # the wire form is unchanged: same names, same values
+    assert type(msg).from_dict(msg.to_dict(), LIMITS) == msg
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        setattr(msg, next(iter(REPORTS[kind])), 0)
+
+
+@pytest.mark.parametrize("kind", list(CommandKind))
+def test_every_command_round_trips(kind: CommandKind) -> None:
+    wire = _wire(kind, COMMANDS[kind])
+    msg = messages.decode(json.loads(json.dumps(wire)), LIMITS, command=True)
+    assert msg.kind is kind and msg.to_dict() == wire
+    assert messages.decode(msg.to_dict(), command=True) == msg
+
+
+def test_optional_fields_may_be_absent_or_null_and_are_left_out_when_none() -> None:
+    msg = messages.decode({"type": "done", "rank": 0, "node": 0, "gen": 1, "step": None})
+    assert msg == messages.Done(rank=0, node=0, gen=1) and msg.to_dict() == {"type": "done", "rank": 0, "node": 0, "gen": 1}
+    assert messages.decode({"type": "neighbor"}, command=True) == messages.Neighbor()
+
+
+def _step(**change: Any) -> dict[str, Any]:
+    return {**_wire(Kind.STEP, REPORTS[Kind.STEP]), **change}
+
+
+@pytest.mark.parametrize("raw,why", [
+    ({"type": "launch_missiles"}, "unknown message kind 'launch_missiles'"),
+    ({"type": 7}, "unknown message kind 7"),
+    ({"rank": 1}, "unknown message kind None"),
+    ({"type": "spawn", "gen": 1, "ranks": []}, "unknown message kind 'spawn'"),  # a command, not a report
+    ({k: v for k, v in _step().items() if k != "loss"}, "step: missing field 'loss'"),
+    (_step(gen=None), "step: bad gen=None"),
+    (_step(rank="1"), "step: bad rank='1'"),
+    (_step(step=1.0), "step: bad step=1.0"),
+    (_step(rank=True), "step: bad rank=True"),  # a bool is not an int
+    (_step(node=False), "step: bad node=False"),
+    (_step(rank=4), "step: bad rank=4 (want a rank of the job)"),  # world of 4: ranks 0..3
+    (_step(node=2), "step: bad node=2"),
+    (_step(step=-1), "step: bad step=-1"),
+    (_step(step=1 << 70), "step: bad step="),
+    (_step(dt=math.inf), "step: bad dt=inf"),
+    (_step(dt=-0.5), "step: bad dt=-0.5"),
+    (_step(dt=10**400), "step: bad dt="),  # an int too large for a float
+    (_step(loss=[1.0]), "step: bad loss=[1.0]"),
+    (_step(note="hi"), "step: unexpected field 'note'"),
+    (_wire(Kind.SPAWNED, {**REPORTS[Kind.SPAWNED], "pids": {"x": 1}}), "spawned: bad pids"),
+    (_wire(Kind.SPAWNED, {**REPORTS[Kind.SPAWNED], "pids": {"9": 1}}), "spawned: bad pids"),  # rank 9 of 4
+    (_wire(Kind.SPAWNED, {**REPORTS[Kind.SPAWNED], "pids": {"\u0661": 1}}), "spawned: bad pids"),  # Arabic 1
+    (_wire(Kind.SPAWNED, {**REPORTS[Kind.SPAWNED], "pids": [1]}), "spawned: bad pids"),
+    (_wire(Kind.INVENTORY, {**REPORTS[Kind.INVENTORY], "local": {"0": [1, "2"]}}), "inventory: bad local"),
+    (_wire(Kind.INJECT_REQUEST, {"spec": "x", "req": "../../x"}), "inject_request: bad req"),
+    (_wire(Kind.INJECT_REQUEST, {"spec": "x", "req": "a", "dry_run": 1}), "inject_request: bad dry_run=1"),
+    (_wire(Kind.AGENT_UP, {**REPORTS[Kind.AGENT_UP], "peer_port": 70000}), "agent_up: bad peer_port=70000"),
+    (_wire(Kind.AGENT_UP, {**REPORTS[Kind.AGENT_UP], "time": math.nan}), "agent_up: bad time=nan"),
+    (_wire(Kind.RANK_EXITED, {**REPORTS[Kind.RANK_EXITED], "log_tail": "Killed"}), "rank_exited: bad log_tail"),
+    (_wire(Kind.ERROR, {**REPORTS[Kind.ERROR], "traceback": [1]}), "error: bad traceback=[1]"),
+    (_wire(Kind.RESTORE_FAILED, {**REPORTS[Kind.RESTORE_FAILED], "source": {"kind": "disk"}}),
+     "restore_failed: bad source"),
+])
+def test_decode_refuses_with_one_line_naming_the_field(raw: dict[str, Any], why: str) -> None:
+    with pytest.raises(DecodeError) as info:
+        messages.decode(raw, LIMITS)
+    assert info.value.reason.startswith(why) and "\n" not in info.value.reason
+
+
+@pytest.mark.parametrize("raw,why", [
+    ({"type": "step"}, "unknown command kind 'step'"),  # a report forged onto an agent's queue
+    ({"type": "kill", "ranks": [0, 4]}, "kill: bad ranks"),
+    ({"type": "kill", "ranks": [0], "grace": 1e9}, "kill: bad grace"),
+    ({"type": "kill", "ranks": [0], "grace": -1}, "kill: bad grace"),
+    ({"type": "neighbor", "address": "", "port": 1}, "neighbor: bad address"),
+    ({"type": "spawn", "gen": 1, "ranks": [{"rank": 1}]}, "spawn: bad ranks"),
+    ({"type": "spawn", "gen": 1, "ranks": [{"rank": 1, "env": {"A": 1}}]}, "spawn: bad ranks"),
+    ({"type": "spawn", "gen": 1, "ranks": [{"rank": 1, "env": {}, "argv": ["sh"]}]}, "spawn: bad ranks"),
+    ({"type": "inventory", "req": "3"}, "inventory: bad req"),
+    ({"type": "stop", "now": True}, "stop: unexpected field 'now'"),
+])
+def test_decode_refuses_bad_commands(raw: dict[str, Any], why: str) -> None:
+    with pytest.raises(DecodeError, match="^" + why.replace("(", r"\(")):
+        messages.decode(raw, LIMITS, command=True)
+
+
+@pytest.mark.parametrize("raw", [None, 7, "step", ["step"], b"{}", 1.5])
+def test_decode_refuses_what_is_not_an_object(raw: Any) -> None:
+    with pytest.raises(DecodeError, match="not a message"):
+        messages.decode(raw)
+
+
+def test_without_limits_ranks_and_nodes_are_only_bounded() -> None:
+    big = _step(rank=1000, node=500)
+    assert messages.decode(big).rank == 1000  # type: ignore[attr-defined]
+    with pytest.raises(DecodeError):
+        messages.decode(big, LIMITS)
+    with pytest.raises(DecodeError):
+        messages.decode(_step(rank=-1))
+
+
+def test_from_dict_wants_its_own_kind() -> None:
+    with pytest.raises(DecodeError, match="where a done belongs"):
+        messages.Done.from_dict(_step())
+    assert messages.Step.from_dict(_step(), LIMITS).step == 7
+
+
+def test_a_diverged_loss_is_still_a_step() -> None:
+    # NaN or inf losses are facts the record keeps; they travel as JSON's NaN and Infinity.
+    for loss in (math.nan, math.inf):
+        msg = messages.decode(json.loads(json.dumps(_step(loss=loss))), LIMITS)
+        assert isinstance(msg, messages.Step) and not math.isfinite(msg.loss)
+
+
+# -- arbitrary input: a message or the one DecodeError, nothing else ------------------------------
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(min_value=-(1 << 70), max_value=1 << 70)
+    | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=12),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+    max_leaves=12,
+)
+_KINDS = st.sampled_from([k.value for k in Kind] + [k.value for k in CommandKind] + ["", "nope"])
+
+
+def _decodes_or_refuses(raw: Any, command: bool) -> None:
+    try:
+        msg = messages.decode(raw, LIMITS, command=command)
+    except DecodeError as exc:
+        assert exc.reason and "\n" not in exc.reason
+        return
+    # What decodes is a message that says the same on the wire.
+    assert messages.decode(json.loads(json.dumps(msg.to_dict())), LIMITS, command=command) == msg or _has_nan(msg)
+
+
+def _has_nan(msg: messages.Message) -> bool:
+    return any(isinstance(v, float) and math.isnan(v) for v in msg.to_dict().values())
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(raw=st.dictionaries(st.text(max_size=10) | _KINDS, _JSON, max_size=8), kind=_KINDS, command=st.booleans())
+def test_arbitrary_objects_decode_or_raise_decode_error(raw: dict[str, Any], kind: str, command: bool) -> None:
+    _decodes_or_refuses(raw, command)
+    _decodes_or_refuses({**raw, "type": kind}, command)
+
+
+_EXAMPLES = [(_wire(k, f), False) for k, f in REPORTS.items()] + [(_wire(k, f), True) for k, f in COMMANDS.items()]
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(example=st.sampled_from(_EXAMPLES), data=st.data())
+def test_near_valid_messages_decode_or_raise_decode_error(example: tuple[dict[str, Any], bool], data: Any) -> None:
+    # One field changed to anything, dropped, or one added: valid messages' close neighbours.
+    wire, command = example
+    raw = dict(wire)
+    names = sorted(k for k in raw if k != "type")
+    action = data.draw(st.sampled_from(["change", "drop", "add"] if names else ["add"]))
+    if action == "change":
+        raw[data.draw(st.sampled_from(names))] = data.draw(_JSON)
+    elif action == "drop":
+        del raw[data.draw(st.sampled_from(names))]
+    else:
+        raw[data.draw(st.text(max_size=8))] = data.draw(_JSON)
+    _decodes_or_refuses(raw, command)
+
+
+# -- over a real store, sealed ---------------------------------------------------------------------
+def test_a_sealed_message_arrives_as_the_same_message() -> None:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)
+    store = dist.TCPStore("127.0.0.1", sock.getsockname()[1], is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=5), master_listen_fd=sock.fileno())
+    try:
+        rx = control.Receiver(store, control.CTL_QUEUE, opener=control.Opener(TOKEN))
+        sealer = control.Sealer(TOKEN, "rank/1")
+        sent = [messages.decode(_wire(k, f)) for k, f in REPORTS.items()]
+        for msg in sent:
+            control.send(store, control.CTL_QUEUE, msg, sealer)
+        assert [messages.decode(raw, LIMITS) for raw in rx.poll()] == sent
+    finally:
+        del store
+        sock.close()
+
+
+# -- the controller and the agent handle every kind; the rest is recorded or reported -------------
+def test_the_controller_has_a_handler_for_every_report() -> None:
+    assert set(Controller.HANDLERS) == set(Kind)
+    assert all(callable(h) for h in Controller.HANDLERS.values())
+
+
+def test_the_agent_has_a_handler_for_every_command() -> None:
+    assert set(Agent.COMMAND_HANDLERS) == set(CommandKind)
+
+
+def _controller() -> tuple[Controller, list[tuple[EventKind, dict[str, Any]]]]:
+    # Only what `_handle` touches on these paths: the record is where the outcome shows.
+    ctl = Controller.__new__(Controller)
+    recorded: list[tuple[EventKind, dict[str, Any]]] = []
+    ctl.limits = LIMITS
+    ctl._rejects = (0.0, 0, 0)
+    ctl.record = lambda kind, **fields: recorded.append((kind, fields))  # type: ignore[method-assign]
+    return ctl, recorded
+
+
+def test_the_controller_records_an_unknown_or_invalid_message() -> None:
+    ctl, recorded = _controller()
+    ctl._handle({"type": "launch_missiles", "rank": 0})
+    ctl._handle(_step(rank=9))
+    assert [k for k, _ in recorded] == [EventKind.MESSAGE_REJECTED] * 2
+    assert recorded[0][1]["reason"] == "unknown message kind 'launch_missiles'"
+    assert recorded[1][1]["reason"].startswith("step: bad rank=9") and '"rank": 9' in recorded[1][1]["raw"]
+
+
+def test_the_controller_records_a_message_it_has_no_handler_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    ctl, recorded = _controller()
+    monkeypatch.setattr(Controller, "HANDLERS", {k: h for k, h in Controller.HANDLERS.items() if k is not Kind.STEP})
+    ctl._handle(_step())
+    [(kind, fields)] = recorded
+    assert kind is EventKind.MESSAGE_REJECTED and fields["unhandled"] is True
+    assert "no handler for 'step'" in fields["reason"] and '"loss": 2.5' in fields["raw"]
+
+
+def test_the_controller_records_an_agent_error_and_a_refusal() -> None:
+    ctl, recorded = _controller()
+    ctl._handle(_wire(Kind.AGENT_ERROR, REPORTS[Kind.AGENT_ERROR]))
+    ctl._handle(_wire(Kind.REJECTED, {"where": "gen/1/abort/2", "reason": "bad MAC", "rank": 2, "node": 1}))
+    assert recorded[0] == (EventKind.MESSAGE_REJECTED, {"t": recorded[0][1]["t"], "queue": "agent", "index": -1,
+                                                        "node": 1, "reason": "spawn: OSError: no memory", "raw": ""})
+    assert recorded[1][1] | {"t": 0} == {"queue": "gen/1/abort/2", "index": -1, "reason": "bad MAC", "raw": "",
+                                         "reported_by_node": 1, "reported_by_rank": 2, "t": 0}
+
+
+class _Inbox:
+    queue = "agent/0/0/q"
+
+
+def _agent() -> tuple[Agent, list[messages.Message]]:
+    agent = Agent.__new__(Agent)
+    reported: list[messages.Message] = []
+    agent.limits = messages.Limits(messages.MAX_RANKS, 2)
+    agent.inbox = _Inbox()  # type: ignore[assignment]
+    agent.stopping = threading.Event()
+    agent.cfg = type("Cfg", (), {"node": 0})()  # type: ignore[assignment]
+    agent._report = lambda kind, **fields: reported.append(kind(node=0, **fields))  # type: ignore[method-assign]
+    return agent, reported
+
+
+def test_the_agent_reports_a_command_it_refuses_or_fails_and_carries_out_the_rest(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    agent, reported = _agent()
+    agent.handle({"type": "launch_missiles"})
+    agent.handle({"type": "kill", "ranks": [-1]})
+
+    def broken(ranks: list[int], grace: float) -> None:
+        raise OSError("no such process group")
+
+    agent.kill = broken  # type: ignore[method-assign]
+    agent.handle({"type": "kill", "ranks": [1], "grace": 0.5})
+    agent.handle({"type": "stop"})
+    assert [type(m) for m in reported] == [messages.Refusal, messages.Refusal, messages.AgentError]
+    assert reported[0].reason == "unknown command kind 'launch_missiles'"  # type: ignore[attr-defined]
+    assert reported[1].reason.startswith("kill: bad ranks=[-1]")  # type: ignore[attr-defined]
+    assert reported[2].error == "kill: OSError: no such process group"  # type: ignore[attr-defined]
+    assert agent.stopping.is_set()
+    assert "command failed" in capsys.readouterr().err
