@@ -14,7 +14,6 @@ import signal
 import socket
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -23,15 +22,18 @@ import torch.distributed as dist
 from fault_injectors import NodePlace, RankPlace, Topology
 from fault_injectors.plan import HostCommand
 from ffctl.agent.agent import AgentConfig
-from ffctl.controller.coordinator import FatalRun, RankFailure, RecoveryAbandoned, RecoveryCoordinator, error_line
+from ffctl.controller.cluster import FatalRun, RecoveryAbandoned
+from ffctl.controller.coordinator import RecoveryCoordinator
+from ffctl.controller.failures import Cause, Failure, RankFailure, error_line
+from ffctl.controller.state import JobState, NodeState, Phase
 from ffctl.controller.decide import Decision, ring_holder
 from ffctl.controller.injector import Injector
 from ffctl.spec import LaunchSpec
-from ffctl.controller.backend import AgentProcess, NodeBackend
-from ffctl.controller.progress import Progress, StepReport
+from ffctl.controller.backend import NodeBackend
+from ffctl.controller.progress import StepReport
 from recovery import control, disk, messages
 from recovery.jobenv import JobEnv, Strategy
-from runs.events import EventKind, RunStatus
+from runs.events import EventKind, RestoreSource, RunStatus
 from runs.metrics import compute
 from runs.store import RunStore, controller_identity
 
@@ -41,39 +43,38 @@ STARTUP_HANG_S = 120.0
 STARTUP_HEARTBEAT_S = 10.0
 
 
-@dataclass
-class Failure:
-    cause: str
-    ranks: set[int] = field(default_factory=set)
-    nodes: set[int] = field(default_factory=set)
-    t: float = field(default_factory=time.time)
-    detail: str = ""
-    rank_failures: dict[int, RankFailure] = field(default_factory=dict)  # what each failed rank said
+class _OnJob:
+    """A Controller attribute kept on its `JobState` (`self.job`), the one object the recovery
+    coordinator and the fault scheduler share with it: the handlers read and write it by name."""
 
-    def merge(self, other: Failure) -> None:
-        self.ranks |= other.ranks
-        self.nodes |= other.nodes
-        for r, rf in other.rank_failures.items():
-            self.rank_failures.setdefault(r, rf)
-        if other.cause not in self.cause.split("+"):
-            self.cause += "+" + other.cause
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
 
+    def __get__(self, obj: Any, objtype: type | None = None) -> Any:
+        return getattr(obj.job, self.name)
 
-@dataclass
-class NodeState:
-    node: int
-    proc: AgentProcess
-    pid: int = 0
-    peer: tuple[str, int] | None = None
-    up: bool = False
-    hb_value: int = -1
-    hb_seen: float = field(default_factory=time.monotonic)
-    spares: int = -1  # warm (torch imported) spares
-    spares_total: int = 0  # including those still warming up
-    failed: str = ""  # why the agent gave up starting (its own words)
+    def __set__(self, obj: Any, value: Any) -> None:
+        setattr(obj.job, self.name, value)
 
 
 class Controller:
+    gen = _OnJob()
+    members = _OnJob()
+    pids = _OnJob()
+    nodes = _OnJob()
+    progress = _OnJob()
+    last_progress = _OnJob()
+    gen_msgs = _OnJob()
+    restore_how = _OnJob()
+    ckpt_reports = _OnJob()
+    disk_step = _OnJob()
+    bad_sources = _OnJob()
+    inventories = _OnJob()
+    pending = _OnJob()
+    phase = _OnJob()
+    rank_failed = _OnJob()
+    deferred_restarts = _OnJob()
+
     def __init__(self, spec: LaunchSpec, record: RunStore, nodes: NodeBackend,
                  view: Callable[[dict[str, Any]], None] | None = None,
                  transport_for: Callable[[HostCommand], Any] | None = None) -> None:
@@ -82,36 +83,20 @@ class Controller:
         self.launcher = nodes
         self.view = view or (lambda state: None)
         self.token = record.token()
-        self.gen = 0
-        self.members: dict[int, int] = {r: r // spec.nproc_per_node for r in range(spec.world_size)}
-        self.pids: dict[int, int | None] = {r: None for r in self.members}
-        self.nodes: dict[int, NodeState] = {}
-        self.progress = Progress()
-        self.last_progress = time.monotonic()
-        self.gen_msgs: dict[tuple[str, int], set[int]] = {}  # (kind, gen) -> ranks
-        self.restore_how: dict[int, dict[int, str]] = {}  # gen -> rank -> kept | received | gathered
-        self.aborted_at: dict[int, int] = {}
-        self.ckpt_reports: dict[int, set[int]] = {}
-        self.disk_step: int | None = None
-        self.bad_sources: set[tuple[int, int, str]] = set()
-        self.inventories: dict[tuple[int, int], messages.Inventory] = {}
+        self.job = JobState.for_world(spec.world_size, spec.nproc_per_node)
         self.clock_offsets: dict[int, float] = {}  # node -> its clock minus ours (seconds)
-        self.pending: Failure | None = None
-        self.phase = "starting"
         self.started = time.time()
         self.notice: str | None = None  # the newest line of `notices`
         self.notices: list[str] = []  # said on screen once each: a failed rank, a fallback, a fatal reason
         self.root_cause: dict[str, Any] | None = None  # the failure that stopped the job
-        self.rank_failed: dict[int, RankFailure] = {}  # rank -> its newest failure
         self.plain_script = not uses_recovery_library(spec.script)
-        self.deferred_restarts: dict[int, float] = {}  # node -> when to restart its agent
         self._incarnation: dict[int, int] = {}
         self._view_at = 0.0
-        self.injector = Injector(self, transport_for or nodes.transport_for,
-                                 scheduled=[s for s in spec.injects])
+        self.injector = Injector(self, self.job, transport_for or nodes.transport_for,
+                                 scheduled=[s for s in spec.injects], chaos=spec.chaos, hang_min_s=spec.hang_min_s)
         self.store: dist.TCPStore | None = None
         self.inbox: control.Receiver | None = None
-        self.coordinator = RecoveryCoordinator(self)
+        self.coordinator = RecoveryCoordinator(self, self.job, spec.recovery, spec.max_restarts)
 
     # -- record & view ------------------------------------------------------------------------
     def record(self, kind: EventKind, /, t: float | None = None, **data: Any) -> None:
@@ -124,7 +109,7 @@ class Controller:
         self._view_at = now
         med = self.progress.median_step_s(last=20)
         self.view({
-            "run_id": self.rec.run_id, "phase": self.phase, "gen": self.gen, "step": self.progress.committed_step,
+            "run_id": self.rec.run_id, "phase": self.job.phase.value, "gen": self.gen, "step": self.progress.committed_step,
             "steps": self.spec.steps, "loss": self.progress.last_loss,
             "steps_per_s": (1.0 / med) if med else None,
             "fault": self.injector.describe_current(), "strategy": self.spec.recovery,
@@ -223,6 +208,15 @@ class Controller:
         assert self.store is not None
         control.send(self.store, control.agent_queue(node, self._incarnation.get(node, 0)), msg, self.sealer)
 
+    def abort_generation(self, gen: int) -> None:
+        assert self.store is not None
+        # Sealed: ranks ignore (and report) an abort flag anyone else wrote.
+        keys, values = control.abort_values(self.sealer, gen, self.spec.world_size)
+        self.store.multi_set(keys, values)
+
+    def attribute_faults(self, ranks: set[int], nodes: set[int]) -> list[str]:
+        return self.injector.attribute(ranks, nodes)
+
     # How many refused messages a second are recorded one by one; beyond that they are counted,
     # so a flood of garbage cannot turn into a flood of fsync'd record lines.
     REJECTS_PER_S = 20
@@ -243,10 +237,7 @@ class Controller:
 
     # -- messages -----------------------------------------------------------------------------
     def _fail(self, failure: Failure) -> None:
-        if self.pending is None:
-            self.pending = failure
-        else:
-            self.pending.merge(failure)
+        self.job.fail(failure)
 
     def pump(self) -> None:
         assert self.inbox is not None
@@ -449,7 +440,7 @@ class Controller:
             if st.proc.poll() is not None:
                 st.up = False
                 self.record(EventKind.NODE_LOST, node=n, reason="agent-exit")
-                self._fail(Failure("node-lost", nodes={n}))
+                self._fail(Failure(Cause.NODE_LOST, nodes={n}))
                 continue
             value = self.store.add(control.heartbeat_key(n), 0)
             if value != st.hb_value:
@@ -457,7 +448,7 @@ class Controller:
             elif now - st.hb_seen > self._heartbeat_limit():
                 st.up = False
                 self.record(EventKind.NODE_LOST, node=n, reason="heartbeat")
-                self._fail(Failure("node-lost", nodes={n}))
+                self._fail(Failure(Cause.NODE_LOST, nodes={n}))
 
     def _heartbeat_limit(self) -> float:
         # While the job starts, every host imports torch in several processes at once and an
@@ -468,14 +459,14 @@ class Controller:
         return self.spec.heartbeat_timeout
 
     def _check_hang(self) -> None:
-        if self.phase != "running" or self.pending is not None or self.plain_script:
+        if self.job.phase is not Phase.RUNNING or self.pending is not None or self.plain_script:
             return  # (a plain script reports no steps: no progress to judge)
         if not self.progress.started():
             limit = STARTUP_HANG_S
         else:
             limit = self.progress.hang_limit(self.spec.hang_min_s)
         if time.monotonic() - self.last_progress > limit:
-            self._fail(Failure("hang", detail=f"no step progress for {limit:.1f}s"))
+            self._fail(Failure(Cause.HANG, detail=f"no step progress for {limit:.1f}s"))
 
     def _adhoc_inject(self, msg: messages.InjectRequest) -> None:
         from fault_injectors.spec import FaultSpecError, parse_spec
@@ -553,7 +544,7 @@ class Controller:
         control.publish_plan(self.store, gen, plan, self.sealer)
         self._spawn(gen, respawn)
 
-    def await_generation(self, gen: int, respawn: list[int], restore_step: int, source: str) -> None:
+    def await_generation(self, gen: int, respawn: list[int], restore_step: int, source: RestoreSource) -> None:
         world = set(self.members)
         # Spawned means started and ready to join (torch imported), not merely forked. A plain
         # script says nothing: its process being up is all there is.
@@ -568,13 +559,13 @@ class Controller:
             return  # its rendezvous is torch's own (MASTER_ADDR), unseen here
         joined = lambda: world <= self.gen_msgs.get(("joined", gen), set())  # noqa: E731
         if not self.wait_for(joined, PHASE_TIMEOUT, "rendezvous"):
-            self._fail(Failure("rendezvous-timeout", world - self.gen_msgs.get(("joined", gen), set())))
+            self._fail(Failure(Cause.RENDEZVOUS_TIMEOUT, world - self.gen_msgs.get(("joined", gen), set())))
             raise RecoveryAbandoned("rendezvous")
         self.record(EventKind.RENDEZVOUS_DONE, gen=gen)
         if restore_step > 0:
             restored = lambda: world <= self.gen_msgs.get(("restored", gen), set())  # noqa: E731
             if not self.wait_for(restored, PHASE_TIMEOUT, "restore"):
-                self._fail(Failure("restore-timeout"))
+                self._fail(Failure(Cause.RESTORE_TIMEOUT))
                 raise RecoveryAbandoned("restore")
             how = self.restore_how.get(gen, {})
             # Which ranks kept their live state, received it from one that did, or gathered it.
@@ -597,9 +588,9 @@ class Controller:
                 self.start_agent(n)
             self.wait_agents(list(range(self.spec.nnodes)))
             self.open_generation(0, None, sorted(self.members))
-            self.phase = "running"
+            self.job.enter(Phase.RUNNING)
             try:
-                self.await_generation(0, sorted(self.members), 0, "none")
+                self.await_generation(0, sorted(self.members), 0, RestoreSource.NONE)
             except RecoveryAbandoned:
                 pass  # a rank failed while starting: the loop recovers it
             self.last_progress = time.monotonic()
@@ -607,35 +598,33 @@ class Controller:
         except KeyboardInterrupt:
             status, reason = RunStatus.INTERRUPTED, "interrupted"
         except FatalRun as exc:
-            status, reason = RunStatus.FAILED, str(exc)
+            status, reason = RunStatus.FAILED, exc.reason
+            self.root_cause = exc.root_cause or self.root_cause
         except Exception as exc:  # recorded, then re-raised: the record must say how it ended
             status, reason = RunStatus.FAILED, f"controller error: {type(exc).__name__}: {exc}"
             raise
         finally:
             signal.signal(signal.SIGTERM, previous)
-            self.phase = status.value
+            self.job.enter(Phase(status.value))
             self.show(force=True)
             self._teardown()
             self.record(EventKind.RUN_FINISHED, status=status.value, steps_completed=self.progress.committed_step,
-                        reason=reason or self.fatal_reason,
+                        reason=reason,
                         **({"root_cause": self.root_cause} if status is RunStatus.FAILED and self.root_cause else {}))
             self.rec.write_json("report.json", compute(self.rec.run_id, self.rec.events()).to_dict())
             self.rec.close()
         return status
-
-    fatal_reason = ""
 
     def _loop(self) -> RunStatus:
         world = set(self.members)
         while True:
             self.pump()
             self._check_hang()
-            # A fault "at step k" lands once every rank has committed step k (and made it durable),
-            # not when the first one has: the job has completed step k, and no copy of it is still
-            # in flight when the fault hits.
-            self.injector.tick(self.progress.everywhere(list(self.members)), time.time() - self.started)
+            self.injector.tick(time.time() - self.started)  # (a step trigger waits for every rank)
             if self.pending is not None:
+                self.job.enter(Phase.RECOVERING)
                 self.coordinator.recover()
+                self.job.enter(Phase.RUNNING)
             for n, due in list(self.deferred_restarts.items()):
                 if time.monotonic() >= due:
                     del self.deferred_restarts[n]
