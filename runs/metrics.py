@@ -51,6 +51,8 @@ class FaultMetrics:
     reverted_at: float | None = None
     reverted_by: str | None = None
     revert_ok: bool | None = None
+    # How each replacement of the recovery started (spare | template | cold), by rank.
+    started_by: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -188,6 +190,11 @@ def _fault_metrics(inj: Event, events: list[Event], world_size: int, end_t: floa
     window = recovery_s if recovery_s is not None else max(0.0, end_t - ti)
     restore_step = decision.get("restore_step") if decision is not None else None
     reverted_at, reverted_by, revert_ok = _revert_of(fid, events)
+    spawned = None
+    if decision is not None:
+        spawned = _first(events, lambda ev: ev.kind is EventKind.RANKS_SPAWNED
+                         and ev.get("gen") == decision.get("gen") and ev.t >= decision.t)
+    started_by = spawned.get("started_by") if spawned is not None else None
     return FaultMetrics(
         fault_id=fid,
         kind=_text(inj.get("kind")),
@@ -212,6 +219,7 @@ def _fault_metrics(inj: Event, events: list[Event], world_size: int, end_t: floa
         reverted_at=reverted_at,
         reverted_by=reverted_by,
         revert_ok=revert_ok,
+        started_by={str(r): str(h) for r, h in started_by.items()} if isinstance(started_by, dict) else {},
     )
 
 

@@ -30,6 +30,7 @@ from typing import Any, Callable
 import psutil
 
 from recovery.replicator import Replicator
+from ffctl.agent.template import Assignment, ForkedWorker, Template, TemplateError, set_child_subreaper
 from ffctl.agent.workerenv import worker_env
 from recovery import control, messages
 from recovery.peer import PeerStore
@@ -70,6 +71,9 @@ class AgentConfig:
     spares: int = 0
     incarnation: int = 0
     keep_freed_memory: bool = True  # see ffctl.agent.workerenv
+    # Fork workers from a warm template process (ffctl.agent.template); False starts every
+    # worker as a fresh interpreter, as torchrun does (the honest `restart-disk` baseline).
+    template: bool = True
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -85,7 +89,7 @@ class AgentConfig:
 class Worker:
     rank: int
     gen: int
-    proc: subprocess.Popen[bytes]
+    proc: subprocess.Popen[bytes] | ForkedWorker
     expected_exit: bool = False
 
 
@@ -125,7 +129,7 @@ class Agent:
         self.workers: dict[int, Worker] = {}
         self.spares: list[subprocess.Popen[bytes]] = []
         self.warm: set[subprocess.Popen[bytes]] = set()
-        self.reported_spares: tuple[int, int] = (-1, -1)
+        self.reported_spares: tuple[int, int, bool] = (-1, -1, False)
         self.last_spawn = float("-inf")
         self.stopping = threading.Event()
         self.lock = threading.Lock()
@@ -139,6 +143,14 @@ class Agent:
         self.replicator = Replicator(cfg.run_id, cfg.node, cfg.token, self._slot_files,
                                      self._report_kind)
         Path(cfg.log_dir).mkdir(parents=True, exist_ok=True)
+        self.template: Template | None = None
+        self._orphans_at = 0.0
+        # Forked workers are re-parented to us (see ffctl.agent.template): without the
+        # subreaper role we could not watch them as our children, so fall back to cold starts.
+        if cfg.template and set_child_subreaper():
+            self.template = Template(cfg.python, self._worker_base_env(), cfg.cwd,
+                                     Path(cfg.log_dir) / "template.log")
+            self.template.start()
 
     # -- slots --------------------------------------------------------------------------------
     def slot(self, rank: int, index: int) -> Path:
@@ -161,13 +173,45 @@ class Agent:
         return {"local": local, "replica": self.peer.inventory()["replica"]}
 
     # -- workers -------------------------------------------------------------------------------
+    def _worker_base_env(self) -> dict[str, str]:
+        return worker_env(os.environ, self.cfg.worker_env, self.cfg.keep_freed_memory)
+
+    def _tend_template(self) -> None:
+        """Restart a template that died; until it is warm again, workers start cold."""
+        if self.template is not None and not self.template.alive() and not self.stopping.is_set():
+            code = self.template.proc.returncode if self.template.proc is not None else None
+            print(f"ffctl agent {self.cfg.node}: worker template exited ({code}); restarting it",
+                  file=sys.stderr, flush=True)
+            self.template.start()
+
+    def _reap_orphans(self) -> None:
+        """As the subreaper we inherit whatever a dead worker left (its own children): reap the
+        ones that ended, so none stays a zombie. Not every poll: listing children reads /proc."""
+        now = time.monotonic()
+        if self.template is None or now - self._orphans_at < 1.0:
+            return
+        self._orphans_at = now
+        known = {w.proc.pid for w in self.workers.values()} | {p.pid for p in self.spares}
+        if self.template.proc is not None:
+            known.add(self.template.proc.pid)
+        try:
+            children = psutil.Process().children()
+        except psutil.Error:
+            return
+        for child in children:
+            try:
+                if child.pid not in known and child.status() == psutil.STATUS_ZOMBIE:
+                    os.waitpid(child.pid, os.WNOHANG)
+            except (psutil.Error, ChildProcessError):
+                pass
+
     def _start_spare(self) -> subprocess.Popen[bytes]:
         log = open(Path(self.cfg.log_dir) / "spares.log", "ab")
         try:
             proc = subprocess.Popen(
                 [self.cfg.python, "-m", "ffctl.agent.spare"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                 stderr=log, cwd=self.cfg.cwd or None,
-                env=worker_env(os.environ, self.cfg.worker_env, self.cfg.keep_freed_memory),
+                env=self._worker_base_env(),
             )
         finally:
             log.close()
@@ -195,35 +239,61 @@ class Agent:
         while len(self.spares) < self.cfg.spares and not self.stopping.is_set() and not settling:
             self.spares.append(self._start_spare())
         ready = sum(1 for p in self.spares if self._spare_ready(p))
-        if (ready, len(self.spares)) != self.reported_spares:
-            self.reported_spares = (ready, len(self.spares))
-            self._report(messages.Spares, count=ready, total=len(self.spares))
+        # A warm template starts replacements as fast as a spare: the controller places the
+        # ranks of a lost node where one is warm.
+        template = self.template is not None and self.template.is_ready()
+        if (ready, len(self.spares), template) != self.reported_spares:
+            self.reported_spares = (ready, len(self.spares), template)
+            self._report(messages.Spares, count=ready, total=len(self.spares), template=template)
 
     def spawn(self, gen: int, ranks: list[dict[str, Any]]) -> None:
         if gen > 0:
             self.last_spawn = time.monotonic()
-        pids = {}
+        pids: dict[str, int] = {}
+        how: dict[str, str] = {}
+        took: dict[str, float] = {}
         for spec in ranks:
             rank = int(spec["rank"])
-            # A warm spare if one is ready, else the oldest (it is the furthest along).
-            ready = [p for p in self.spares if self._spare_ready(p)]
-            proc = ready[0] if ready else (self.spares[0] if self.spares else self._start_spare())
-            if proc in self.spares:
-                self.spares.remove(proc)
+            t0 = time.monotonic()
             assignment = {
-                # The token goes to the rank here, over the spare's private stdin pipe.
+                # The token goes to the rank here, over a private pipe (the spare's stdin or the
+                # template's), never through the store.
                 "env": {**self.cfg.worker_env, **spec["env"], TOKEN_ENV: self.cfg.token},
                 "argv": list(self.cfg.worker_argv),
                 "log": str(Path(self.cfg.log_dir) / f"{rank}.log"),
                 "cwd": self.cfg.cwd,
             }
-            assert proc.stdin is not None
-            proc.stdin.write((json.dumps(assignment) + "\n").encode())
-            proc.stdin.close()
+            proc, how[str(rank)] = self._start_worker(assignment)
+            took[str(rank)] = round(time.monotonic() - t0, 6)
             with self.lock:
                 self.workers[rank] = Worker(rank, gen, proc)
             pids[str(rank)] = proc.pid
-        self._report(messages.Spawned, gen=gen, pids=pids)
+        self._report(messages.Spawned, gen=gen, pids=pids, how=how, start_s=took)
+
+    def _start_worker(self, assignment: dict[str, Any]) -> tuple[subprocess.Popen[bytes] | ForkedWorker, str]:
+        """Start one worker: a warm spare if one is ready, else a fork of the template, else a
+        fresh interpreter (the oldest spare still warming up, or a new one). Says which."""
+        ready = [p for p in self.spares if self._spare_ready(p)]
+        if ready:
+            proc = ready[0]
+            how = "spare"
+        else:
+            if self.template is not None and self.template.is_ready():
+                env = {**self._worker_base_env(), **assignment["env"]}
+                job = Assignment(env, tuple(assignment["argv"]), assignment["log"], assignment["cwd"])
+                try:
+                    return self.template.fork(job), "template"
+                except TemplateError as exc:
+                    print(f"ffctl agent {self.cfg.node}: {exc}; starting the worker cold",
+                          file=sys.stderr, flush=True)
+            proc = self.spares[0] if self.spares else self._start_spare()
+            how = "cold"
+        if proc in self.spares:
+            self.spares.remove(proc)
+        assert proc.stdin is not None
+        proc.stdin.write((json.dumps(assignment) + "\n").encode())
+        proc.stdin.close()
+        return proc, how
 
     def kill(self, ranks: list[int], grace: float) -> None:
         with self.lock:
@@ -346,8 +416,7 @@ class Agent:
         self._report(messages.AgentUp, pid=os.getpid(), host=socket.gethostname(), time=time.time(),
                      peer_address=self.peer.address, peer_port=self.peer.port)
         self.replicator.start()
-        if self.cfg.spares:
-            self._top_up_spares()
+        self._top_up_spares()
         last_beat, last_ok = 0.0, time.monotonic()
         try:
             while not self.stopping.is_set():
@@ -359,8 +428,9 @@ class Agent:
                         self.store.add(control.heartbeat_key(self.cfg.node), 1)
                         last_beat = now
                     self._reap()
-                    if self.cfg.spares:
-                        self._top_up_spares()
+                    self._tend_template()
+                    self._reap_orphans()
+                    self._top_up_spares()
                     last_ok = now
                 except Exception:
                     if time.monotonic() - last_ok > STORE_GRACE_S:
@@ -372,6 +442,8 @@ class Agent:
 
     def shutdown(self) -> None:
         self.replicator.stop()
+        if self.template is not None:
+            self.template.stop()
         procs = []
         for p in [w.proc for w in self.workers.values()] + self.spares:
             try:

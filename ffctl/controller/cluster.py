@@ -51,6 +51,10 @@ class Cluster(Recorder, Protocol):
         """Say `line` on screen once."""
         ...
 
+    def has_gpu(self) -> bool:
+        """Whether the hosts have GPUs (a rank then needs a free device, not just a process)."""
+        ...
+
     def send(self, node: int, msg: messages.Message) -> None:
         """Send a command to node `node`'s agent."""
         ...

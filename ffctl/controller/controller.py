@@ -116,6 +116,9 @@ class Controller:
             "notice": self.notice, "notices": tuple(self.notices),
         })
 
+    def has_gpu(self) -> bool:
+        return self.launcher.has_gpu()
+
     def announce(self, line: str) -> None:
         """Say `line` on screen once (the live view prints each notice as it comes)."""
         self.notices.append(line)
@@ -179,6 +182,8 @@ class Controller:
             log_dir=str(self.rec.path / "logs" / str(node)), worker_argv=argv, worker_env=env,
             cwd=str(Path.cwd()), spares=self.spec.spares, incarnation=self._incarnation.get(node, 0),
             keep_freed_memory=self.spec.keep_freed_memory,
+            # restart-disk stays what torchrun users have: every worker a fresh interpreter.
+            template=self.spec.recovery != Strategy.RESTART_DISK,
         )
 
     def _rank_env(self, rank: int, gen: int) -> dict[str, str]:
@@ -302,6 +307,7 @@ class Controller:
     def _on_spares(self, msg: messages.Spares) -> None:
         st = self.nodes[msg.node]
         st.spares_total = msg.count if msg.total is None else msg.total
+        st.template = bool(msg.template)
         if msg.count != st.spares:
             st.spares = msg.count
             self.record(EventKind.SPARES_HELD, t=time.time(), node=st.node, count=st.spares)
@@ -310,6 +316,8 @@ class Controller:
         for r, pid in msg.pids.items():
             self.pids[int(r)] = pid
         self.gen_msgs.setdefault(("spawned", msg.gen), set()).update(int(r) for r in msg.pids)
+        for r, how in (msg.how or {}).items():
+            self.job.started_by[(msg.gen, int(r))] = (how, (msg.start_s or {}).get(r))
 
     def _on_step_error(self, msg: messages.StepError) -> None:
         now = time.time()
@@ -552,8 +560,13 @@ class Controller:
         spawned = lambda: set(respawn) <= self.gen_msgs.get((said, gen), set())  # noqa: E731
         if not self.wait_for(spawned, PHASE_TIMEOUT, "spawn"):
             raise FatalRun(f"ranks {sorted(respawn)} were not spawned within {PHASE_TIMEOUT:g}s")
+        # How each started (a warm spare, a fork of the template, a fresh interpreter) and how
+        # long its agent took to start it.
+        started = {str(r): self.job.started_by.get((gen, r), (None, None)) for r in respawn}
         self.record(EventKind.RANKS_SPAWNED, gen=gen, ranks=sorted(respawn),
-                    pids={str(r): self.pids.get(r) for r in respawn})
+                    pids={str(r): self.pids.get(r) for r in respawn},
+                    started_by={r: how for r, (how, _) in started.items() if how},
+                    start_s={r: s for r, (_, s) in started.items() if s is not None})
         if self.plain_script:
             self.last_progress = time.monotonic()
             return  # its rendezvous is torch's own (MASTER_ADDR), unseen here

@@ -56,6 +56,7 @@ class NodeState:
     hb_seen: float = field(default_factory=time.monotonic)
     spares: int = -1  # warm (torch imported) spares
     spares_total: int = 0  # including those still warming up
+    template: bool = False  # its worker template is warm: it starts a replacement in milliseconds
     failed: str = ""  # why the agent gave up starting (its own words)
 
 
@@ -70,6 +71,8 @@ class JobState:
     last_progress: float = field(default_factory=time.monotonic)  # when the open generation last moved
     gen_msgs: dict[tuple[str, int], set[int]] = field(default_factory=dict)  # (report kind, gen) -> ranks
     restore_how: dict[int, dict[int, str]] = field(default_factory=dict)  # gen -> rank -> kept | received | gathered
+    # (gen, rank) -> how its worker started (spare | template | cold) and the agent's seconds
+    started_by: dict[tuple[int, int], tuple[str, float | None]] = field(default_factory=dict)
     ckpt_reports: dict[int, set[int]] = field(default_factory=dict)  # step -> ranks that wrote it
     disk_step: int | None = None  # the newest complete disk checkpoint
     bad_sources: set[tuple[int, int, str]] = field(default_factory=set)  # (rank, step, source kind) found corrupt

@@ -17,11 +17,12 @@ def render_report(report: dict[str, Any], console: Console) -> None:
              f"final loss {_s(report['final_loss'], 4)}")
     faults = Table(title=title, title_justify="left")
     for col in ("fault", "kind", "target", "step", "detect s", "recover s", "lost", "source", "GPU-h", "emu"):
+        # Folded, never cut: a narrow terminal or a pipe gets every value whole.
         faults.add_column(col, justify="left" if col in ("fault", "kind", "target", "source") else "right",
-                          no_wrap=col in ("kind", "source"))
+                          overflow="fold")
     phases = Table(title="recovery breakdown (s)", title_justify="left")
-    for col in ("fault", "detect", "decide", "spawn", "rendezvous", "restore", "replay"):
-        phases.add_column(col, justify="left" if col == "fault" else "right")
+    for col in ("fault", "detect", "decide", "spawn", "rendezvous", "restore", "replay", "started"):
+        phases.add_column(col, justify="left" if col in ("fault", "started") else "right", overflow="fold")
     for f in report["faults"]:
         faults.add_row(
             f["fault_id"], f["kind"], f["target"], str(f["at_step"]), _s(f["detection_s"]),
@@ -30,7 +31,11 @@ def render_report(report: dict[str, Any], console: Console) -> None:
             "yes" if f["emulated"] else "no",
         )
         b = f["breakdown"]
-        phases.add_row(f["fault_id"], *(_s(b.get(k)) for k in ("detect", "decide", "spawn", "rendezvous", "restore", "replay")))
+        # How the replacements started: a warm spare, a fork of the agent's template, or a
+        # fresh interpreter (cold).
+        started = ",".join(sorted(set((f.get("started_by") or {}).values()))) or "-"
+        phases.add_row(f["fault_id"], *(_s(b.get(k)) for k in ("detect", "decide", "spawn", "rendezvous", "restore", "replay")),
+                       started)
     if not report["faults"]:
         faults.add_row("-", "no faults", *[""] * 8)
     console.print(faults)

@@ -198,3 +198,40 @@ def test_both_copies_lost_without_checkpoint_stops_clearly(workdir: Path) -> Non
     assert "no copy of the state" in failed.get("reason")
     assert "no copy of the state" in res.stdout + res.stderr
     assert_nothing_left(workdir)
+
+
+def _started_by(events: list, gen: int) -> dict[str, str]:
+    (spawned,) = [e for e in events if e.kind is EventKind.RANKS_SPAWNED and e.get("gen") == gen]
+    return spawned.get("started_by")
+
+
+def test_without_spares_replacements_are_forked_from_the_template(workdir: Path, baseline: list[list[float]]) -> None:
+    # No warm spare anywhere: the lost rank is forked from its agent's template, and the lost
+    # node's ranks from the surviving node's (a CPU host), instead of fresh interpreters.
+    res = launch(workdir, rid("tmpl"), "--steps", "60", "--seed", "3", "--spares", "0",
+                 "--inject", "kill-rank:rank=1,step=20", "--inject", "kill-node:node=1,step=40")
+    assert res.returncode == 0, res.stderr
+    rep = res.report
+    assert rep["loss_by_step"] == baseline
+    rank_fault, node_fault = rep["faults"]
+    assert rank_fault["started_by"] == {"1": "template"} and rank_fault["restore_source"] == "local-memory"
+    assert node_fault["started_by"] == {"2": "template", "3": "template"}
+    assert node_fault["restore_source"] == "peer-memory"
+    decided = [e for e in res.events if e.kind is EventKind.RECOVERY_DECIDED]
+    assert decided[1].get("placement") == {"2": 0, "3": 0}  # on node 0, not waiting for node 1
+    for f in rep["faults"]:
+        assert f["recovered"] and f["lost_steps"] <= 1
+    assert crashes(res.events) == []
+    assert_nothing_left(workdir)
+
+
+def test_restart_disk_starts_every_worker_as_a_fresh_interpreter(workdir: Path) -> None:
+    # The honest torchrun baseline: no template, every restarted worker pays a full start.
+    res = launch(workdir, rid("cold"), "--steps", "20", "--seed", "3", "--recovery", "restart-disk",
+                 "--ckpt-every", "5", "--nnodes", "1", "--inject", "kill-rank:rank=1,step=8")
+    assert res.returncode == 0, res.stderr
+    assert _started_by(res.events, 1) == {"0": "cold", "1": "cold"}
+    (fault,) = res.report["faults"]
+    assert fault["started_by"] == {"0": "cold", "1": "cold"} and fault["recovered"]
+    assert not list((res.runs_dir / res.run_id / "logs").glob("*/template.log"))
+    assert_nothing_left(workdir)
