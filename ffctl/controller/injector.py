@@ -103,6 +103,7 @@ class ActiveFault:
     revert_at: float | None = None
     reverted: bool = False
     reverted_t: float | None = None
+    applied_t: float | None = None  # when the fault took effect (applying can take seconds)
 
 
 @dataclass
@@ -154,7 +155,10 @@ class Injector:
         if fault.reverted_t is not None and self._progress_t > fault.reverted_t:
             return True
         hang_limit = self.job.progress.hang_limit(self.hang_min_s)
-        return self._progress_t - fault.injected_t > hang_limit + SURVIVE_MARGIN_S
+        # Counted from when it took effect: a partition applied over SSH takes seconds, during
+        # which the job rightly goes on, and must not pass for a fault it survived.
+        since = fault.applied_t if fault.applied_t is not None else fault.injected_t
+        return self._progress_t - since > hang_limit + SURVIVE_MARGIN_S
 
     def _settled(self) -> bool:
         now = time.time()
@@ -245,6 +249,7 @@ class Injector:
             self.cluster.record(EventKind.FAULT_FAILED, fault_id=fault_id, error=str(exc))
             fault.detected = fault.reverted = True  # nothing to detect: it never took effect
             return fault, str(exc)
+        fault.applied_t = time.time()
         if plan.revertible:
             # The duration counts from when the fault took effect: applying over SSH can take
             # seconds, and a 3 s partition must partition for 3 s.

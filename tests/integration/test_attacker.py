@@ -29,7 +29,9 @@ from runs.store import iter_events
 
 pytestmark = pytest.mark.slow
 
-STEPS = 60
+# Long enough that the job is still training while the attacker (and the real `ffctl inject`
+# client, a second or two to start on a loaded host) are at work.
+STEPS = 400
 NNODES = 2
 
 
