@@ -125,23 +125,25 @@ def _launch(venv: Path, workdir: Path, run_id: str, *args: str) -> tuple[subproc
     return proc, report
 
 
-def _one_recovered_fault(report: dict[str, Any], source: str) -> dict[str, Any]:
-    assert report["status"] == "completed" and report["steps_completed"] == 20
+def _one_recovered_fault(report: dict[str, Any], source: str, workdir: Path) -> dict[str, Any]:
+    # On failure, the run's whole record says why better than the fault's summary.
+    record = (workdir / "runs" / report["run_id"] / "events.jsonl").read_text()
+    assert report["status"] == "completed" and report["steps_completed"] == 20, record
     (fault,) = report["faults"]
-    assert fault["kind"] == "kill-rank" and fault["recovered"], fault
-    assert fault["restore_source"] == source, fault
+    assert fault["kind"] == "kill-rank" and fault["recovered"], (fault, record)
+    assert fault["restore_source"] == source, (fault, record)
     return fault
 
 
 def test_fresh_venv_restart_disk_and_peer_recover_a_kill(venv: Path, workdir: Path) -> None:
     _, disk = _launch(venv, workdir, rid("fresh-disk"), "--recovery", "restart-disk", "--ckpt-every", "5",
                       "--inject", "kill-rank:rank=1,step=8")
-    fault = _one_recovered_fault(disk, "disk")
+    fault = _one_recovered_fault(disk, "disk", workdir)
     assert fault["restore_step"] in (5, 10)  # a checkpoint (every 5 steps) read back from disk, not step 0
 
     _, peer = _launch(venv, workdir, rid("fresh-peer"), "--recovery", "peer", "--spares", "1",
                       "--inject", "kill-rank:rank=1,step=8")
-    _one_recovered_fault(peer, "local-memory")
+    _one_recovered_fault(peer, "local-memory", workdir)
 
     # Both restores are exact: the two jobs, same seed and world size, committed the same losses.
     assert disk["loss_by_step"] == peer["loss_by_step"] and len(disk["loss_by_step"]) == 20
