@@ -9,11 +9,12 @@ removed, and other runs (a sandbox another launch is using) are left alone.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from fault_injectors.plan import HostCommand
-from fault_injectors.revert import FIRE_DEADMEN, RevertError, revert_all, revert_all_plan
+from fault_injectors.revert import FIRE_DEADMEN, STEP_NAMES, RevertError, revert_all_plan
 from fault_injectors.transport import LocalTransport, Transport, TransportError
 from ffctl.errors import BadInput, InfraError
 
@@ -21,10 +22,6 @@ if TYPE_CHECKING:
     from ffctl.hosts.hostfile import HostEntry
 
 LOCAL = "localhost"
-
-
-def _local(cmd: HostCommand) -> Transport:
-    return LocalTransport(LOCAL, cmd.netns)
 
 
 def _sandbox_prefix(run_id: str | None) -> str:
@@ -44,23 +41,51 @@ def _hosts(hostfile: Path | None) -> list[HostEntry]:
         raise BadInput(str(exc)) from None
 
 
-def _sweep(where: str, transport_for: Callable[[HostCommand], Transport], host: str, netns: str | None,
-           run_id: str | None, scoped: bool) -> None:
-    if scoped:
-        # One run: fire its switches (each reverts its own fault); leave other runs' rules alone.
-        fire = [c for c in revert_all_plan(host, netns, run_id) if c.argv[2] == FIRE_DEADMEN]
-        for cmd in fire:
-            result = transport_for(cmd).run(cmd.argv, timeout=60.0)
-            if not result.ok:
-                raise RevertError(f"on {where}: firing dead man's switches failed: {result.describe()}")
-        return
-    revert_all(host, transport_for, netns=netns, run_id=run_id)
+@dataclass(frozen=True)
+class Place:
+    """One place to clean: this machine, one of its sandbox namespaces, or a host over SSH."""
+
+    name: str  # as the user reads it: localhost, a namespace, a host
+    host: str
+    netns: str | None
+    entry: HostEntry | None  # the hostfile's entry of a remote host
+    commands: tuple[HostCommand, ...]  # what runs there
 
 
-def revert_everything(hostfile: Path | None, dry_run: bool, run_id: str | None = None) -> list[str]:
-    """Remove what ffctl left; returns one line per place swept. Raises InfraError naming the
-    first place that could not be cleaned (after trying every place)."""
-    from ffctl.launch.sandbox import SandboxError, cleanup_stale, list_namespaces
+@dataclass(frozen=True)
+class RevertPlan:
+    """Everything `revert --all` will do, worked out before any of it is done (as `launch`)."""
+
+    run_id: str | None
+    places: tuple[Place, ...]
+    sandbox_prefix: str
+    namespaces: tuple[str, ...]
+
+    @property
+    def removes_sandbox(self) -> bool:
+        # Scoped to a run, only a sandbox that exists is that run's to remove.
+        return bool(self.namespaces) or self.run_id is None
+
+    def describe(self) -> list[str]:
+        lines = [str(c) for place in self.places for c in place.commands]
+        if self.namespaces:
+            lines.append(f"[{LOCAL}] remove namespaces {', '.join(self.namespaces)} and the links tagged "
+                         f"ffctl-sandbox:{self.sandbox_prefix}")
+        return lines
+
+
+def _commands(host: str, netns: str | None, run_id: str | None) -> tuple[HostCommand, ...]:
+    """Scoped to one run, fire that run's switches (each reverts its own fault) and leave other
+    runs' rules alone; otherwise remove everything ffctl's owner tags mark."""
+    plan = revert_all_plan(host, netns, run_id)
+    if run_id is not None and netns is None:
+        plan = [c for c in plan if c.argv[2] == FIRE_DEADMEN]
+    return tuple(plan)
+
+
+def plan_revert(hostfile: Path | None, run_id: str | None = None) -> RevertPlan:
+    """Find what to clean (this machine, its sandbox namespaces, the hostfile's hosts) and how."""
+    from ffctl.launch.sandbox import list_namespaces
     from runs.store import RunStoreError, validate_run_id
 
     if run_id is not None:
@@ -70,54 +95,70 @@ def revert_everything(hostfile: Path | None, dry_run: bool, run_id: str | None =
         except RunStoreError as exc:
             raise BadInput(f"--run: {exc}") from None
     prefix = _sandbox_prefix(run_id)
-    namespaces = list_namespaces(prefix)
-    hosts = _hosts(hostfile)
-    scoped = run_id is not None
-    if dry_run:
-        lines = [str(c) for c in revert_all_plan(LOCAL, None, run_id)
-                 if not scoped or c.argv[2] == FIRE_DEADMEN]
-        for ns in namespaces:
-            lines += [str(c) for c in revert_all_plan(LOCAL, ns, run_id) if c.netns]
-        if namespaces:
-            lines.append(f"[{LOCAL}] remove namespaces {', '.join(namespaces)} and the links tagged "
-                         f"ffctl-sandbox:{prefix}")
-        for entry in hosts:
-            lines += [str(c) for c in revert_all_plan(entry.name, None, run_id) if not scoped or c.argv[2] == FIRE_DEADMEN]
-        return lines
+    namespaces = tuple(list_namespaces(prefix))
+    places = [Place(LOCAL, LOCAL, None, None, _commands(LOCAL, None, run_id))]
+    # Rules and qdiscs inside a namespace go with it too; swept first so that a namespace some
+    # process still pins is clean all the same.
+    places += [Place(ns, LOCAL, ns, None, tuple(c for c in revert_all_plan(LOCAL, ns, run_id) if c.netns))
+               for ns in namespaces]
+    places += [Place(e.name, e.name, None, e, _commands(e.name, None, run_id)) for e in _hosts(hostfile)]
+    return RevertPlan(run_id, tuple(places), prefix, namespaces)
+
+
+def _run_place(place: Place, transport_for: Callable[[HostCommand], Transport]) -> None:
+    """Every command runs even when one fails; then RevertError names the first failure."""
+    failed = []
+    where = place.host + (f" (netns {place.netns})" if place.netns else "")
+    for cmd in place.commands:
+        result = transport_for(cmd).run(cmd.argv, timeout=60.0)
+        if not result.ok and not cmd.allow_fail:
+            lines = (result.stderr or result.stdout).strip().splitlines()
+            detail = lines[-1] if lines else f"exit {result.returncode}"
+            failed.append(f"on {where}: {STEP_NAMES.get(cmd.argv[2], 'a revert step')} failed: {detail}")
+    if failed:
+        raise RevertError(failed[0] + (f" (and {len(failed) - 1} more)" if len(failed) > 1 else ""))
+
+
+def execute_revert(plan: RevertPlan) -> list[str]:
+    """Carry out `plan`, every place even when one fails; one line per place cleaned. Raises
+    InfraError naming the first place that could not be cleaned."""
+    from ffctl.launch.sandbox import SandboxError, cleanup_stale
+
     lines: list[str] = []
     failures: list[str] = []
-    try:
-        _sweep(LOCAL, _local, LOCAL, None, run_id, scoped)
-        lines.append(f"{LOCAL}: clean")
-    except RevertError as exc:
-        failures.append(str(exc))
-    for ns in namespaces:
-        try:
-            # Rules and qdiscs inside go with the namespace too; swept first so that a namespace
-            # some process still pins is clean all the same.
-            revert_all(LOCAL, _local, netns=ns, run_id=run_id)
-        except RevertError as exc:
-            failures.append(str(exc))
-    if namespaces or not scoped:
-        try:
-            removed = cleanup_stale(prefix)
-            lines.append(f"{LOCAL}: sandbox " + (f"removed {', '.join(removed)}" if removed else "nothing to remove"))
-        except SandboxError as exc:
-            if namespaces:
-                failures.append(f"on {LOCAL}: {exc}")
-    for entry in hosts:
+    for place in plan.places:
+        if place.entry is None:
+            try:
+                _run_place(place, lambda cmd: LocalTransport(LOCAL, cmd.netns))
+                if place.netns is None:
+                    lines.append(f"{place.name}: clean")
+            except (RevertError, TransportError) as exc:
+                failures.append(str(exc))
+            continue
         from ffctl.hosts.ssh.transport import SSHTransport
 
-        name = entry.name
-        transport = SSHTransport(entry)
+        ssh = SSHTransport(place.entry)
         try:
-            _sweep(name, lambda cmd, t=transport: t, name, None, run_id, scoped)
-            lines.append(f"{name}: clean")
+            _run_place(place, lambda cmd: ssh)
+            lines.append(f"{place.name}: clean")
         except (RevertError, TransportError) as exc:
             failures.append(str(exc))
         finally:
-            transport.close()
+            ssh.close()
+    if plan.removes_sandbox:
+        try:
+            removed = cleanup_stale(plan.sandbox_prefix)
+            lines.append(f"{LOCAL}: sandbox " + (f"removed {', '.join(removed)}" if removed else "nothing to remove"))
+        except SandboxError as exc:
+            if plan.namespaces:
+                failures.append(f"on {LOCAL}: {exc}")
     if failures:
         more = f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""
         raise InfraError(failures[0] + more)
     return lines
+
+
+def revert_everything(hostfile: Path | None, dry_run: bool, run_id: str | None = None) -> list[str]:
+    """Plan, then (unless `dry_run`, which returns the plan's lines) remove what ffctl left."""
+    plan = plan_revert(hostfile, run_id)
+    return plan.describe() if dry_run else execute_revert(plan)
