@@ -203,11 +203,39 @@ def replacement_start(runs_dir: Path, reps: int = 5) -> BenchResult:
     ], {"reps": reps, **times})
 
 
+def without_spares(runs_dir: Path, steps: int = 60, at: int = 20) -> BenchResult:
+    """Replacements with no warm spare held (`--spares 0`): each from the agent's template.
+
+    recovery_s of `peer` / `restart-disk` (checkpoint every 50) for a kill-rank and a kill-node
+    at step `at`, and the sum of both faults' recovery_s in one run with `--spares 1` (kill-rank
+    at `at`, kill-node at 2 x `at`: the spare is used by the first, the template covers the
+    second) / the same run under `restart-disk`. The default 2 x 2 tiny job, as a user first runs."""
+    common = ("--nnodes", "2", "--nproc-per-node", "2", "--steps", str(steps))
+    result = BenchResult("without-spares", details={"fault_at_step": at})
+    for fault in (f"kill-rank:rank=1,step={at}", f"kill-node:node=1,step={at}"):
+        peer, _ = launch(runs_dir, *common, "--recovery", "peer", "--spares", "0", "--inject", fault)
+        disk, _ = launch(runs_dir, *common, "--recovery", "restart-disk", "--ckpt-every", "50", "--inject", fault)
+        (fp,), (fd,) = peer["faults"], disk["faults"]
+        kind = fault.split(":")[0]
+        result.ratios.append(Ratio(f"{kind}, --spares 0: recovery_s peer / restart-disk", fp["recovery_s"],
+                                   fd["recovery_s"], 0.10))
+        result.details[kind] = {"peer": fp, "restart-disk": fd, "spawn_s": fp["breakdown"]["spawn"]}
+    pair = ("--inject", f"kill-rank:rank=1,step={at}", "--inject", f"kill-node:node=1,step={2 * at}")
+    peer, _ = launch(runs_dir, *common, "--recovery", "peer", "--spares", "1", *pair)
+    disk, _ = launch(runs_dir, *common, "--recovery", "restart-disk", "--ckpt-every", "50", *pair)
+    total = lambda rep: sum(f["recovery_s"] for f in rep["faults"])  # noqa: E731
+    result.ratios.append(Ratio("two faults, --spares 1: sum of recovery_s peer / restart-disk",
+                               total(peer), total(disk), 0.10))
+    result.details["pair"] = {"peer": peer["faults"], "restart-disk": disk["faults"]}
+    return result
+
+
 BENCHMARKS: dict[str, Callable[[Path], BenchResult]] = {
     "snapshot-overhead": snapshot_overhead,
     "recovery-vs-disk": recovery_vs_disk,
     "scale": scale,
     "replacement-start": replacement_start,
+    "without-spares": without_spares,
 }
 
 

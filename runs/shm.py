@@ -3,7 +3,8 @@
 One owner for the naming contract between the processes that write, list, parse and remove them:
 ranks write snapshot slots (`ffctl-<run>-n<node>-r<rank>-s<slot>`) and read in-step fault files
 (`ffctl-<run>-fault-r<rank>`); the agent claims its node's names with a lock file
-(`ffctl-<run>-n<node>.lock`), lists, streams and wipes its slots; the fault planners write the
+(`ffctl-<run>-n<node>.lock`), lists, streams and wipes its slots, and keeps the FIFOs its forked
+spares wait on in `ffctl-<run>-n<node>.spares/`; the fault planners write the
 fault files and wipe a rebooted node's slots; the controller sweeps what a killed node left.
 
 Here, beside the run record, because `recovery` (the ranks and the agent's replicator) and
@@ -12,6 +13,7 @@ Here, beside the run record, because `recovery` (the ranks and the agent's repli
 from __future__ import annotations
 
 import re
+import shutil
 from pathlib import Path
 
 PREFIX = "ffctl-"
@@ -76,13 +78,19 @@ def fault_files(fault_dir: str, run_id: str) -> list[Path]:
     return sorted(p for p in Path(fault_dir).glob(prefix + "r*") if _FAULT_TAIL.fullmatch(p.name[len(prefix):]))
 
 
+def spare_dir(shm_dir: str, run_id: str, node: int) -> Path:
+    """Where the node's agent keeps the FIFOs its forked spares wait on for their assignment."""
+    return Path(shm_dir) / f"{PREFIX}{run_id}-n{node}.spares"
+
+
 def sweep_node(shm_dir: str, run_id: str, node: int) -> int:
-    """Remove the node's slots; how many went. The caller holds the node's claim (or knows no
-    live process writes them)."""
+    """Remove the node's slots (and its spares' FIFOs); how many slots went. The caller holds
+    the node's claim (or knows no live process writes them)."""
     gone = 0
     for path in node_slots(shm_dir, run_id, node):
         path.unlink(missing_ok=True)
         gone += 1
+    shutil.rmtree(spare_dir(shm_dir, run_id, node), ignore_errors=True)
     return gone
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -30,7 +31,9 @@ from typing import Any, Callable
 import psutil
 
 from recovery.replicator import Replicator
-from ffctl.agent.template import Assignment, ForkedWorker, Template, TemplateError, set_child_subreaper
+from ffctl.agent.template import (
+    Assignment, ForkedSpare, ForkedWorker, Template, TemplateError, set_child_subreaper,
+)
 from ffctl.agent.workerenv import worker_env
 from recovery import control, messages
 from recovery.peer import PeerStore
@@ -89,7 +92,7 @@ class AgentConfig:
 class Worker:
     rank: int
     gen: int
-    proc: subprocess.Popen[bytes] | ForkedWorker
+    proc: subprocess.Popen[bytes] | ForkedWorker | ForkedSpare
     expected_exit: bool = False
 
 
@@ -127,7 +130,7 @@ class Agent:
                                       opener=control.Opener(cfg.token), on_reject=self._rejected)
         self.limits = control.Limits(MAX_RANKS, cfg.nnodes)
         self.workers: dict[int, Worker] = {}
-        self.spares: list[subprocess.Popen[bytes]] = []
+        self.spares: list[subprocess.Popen[bytes] | ForkedSpare] = []
         self.warm: set[subprocess.Popen[bytes]] = set()
         self.reported_spares: tuple[int, int, bool] = (-1, -1, False)
         self.last_spawn = float("-inf")
@@ -145,6 +148,12 @@ class Agent:
         Path(cfg.log_dir).mkdir(parents=True, exist_ok=True)
         self.template: Template | None = None
         self._orphans_at = 0.0
+        # The FIFOs forked spares wait on: the node's (under its claim), owner-only, removed at
+        # shutdown, or by the controller's sweep when the node was killed.
+        self._fifos = shm.spare_dir(cfg.shm_dir, cfg.run_id, cfg.node)
+        shutil.rmtree(self._fifos, ignore_errors=True)
+        self._fifos.mkdir(mode=0o700)
+        self._spare_n = 0
         # Forked workers are re-parented to us (see ffctl.agent.template): without the
         # subreaper role we could not watch them as our children, so fall back to cold starts.
         if cfg.template and set_child_subreaper():
@@ -219,7 +228,19 @@ class Agent:
         os.set_blocking(proc.stdout.fileno(), False)
         return proc
 
-    def _spare_ready(self, proc: subprocess.Popen[bytes]) -> bool:
+    def _fork_spare(self) -> ForkedSpare | None:
+        assert self.template is not None
+        self._spare_n += 1
+        try:
+            return self.template.fork_spare(self._worker_base_env(), self._fifos / f"spare-{self._spare_n}",
+                                            str(Path(self.cfg.log_dir) / "spares.log"), self.cfg.cwd)
+        except (TemplateError, OSError) as exc:
+            print(f"ffctl agent {self.cfg.node}: forking a spare: {exc}", file=sys.stderr, flush=True)
+            return None
+
+    def _spare_ready(self, proc: subprocess.Popen[bytes] | ForkedSpare) -> bool:
+        if isinstance(proc, ForkedSpare):
+            return True  # warm from birth; `assign` finds out whether it listens yet
         if proc in self.warm:
             return True
         assert proc.stdout is not None
@@ -233,11 +254,18 @@ class Agent:
 
     def _top_up_spares(self) -> None:
         self.spares = [p for p in self.spares if p.poll() is None]
-        # A new spare spends seconds of CPU importing torch; right after a replacement that would
-        # slow the recovering job down, so refill once it has settled.
+        forking = self.template is not None and self.template.is_ready()
+        # A spare forked from the template costs nothing to speak of: refill at once, so faults
+        # close together never find the pool empty. A fresh one spends seconds of CPU importing
+        # torch; right after a replacement that would slow the recovering job, so it waits.
         settling = time.monotonic() - self.last_spawn < SPARE_REFILL_DELAY_S
-        while len(self.spares) < self.cfg.spares and not self.stopping.is_set() and not settling:
-            self.spares.append(self._start_spare())
+        # A template still warming up will fork the spares in a moment: no fresh ones meanwhile.
+        warming = self.template is not None and self.template.alive() and not forking
+        while not warming and len(self.spares) < self.cfg.spares and not self.stopping.is_set() and (forking or not settling):
+            spare = self._fork_spare() if forking else self._start_spare()
+            if spare is None:
+                break
+            self.spares.append(spare)
         ready = sum(1 for p in self.spares if self._spare_ready(p))
         # A warm template starts replacements as fast as a spare: the controller places the
         # ranks of a lost node where one is warm.
@@ -270,9 +298,19 @@ class Agent:
             pids[str(rank)] = proc.pid
         self._report(messages.Spawned, gen=gen, pids=pids, how=how, start_s=took)
 
-    def _start_worker(self, assignment: dict[str, Any]) -> tuple[subprocess.Popen[bytes] | ForkedWorker, str]:
+    def _start_worker(
+        self, assignment: dict[str, Any],
+    ) -> tuple[subprocess.Popen[bytes] | ForkedWorker | ForkedSpare, str]:
         """Start one worker: a warm spare if one is ready, else a fork of the template, else a
         fresh interpreter (the oldest spare still warming up, or a new one). Says which."""
+        line = (json.dumps(assignment) + "\n").encode()
+        for spare in [p for p in self.spares if isinstance(p, ForkedSpare)]:
+            self.spares.remove(spare)
+            if spare.assign(line):
+                return spare, "spare"
+            # Not listening (still starting, or gone): it is of no use to anyone.
+            kill_tree([psutil.Process(spare.pid)] if psutil.pid_exists(spare.pid) else [], 0.5)
+            spare.poll()
         ready = [p for p in self.spares if self._spare_ready(p)]
         if ready:
             proc = ready[0]
@@ -290,8 +328,8 @@ class Agent:
             how = "cold"
         if proc in self.spares:
             self.spares.remove(proc)
-        assert proc.stdin is not None
-        proc.stdin.write((json.dumps(assignment) + "\n").encode())
+        assert isinstance(proc, subprocess.Popen) and proc.stdin is not None
+        proc.stdin.write(line)
         proc.stdin.close()
         return proc, how
 
@@ -444,6 +482,7 @@ class Agent:
         self.replicator.stop()
         if self.template is not None:
             self.template.stop()
+        shutil.rmtree(self._fifos, ignore_errors=True)
         procs = []
         for p in [w.proc for w in self.workers.values()] + self.spares:
             try:

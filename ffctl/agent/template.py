@@ -43,6 +43,8 @@ PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 READY = b"ready\n"
 REPARENT_TIMEOUT_S = 5.0
+# Set in a spare forked from the template (ffctl.agent.spare): the FIFO its assignment comes on.
+SPARE_FIFO_ENV = "FFCTL_SPARE_FIFO"
 
 
 def _prctl(option: int, value: int) -> bool:
@@ -265,6 +267,49 @@ class ForkedWorker:
         return self.returncode
 
 
+class ForkedSpare:
+    """A spare forked from the template: warm from birth (it inherited the template's imports),
+    waiting for its assignment on a FIFO of the agent's. The part of `subprocess.Popen` the agent
+    uses, plus `assign`."""
+
+    def __init__(self, worker: ForkedWorker, fifo: Path) -> None:
+        self.worker = worker
+        self.fifo = fifo
+
+    @property
+    def pid(self) -> int:
+        return self.worker.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.worker.returncode
+
+    def poll(self) -> int | None:
+        return self.worker.poll()
+
+    def wait(self, timeout: float | None = None) -> int:
+        return self.worker.wait(timeout)
+
+    def assign(self, line: bytes) -> bool:
+        """Hand it its assignment; False when it is not listening (yet, or any more)."""
+        try:
+            # Non-blocking open fails at once (ENXIO) unless the spare has the FIFO open.
+            fd = os.open(self.fifo, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError:
+            return False
+        try:
+            os.set_blocking(fd, True)  # the line may exceed the pipe's atomic size
+            view = memoryview(line)
+            while view:
+                view = view[os.write(fd, view):]
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
+            self.fifo.unlink(missing_ok=True)
+        return True
+
+
 class TemplateError(Exception):
     """The template is not running or did not answer: start the worker the slow way."""
 
@@ -331,6 +376,17 @@ class Template:
         if reply.get("id") != self._req or "pid" not in reply:
             raise TemplateError(f"the template refused: {reply.get('error', reply)}")
         return ForkedWorker(int(reply["pid"]))
+
+    def fork_spare(self, env: dict[str, str], fifo: Path, log: str, cwd: str) -> ForkedSpare:
+        """Fork a spare that waits on `fifo` (made here) for its assignment."""
+        os.mkfifo(fifo, 0o600)
+        try:
+            worker = self.fork(Assignment({**env, SPARE_FIFO_ENV: str(fifo)},
+                                          ("-m", "ffctl.agent.spare"), log, cwd))
+        except BaseException:
+            fifo.unlink(missing_ok=True)
+            raise
+        return ForkedSpare(worker, fifo)
 
     def stop(self, timeout: float = 2.0) -> None:
         if self.proc is None:

@@ -14,7 +14,7 @@ from ffctl.render import make_console
 def register(app: typer.Typer) -> None:
     @app.command("bench")
     def bench(
-        only: Annotated[Optional[list[str]], typer.Option("--only", help="snapshot-overhead, recovery-vs-disk, scale, replacement-start")] = None,
+        only: Annotated[Optional[list[str]], typer.Option("--only", help="snapshot-overhead, recovery-vs-disk, scale, replacement-start, without-spares")] = None,
         as_json: Annotated[bool, typer.Option("--json", help="Print the results as JSON.")] = False,
         runs_dir: Annotated[Optional[Path], typer.Option("--runs-dir", help="Keep the benchmark runs' records here.")] = None,
     ) -> int:

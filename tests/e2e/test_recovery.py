@@ -235,3 +235,21 @@ def test_restart_disk_starts_every_worker_as_a_fresh_interpreter(workdir: Path) 
     assert fault["started_by"] == {"0": "cold", "1": "cold"} and fault["recovered"]
     assert not list((res.runs_dir / res.run_id / "logs").glob("*/template.log"))
     assert_nothing_left(workdir)
+
+
+def test_faults_close_together_never_find_the_spare_pool_empty(workdir: Path, baseline: list[list[float]]) -> None:
+    # One spare: the kill-rank uses it; it is refilled at once by a fork of the template, so the
+    # node fault three steps later finds a spare again, and the template covers the rest.
+    res = launch(workdir, rid("close"), "--steps", "60", "--seed", "3", "--spares", "1",
+                 "--inject", "kill-rank:rank=1,step=20", "--inject", "kill-node:node=1,step=23")
+    assert res.returncode == 0, res.stderr
+    rep = res.report
+    assert rep["loss_by_step"] == baseline
+    rank_fault, node_fault = rep["faults"]
+    assert rank_fault["started_by"] == {"1": "spare"}
+    assert "spare" in node_fault["started_by"].values()
+    for f in rep["faults"]:
+        assert f["recovered"] and set(f["started_by"].values()) <= {"spare", "template"}  # never cold
+    assert crashes(res.events) == []
+    assert_nothing_left(workdir)
+    assert not shm_left(res.run_id)
