@@ -307,10 +307,12 @@ class Controller:
     def _on_spares(self, msg: messages.Spares) -> None:
         st = self.nodes[msg.node]
         st.spares_total = msg.count if msg.total is None else msg.total
-        st.template = bool(msg.template)
-        if msg.count != st.spares:
-            st.spares = msg.count
-            self.record(EventKind.SPARES_HELD, t=time.time(), node=st.node, count=st.spares)
+        if msg.count != st.spares or bool(msg.template) != st.template:
+            # Whether the node's worker template is warm is on record too: a template that died
+            # and was restarted shows as a gap, during which replacements start cold.
+            st.spares, st.template = msg.count, bool(msg.template)
+            self.record(EventKind.SPARES_HELD, t=time.time(), node=st.node, count=st.spares,
+                        template=st.template)
 
     def _on_spawned(self, msg: messages.Spawned) -> None:
         for r, pid in msg.pids.items():

@@ -5,13 +5,17 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from runs.events import EventKind
+from runs.store import iter_events
 from tests.helpers.launch import (
-    assert_nothing_left, crashes, launch, rid, shm_left, start_launch, wait_event, wait_step,
+    assert_nothing_left, crashes, launch, processes_in, rid, run_ffctl, shm_left, start_launch, wait_event,
+    wait_step,
 )
 
 pytestmark = pytest.mark.slow
@@ -253,3 +257,49 @@ def test_faults_close_together_never_find_the_spare_pool_empty(workdir: Path, ba
     assert crashes(res.events) == []
     assert_nothing_left(workdir)
     assert not shm_left(res.run_id)
+
+
+def _template_of(workdir: Path, not_pid: int = 0, timeout: float = 60.0) -> psutil.Process:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = [p for p in processes_in(workdir)
+                 if "ffctl.agent.template" in " ".join(p.info["cmdline"] or []) and p.pid != not_pid]
+        if found:
+            return found[0]
+        time.sleep(0.01)
+    raise AssertionError("no worker template running")
+
+
+def test_a_dead_template_is_restarted_and_meanwhile_workers_start_cold(workdir: Path) -> None:
+    run_id = rid("tdead")
+    events = workdir / "runs" / run_id / "events.jsonl"
+    warm = lambda ev: ev.kind is EventKind.SPARES_HELD and ev.get("template") is True  # noqa: E731
+    proc = start_launch(workdir, run_id, "--steps", "100000", "--nnodes", "1", "--spares", "0")
+    try:
+        wait_event(events, warm)
+        wait_step(workdir / "runs", run_id, 5)
+        old = _template_of(workdir)
+        old.kill()
+        # The agent starts a new one at once; hold it before it is warm, so that the next
+        # replacement finds no template and must start as a fresh interpreter.
+        new = _template_of(workdir, not_pid=old.pid)
+        new.suspend()
+        out = run_ffctl(workdir, "inject", "kill-rank", "--run", run_id, "--rank", "1", timeout=120)
+        assert out.returncode == 0, out.stderr
+        wait_event(events, lambda ev: ev.kind is EventKind.RANKS_SPAWNED and ev.get("gen") == 1)
+        new.resume()
+        seen = len([ev for ev in iter_events(events) if warm(ev)])
+        wait_event(events, lambda ev: warm(ev) and len([e for e in iter_events(events) if warm(e)]) > seen)
+        out = run_ffctl(workdir, "inject", "kill-rank", "--run", run_id, "--rank", "1", timeout=120)
+        assert out.returncode == 0, out.stderr
+        wait_event(events, lambda ev: ev.kind is EventKind.RANKS_SPAWNED and ev.get("gen") == 2)
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    spawned = {ev.get("gen"): ev.get("started_by") for ev in iter_events(events) if ev.kind is EventKind.RANKS_SPAWNED}
+    assert spawned[1] == {"1": "cold"} and spawned[2] == {"1": "template"}
+    assert_nothing_left(workdir)
+    assert not shm_left(run_id)
