@@ -23,6 +23,10 @@ MAX_NODES = 1024
 MAX_PROCS_PER_NODE = 1024  # ranks per node; warm spares per node too
 MAX_STEPS = 1_000_000_000
 MAX_BATCH = 1 << 20
+# Restarts allowed when none is asked for: torchrun's 0 for an unchanged script; a job on the
+# recovery library keeps ffctl's 3 (see ffctl.controller.coordinator).
+PLAIN_MAX_RESTARTS = 0
+LIBRARY_MAX_RESTARTS = 3
 SANDBOXES = ("netns",)  # --sandbox values (ffctl.launch.plan.BACKENDS has one backend each)
 
 
@@ -63,7 +67,9 @@ class LaunchSpec:
     recovery: str = Strategy.PEER
     ckpt_every: int = 0
     spares: int = 0
-    max_restarts: int = 3  # recoveries from failures ffctl did not inject (see ffctl.controller.coordinator)
+    # Recoveries from failures ffctl did not inject (see ffctl.controller.coordinator). None: the
+    # worker's default, torchrun's 0 for an unchanged script and 3 for the recovery library.
+    max_restarts: int | None = None
     injects: tuple[FaultSpec, ...] = ()
     chaos: str | None = None
     run_id: str | None = None
@@ -81,6 +87,10 @@ class LaunchSpec:
     address: str = "127.0.0.1"  # where the controller's store listens
     extra_env: tuple[tuple[str, str], ...] = field(default=())
     keep_freed_memory: bool = True  # workers keep freed memory rather than fault it in each step
+    role: str = "default"  # torchrun's --role: the workers' ROLE_NAME
+    # torchrun options accepted and recorded (name, value), which ffctl's controller and agents
+    # carry out their own way (ffctl.launch.torchrun.RECORDED).
+    torchrun: tuple[tuple[str, str], ...] = ()
 
     @property
     def world_size(self) -> int:
@@ -106,7 +116,8 @@ class LaunchSpec:
         _seconds("pg_timeout", self.pg_timeout)
         _whole("--batch", self.batch, 0, MAX_BATCH)
         _whole("--spares", self.spares, 0, MAX_PROCS_PER_NODE)
-        _whole("--max-restarts", self.max_restarts, 0, MAX_STEPS)
+        if self.max_restarts is not None:
+            _whole("--max-restarts", self.max_restarts, 0, MAX_STEPS)
         if self.run_id is not None:
             try:
                 validate_run_id(self.run_id)

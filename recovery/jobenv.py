@@ -15,6 +15,9 @@ SHM_DIR = "/dev/shm"  # where slots and in-step fault files live unless configur
 # The job token reaches a rank only through its agent's own process environment under this name,
 # never through the store: a rank's environment as the controller sends it has no token.
 TOKEN_ENV = "FFCTL_TOKEN"
+# torchrun's per-rank error file: torch's `@record` writes a failing rank's exception there, and
+# the agent reads it when the rank exits (the root cause's message).
+ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 
 
 class Strategy(Label):
@@ -53,6 +56,8 @@ class JobEnv:
     pg_timeout: float = 60.0
     backend: str = "gloo"
     fault_dir: str = SHM_DIR
+    role: str = "default"  # torchrun's --role
+    max_restarts: int = 0  # the job's restart budget, as torchrun tells its workers
 
     @property
     def memory_snapshots(self) -> bool:
@@ -65,9 +70,10 @@ class JobEnv:
         env.update(
             RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK=str(self.local_rank),
             LOCAL_WORLD_SIZE=str(self.local_world_size), GROUP_RANK=str(self.node),
-            ROLE_RANK=str(self.rank), ROLE_WORLD_SIZE=str(self.world_size),
+            ROLE_RANK=str(self.rank), ROLE_WORLD_SIZE=str(self.world_size), ROLE_NAME=self.role,
             MASTER_ADDR=self.store_host, MASTER_PORT=str(self.store_port),
             TORCHELASTIC_RUN_ID=self.run_id, TORCHELASTIC_RESTART_COUNT=str(self.gen),
+            TORCHELASTIC_MAX_RESTARTS=str(self.max_restarts),
             # torch's env:// rendezvous then joins the controller's store as a client, under a
             # prefix per restart, exactly as it does under torchrun's agent.
             TORCHELASTIC_USE_AGENT_STORE="True",

@@ -430,6 +430,8 @@ class RankExited(Message):
     expected: bool | None = _optional(_bool)
     host: str | None = _optional(_str)
     log_tail: list[str] | None = _optional(_lines)
+    # The message of the error file torch's `@record` wrote (TORCHELASTIC_ERROR_FILE), if any.
+    error: str | None = _optional(_str)
 
 
 @_report(Kind.REPLICATED)

@@ -37,7 +37,7 @@ from ffctl.agent.template import (
 from ffctl.agent.workerenv import worker_env
 from recovery import control, messages
 from recovery.peer import PeerStore
-from recovery.jobenv import SHM_DIR, TOKEN_ENV
+from recovery.jobenv import ERROR_FILE_ENV, SHM_DIR, TOKEN_ENV
 from recovery.slots import NodeBusy, claim_node, read_header, release_node, slot_path
 from runs import shm
 
@@ -94,6 +94,20 @@ class Worker:
     gen: int
     proc: subprocess.Popen[bytes] | ForkedWorker | ForkedSpare
     expected_exit: bool = False
+
+
+def read_error_file(path: Path) -> str | None:
+    """The error message in a torchelastic error file (`{"message": {"message": ...}}` as torch's
+    `@record` writes it, or `{"message": "..."}`), bounded; None when there is none."""
+    try:
+        with open(path, "rb") as fh:
+            data = json.loads(fh.read(1 << 20).decode("utf-8", errors="replace"))
+    except (OSError, ValueError):
+        return None
+    msg = data.get("message") if isinstance(data, dict) else None
+    if isinstance(msg, dict):
+        msg = msg.get("message")
+    return (msg.strip()[:500] or None) if isinstance(msg, str) else None
 
 
 def kill_tree(procs: list[psutil.Process], grace: float) -> None:
@@ -286,7 +300,8 @@ class Agent:
             assignment = {
                 # The token goes to the rank here, over a private pipe (the spare's stdin or the
                 # template's), never through the store.
-                "env": {**self.cfg.worker_env, **spec["env"], TOKEN_ENV: self.cfg.token},
+                "env": {**self.cfg.worker_env, **spec["env"], TOKEN_ENV: self.cfg.token,
+                        ERROR_FILE_ENV: str(self._error_file(rank, gen))},
                 "argv": list(self.cfg.worker_argv),
                 "log": str(Path(self.cfg.log_dir) / f"{rank}.log"),
                 "cwd": self.cfg.cwd,
@@ -356,8 +371,15 @@ class Agent:
                 # The end of its log says why it failed; read here, so it reaches the controller
                 # from any host. Exits asked for (a kill, the end of the run) need none.
                 tail = [] if w.expected_exit or code == 0 else self._log_tail(rank)
+                error = None if w.expected_exit or code == 0 else read_error_file(self._error_file(rank, w.gen))
                 self._report(messages.RankExited, rank=rank, gen=w.gen, pid=w.proc.pid, exitcode=code,
-                             expected=w.expected_exit, host=socket.gethostname(), log_tail=tail)
+                             expected=w.expected_exit, host=socket.gethostname(), log_tail=tail,
+                             **({"error": error} if error else {}))
+
+    def _error_file(self, rank: int, gen: int) -> Path:
+        """Where torch's `@record` writes the rank's error (torchrun's TORCHELASTIC_ERROR_FILE):
+        one file per rank and generation, beside its log."""
+        return Path(self.cfg.log_dir) / f"{rank}.gen{gen}.error.json"
 
     def _log_tail(self, rank: int, lines: int = LOG_TAIL_LINES) -> list[str]:
         """The last `lines` lines of the rank's log (all of its generations write to it)."""

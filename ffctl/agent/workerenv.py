@@ -33,8 +33,13 @@ def allocator_configured(env: Mapping[str, str]) -> bool:
 
 def worker_env(host_env: Mapping[str, str], job_env: Mapping[str, str], keep_freed_memory: bool) -> dict[str, str]:
     """A worker's environment: the host's, then the job's, with the allocator settings above
-    where neither the host nor the job set any."""
+    where neither the host nor the job set any, and torchrun's `OMP_NUM_THREADS=1` where the
+    node runs more than one rank and neither set it."""
     env = {**host_env, **job_env}
+    # torchrun's rule: several processes per node each start one OpenMP thread unless told
+    # otherwise, or they oversubscribe the node's cores.
+    if "OMP_NUM_THREADS" not in env and int(env.get("LOCAL_WORLD_SIZE", "1") or 1) > 1:
+        env["OMP_NUM_THREADS"] = "1"
     if keep_freed_memory and not allocator_configured(env):
         env.update(KEEP_FREED_MEMORY)
     return env

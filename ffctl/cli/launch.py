@@ -1,6 +1,7 @@
 """`ffctl launch`: start instrumented training, inject scheduled faults, recover, record."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -11,11 +12,19 @@ from fault_injectors.spec import parse_injection
 from ffctl.render import make_console
 from ffctl.errors import EXIT_EXPECTATION, EXIT_INTERRUPTED, EXIT_OK, BadInput
 from ffctl.launch.plan import execute, plan_launch
+from ffctl.launch.torchrun import TorchrunArgError, resolve
 from ffctl.spec import LaunchSpec
 from ffctl.render.live import LiveView
 from ffctl.render.report import render_plan, render_report, root_cause_lines
 from runs.events import EventKind, RunStatus, finish_reason
 from runs.metrics import compute
+
+
+def _gpus() -> int:
+    """This machine's GPUs, for torchrun's `--nproc-per-node gpu|auto` (torch only when asked)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def register(app: typer.Typer) -> None:
@@ -24,9 +33,9 @@ def register(app: typer.Typer) -> None:
         context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True},
     )
     def launch(
-        script: Annotated[Optional[list[str]], typer.Argument(help="Training script and its arguments (default: built-in GPT).")] = None,
-        nnodes: Annotated[int, typer.Option("--nnodes", help="Nodes (local agents without --hosts).")] = 2,
-        nproc_per_node: Annotated[int, typer.Option("--nproc-per-node", "--nproc_per_node", help="Ranks per node.")] = 2,
+        script: Annotated[Optional[list[str]], typer.Argument(help="Training script and its arguments, as torchrun takes them (a `--` before them works too; default: the built-in GPT).")] = None,
+        nnodes: Annotated[Optional[str], typer.Option("--nnodes", show_default=False, help="Nodes (local agents without --hosts): N, or torchrun's MIN:MAX (ffctl starts every node itself, so MAX run). Default: 2 for the built-in GPT, torchrun's 1 for a script (PET_NNODES).")] = None,
+        nproc_per_node: Annotated[Optional[str], typer.Option("--nproc-per-node", "--nproc_per_node", show_default=False, help="Ranks per node: a number, cpu, gpu or auto, as torchrun takes it. Default: 2 for the built-in GPT, torchrun's 1 for a script (PET_NPROC_PER_NODE).")] = None,
         steps: Annotated[int, typer.Option(help="Training steps of the built-in workload.")] = 60,
         seed: Annotated[int, typer.Option(help="Seed: same seed, same losses.")] = 0,
         model: Annotated[str, typer.Option(help="Built-in GPT size: tiny, small, medium or base.")] = "tiny",
@@ -35,7 +44,7 @@ def register(app: typer.Typer) -> None:
         recovery: Annotated[str, typer.Option(help="peer | restart-memory | restart-disk | none")] = "peer",
         ckpt_every: Annotated[int, typer.Option("--ckpt-every", help="Disk checkpoint every N steps (0: never).")] = 0,
         spares: Annotated[int, typer.Option(help="Warm spare workers per node.")] = 0,
-        max_restarts: Annotated[int, typer.Option("--max-restarts", "--max_restarts", help="Recoveries allowed from failures ffctl did not inject (a crash in the script, a failed recovery) before the job stops, as torchrun counts restarts; recoveries from injected faults never count. The same rank failing at the same step with the same error after a restore stops the job at once.")] = 3,
+        max_restarts: Annotated[Optional[str], typer.Option("--max-restarts", "--max_restarts", show_default=False, help="Recoveries allowed from failures ffctl did not inject (a crash in the script, a failed recovery) before the job stops, as torchrun counts restarts; recoveries from injected faults never count. Default: torchrun's 0 for an unchanged script (every worker is stopped and the group restarted, as torchrun does); 3 for the built-in GPT and scripts on the recovery library, where the same rank failing at the same step with the same error after a restore also stops the job at once (PET_MAX_RESTARTS).")] = None,
         inject: Annotated[Optional[list[str]], typer.Option("--inject", help="Scheduled fault KIND:key=value,...")] = None,
         chaos: Annotated[Optional[str], typer.Option("--chaos", help="Seeded random faults: mtbf=SECONDS,seed=N[,kinds=K1|K2][,until=S][,duration=S].")] = None,
         sandbox: Annotated[Optional[str], typer.Option("--sandbox", help="netns: each local node in its own network namespace (root), so network faults are real.")] = None,
@@ -46,23 +55,57 @@ def register(app: typer.Typer) -> None:
         dry_run: Annotated[bool, typer.Option("--dry-run", help="Print what would run and start nothing.")] = False,
         hosts: Annotated[Optional[Path], typer.Option("--hosts", help="Hostfile: one node per host, agents started over SSH.")] = None,
         accept_new_host_keys: Annotated[bool, typer.Option("--accept-new-host-keys", help="Trust and save host keys not yet in known_hosts.")] = False,
-        master_addr: Annotated[Optional[str], typer.Option("--master-addr", "--master_addr", help="This machine's address the hosts reach the controller on (default: found over SSH).")] = None,
+        master_addr: Annotated[Optional[str], typer.Option("--master-addr", "--master_addr", help="The job's store (ffctl's controller) address the hosts reach, torchrun's MASTER_ADDR (default: 127.0.0.1 locally, found over SSH with --hosts; PET_MASTER_ADDR).")] = None,
         remote_python: Annotated[str, typer.Option("--remote-python", help="Python (with torch and ffctl) on the hosts.")] = "python3",
         remote_runs_dir: Annotated[str, typer.Option("--remote-runs-dir", help="Per-run files (logs, checkpoints) on the hosts.")] = "/tmp/ffctl-runs",
         keep_freed_memory: Annotated[bool, typer.Option("--keep-freed-memory/--release-freed-memory", help="Ranks keep freed memory instead of faulting it in again every step (glibc settings; left alone where the host sets an allocator).")] = True,
+        standalone: Annotated[bool, typer.Option("--standalone", rich_help_panel="torchrun options", help="torchrun's single-node job (PET_STANDALONE): one node; ffctl's controller runs the store on a free port.")] = False,
+        rdzv_backend: Annotated[Optional[str], typer.Option("--rdzv-backend", "--rdzv_backend", rich_help_panel="torchrun options", help="Accepted and recorded: ffctl's controller runs the job's TCPStore (torchrun's c10d store) whatever the backend.")] = None,
+        rdzv_endpoint: Annotated[Optional[str], typer.Option("--rdzv-endpoint", "--rdzv_endpoint", rich_help_panel="torchrun options", help="Accepted (HOST[:PORT] checked) and recorded: workers get the controller's store as MASTER_ADDR:MASTER_PORT.")] = None,
+        rdzv_id: Annotated[Optional[str], typer.Option("--rdzv-id", "--rdzv_id", rich_help_panel="torchrun options", help="Accepted and recorded; TORCHELASTIC_RUN_ID is ffctl's run id (--run-id).")] = None,
+        rdzv_conf: Annotated[Optional[str], typer.Option("--rdzv-conf", "--rdzv_conf", rich_help_panel="torchrun options", help="Accepted and recorded (timeouts are ffctl's own).")] = None,
+        node_rank: Annotated[Optional[str], typer.Option("--node-rank", "--node_rank", rich_help_panel="torchrun options", help="Accepted and recorded: one ffctl launch starts every node and numbers them (GROUP_RANK).")] = None,
+        master_port: Annotated[Optional[str], typer.Option("--master-port", "--master_port", rich_help_panel="torchrun options", help="Accepted and recorded: MASTER_PORT is the port of the controller's store, picked free.")] = None,
+        local_addr: Annotated[Optional[str], typer.Option("--local-addr", "--local_addr", rich_help_panel="torchrun options", help="Accepted and recorded: nodes' addresses come from the backend (local, sandbox, --hosts).")] = None,
+        monitor_interval: Annotated[Optional[str], typer.Option("--monitor-interval", "--monitor_interval", rich_help_panel="torchrun options", help="Accepted and recorded: ffctl's agents see a worker's exit within 100 ms.")] = None,
+        start_method: Annotated[Optional[str], typer.Option("--start-method", "--start_method", rich_help_panel="torchrun options", help="spawn, fork or forkserver: accepted and recorded; workers start as ffctl's agents start them (a fork of a warm template, a spare or a fresh interpreter), each as a fresh `python SCRIPT` would run.")] = None,
+        role: Annotated[Optional[str], typer.Option("--role", rich_help_panel="torchrun options", help="The workers' ROLE_NAME (default: default).")] = None,
+        module: Annotated[bool, typer.Option("-m", "--module", rich_help_panel="torchrun options", help="SCRIPT is a Python module, run as `python -m` would.")] = False,
+        no_python: Annotated[bool, typer.Option("--no-python", "--no_python", rich_help_panel="torchrun options", help="SCRIPT is a program, run as is (not with Python).")] = False,
+        run_path: Annotated[bool, typer.Option("--run-path", "--run_path", rich_help_panel="torchrun options", help="Accepted and recorded: a script is always run as `runpy.run_path` runs it.")] = False,
+        log_dir: Annotated[Optional[str], typer.Option("--log-dir", "--log_dir", rich_help_panel="torchrun options", help="Accepted and recorded: each rank's output and error file are in the run record, logs/<node>/.")] = None,
+        redirects: Annotated[Optional[str], typer.Option("-r", "--redirects", rich_help_panel="torchrun options", help="0-3 or LOCAL_RANK:0-3,...: accepted and recorded; ranks' output always goes to their log in the record.")] = None,
+        tee: Annotated[Optional[str], typer.Option("-t", "--tee", rich_help_panel="torchrun options", help="0-3 or LOCAL_RANK:0-3,...: accepted and recorded; ranks' output always goes to their log in the record.")] = None,
+        local_ranks_filter: Annotated[Optional[str], typer.Option("--local-ranks-filter", "--local_ranks_filter", rich_help_panel="torchrun options", help="Accepted and recorded.")] = None,
     ) -> int:
         """Train on local nodes (the built-in GPT, or SCRIPT), inject faults, recover, and record it."""
         try:
             faults = tuple(parse_injection(s, scheduled=True) for s in inject or [])
         except FaultSpecError as exc:
             raise BadInput(f"--inject: {exc}") from None
+        given = {"nnodes": nnodes, "nproc_per_node": nproc_per_node, "max_restarts": max_restarts,
+                 "rdzv_backend": rdzv_backend, "rdzv_endpoint": rdzv_endpoint, "rdzv_id": rdzv_id,
+                 "rdzv_conf": rdzv_conf, "node_rank": node_rank, "master_addr": master_addr,
+                 "master_port": master_port, "local_addr": local_addr, "monitor_interval": monitor_interval,
+                 "start_method": start_method, "role": role, "log_dir": log_dir, "redirects": redirects,
+                 "tee": tee, "local_ranks_filter": local_ranks_filter}
+        flags = {"standalone": standalone, "module": module, "no_python": no_python, "run_path": run_path}
+        try:
+            tr = resolve(given, flags, script or (), os.environ, cpus=os.cpu_count() or 1,
+                         gpus=_gpus() if (nproc_per_node or os.environ.get("PET_NPROC_PER_NODE", "")).strip()
+                         in ("gpu", "auto") else 0)
+        except TorchrunArgError as exc:
+            raise BadInput(str(exc)) from None
+        # Without a script the built-in GPT runs on its own 2x2 default; a script gets torchrun's.
+        default_layout = 2 if not tr.worker_argv else 1
         spec = LaunchSpec(
-            nnodes=nnodes, nproc_per_node=nproc_per_node, steps=steps, seed=seed, model=model, optimizer=optimizer, batch=batch,
-            recovery=recovery, ckpt_every=ckpt_every, spares=spares, max_restarts=max_restarts, injects=faults, run_id=run_id,
-            runs_dir=runs_dir, script=tuple(script or ()), heartbeat_timeout=heartbeat_timeout, hang_min_s=hang_timeout,
-            hostfile=hosts, accept_new_host_keys=accept_new_host_keys, master_addr=master_addr,
+            nnodes=default_layout if tr.nnodes is None else tr.nnodes,
+            nproc_per_node=default_layout if tr.nproc_per_node is None else tr.nproc_per_node, steps=steps, seed=seed, model=model, optimizer=optimizer, batch=batch,
+            recovery=recovery, ckpt_every=ckpt_every, spares=spares, max_restarts=tr.max_restarts, injects=faults, run_id=run_id,
+            runs_dir=runs_dir, script=tr.worker_argv, heartbeat_timeout=heartbeat_timeout, hang_min_s=hang_timeout,
+            hostfile=hosts, accept_new_host_keys=accept_new_host_keys, master_addr=tr.master_addr,
             remote_python=remote_python, remote_runs_dir=remote_runs_dir,
-            chaos=chaos, sandbox=sandbox, keep_freed_memory=keep_freed_memory,
+            chaos=chaos, sandbox=sandbox, keep_freed_memory=keep_freed_memory, role=tr.role, torchrun=tr.recorded,
         )
         plan = plan_launch(spec)
         console = make_console()

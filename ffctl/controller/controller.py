@@ -28,7 +28,7 @@ from ffctl.controller.failures import Cause, Failure, RankFailure, error_line
 from ffctl.controller.state import JobState, NodeState, Phase
 from ffctl.controller.decide import Decision, ring_holder
 from ffctl.controller.injector import Injector
-from ffctl.spec import LaunchSpec
+from ffctl.spec import LIBRARY_MAX_RESTARTS, PLAIN_MAX_RESTARTS, LaunchSpec
 from ffctl.controller.backend import NodeBackend
 from ffctl.controller.progress import StepReport
 from recovery import control, disk, messages
@@ -90,13 +90,23 @@ class Controller:
         self.notices: list[str] = []  # said on screen once each: a failed rank, a fallback, a fatal reason
         self.root_cause: dict[str, Any] | None = None  # the failure that stopped the job
         self.plain_script = not uses_recovery_library(spec.script)
+        # torchrun's default for an unchanged script is no restart; the library keeps ffctl's.
+        self.max_restarts = spec.max_restarts if spec.max_restarts is not None else (
+            PLAIN_MAX_RESTARTS if self.plain_script else LIBRARY_MAX_RESTARTS)
         self._incarnation: dict[int, int] = {}
         self._view_at = 0.0
         self.injector = Injector(self, self.job, transport_for or nodes.transport_for,
                                  scheduled=[s for s in spec.injects], chaos=spec.chaos, hang_min_s=spec.hang_min_s)
         self.store: dist.TCPStore | None = None
         self.inbox: control.Receiver | None = None
-        self.coordinator = RecoveryCoordinator(self, self.job, spec.recovery, spec.max_restarts)
+        # An unchanged script gets torchrun's restart: every worker stopped and the group started
+        # again (it cannot take part in an in-place recovery), and no crash-loop guard: torchrun
+        # restarts a failing group until --max-restarts is spent.
+        strategy = spec.recovery
+        if self.plain_script and strategy == Strategy.PEER:
+            strategy = Strategy.RESTART_MEMORY
+        self.coordinator = RecoveryCoordinator(self, self.job, strategy, self.max_restarts)
+        self.coordinator.crash_loop_guard = not self.plain_script
 
     # -- record & view ------------------------------------------------------------------------
     def record(self, kind: EventKind, /, t: float | None = None, **data: Any) -> None:
@@ -175,7 +185,10 @@ class Controller:
         argv = tuple(self.spec.script) if self.spec.script else (
             "-m", "ffctl.workload.train", "--model", self.spec.model, "--steps", str(self.spec.steps),
             "--seed", str(self.spec.seed), "--optimizer", self.spec.optimizer, "--batch", str(self.spec.batch))
-        env = {"GLOO_SOCKET_IFNAME": self.launcher.interface(node) or "lo", **dict(self.spec.extra_env)}
+        # LOCAL_WORLD_SIZE (each rank gets its own too) lets the agent apply torchrun's
+        # OMP_NUM_THREADS rule to the worker template, which loads OpenMP before any rank exists.
+        env = {"GLOO_SOCKET_IFNAME": self.launcher.interface(node) or "lo",
+               "LOCAL_WORLD_SIZE": str(self.spec.nproc_per_node), **dict(self.spec.extra_env)}
         return AgentConfig(
             run_id=self.rec.run_id, node=node, nnodes=self.spec.nnodes, store_host=self.spec.address,
             store_port=self.port, address=self.launcher.address(node), token=self.token,
@@ -196,6 +209,7 @@ class Controller:
             store_host=self.spec.address, store_port=self.port, gen=gen, strategy=self.spec.recovery,
             ckpt_dir=self._ckpt_dir(), ckpt_every=self.spec.ckpt_every,
             replicate=memory and self.spec.nnodes > 1, pg_timeout=self.spec.pg_timeout,
+            role=self.spec.role, max_restarts=self.max_restarts,
         )
         # No token: this travels through the store. The agent adds it where the rank starts.
         return env.to_env()
@@ -384,7 +398,8 @@ class Controller:
         rank, pid, code = msg.rank, msg.pid, msg.exitcode
         tail = _lines(msg.log_tail)
         self.record(EventKind.RANK_EXITED, t=now, node=msg.node, rank=rank, pid=pid, exitcode=code,
-                    gen=msg.gen, expected=bool(msg.expected), **({"log_tail": tail} if tail else {}))
+                    gen=msg.gen, expected=bool(msg.expected), **({"log_tail": tail} if tail else {}),
+                    **({"error_file": msg.error} if msg.error else {}))
         if self.pids.get(rank) != pid:
             return  # a process of an earlier generation, already replaced
         self.pids[rank] = None
@@ -402,7 +417,7 @@ class Controller:
         else:
             host = msg.host if msg.host is not None else self._host(node)
             rf = RankFailure(rank, node, host[:255], now, step=self._failing_step(rank), pid=pid,
-                             exitcode=code, error=error_line(tail)[:500], tail=tail)
+                             exitcode=code, error=(msg.error or error_line(tail))[:500], tail=tail)
             self.rank_failed[rank] = rf
         self._fail(Failure("process-exit", {rank}, t=now, detail=f"exit code {code}", rank_failures={rank: rf}))
 
@@ -598,7 +613,8 @@ class Controller:
                         nnodes=self.spec.nnodes, nproc_per_node=self.spec.nproc_per_node,
                         steps=self.spec.steps, seed=self.spec.seed, model=self.spec.model,
                         script=list(self.spec.script), spares=self.spec.spares, ckpt_every=self.spec.ckpt_every,
-                        max_restarts=self.spec.max_restarts, plain_script=self.plain_script)
+                        max_restarts=self.max_restarts, plain_script=self.plain_script,
+                        role=self.spec.role, torchrun=dict(self.spec.torchrun))
             for n in range(self.spec.nnodes):
                 self.start_agent(n)
             self.wait_agents(list(range(self.spec.nnodes)))

@@ -107,6 +107,8 @@ class RecoveryCoordinator:
         self._req = 0
         self.restarts = 0  # recoveries that spent the --max-restarts budget
         self._restored_from: tuple[object, ...] | None = None  # signature of the last such failure
+        # Off for an unchanged script, which torchrun restarts until the budget is spent.
+        self.crash_loop_guard = True
 
     def recover(self) -> RecoveryOutcome:
         """Recover from the pending failure, and from any that arrive before the job resumes;
@@ -130,7 +132,7 @@ class RecoveryCoordinator:
             cluster.abort_generation(job.gen)
             if self.strategy is Strategy.NONE:
                 self._stop(failure, ids, f"{failure.cause} and --recovery none: the job stops")
-            sig = failure.signature()
+            sig = failure.signature() if self.crash_loop_guard else None
             verdict = restart_verdict(self.max_restarts, self.restarts, bool(ids), sig, self._restored_from)
             if verdict.stop is not None:
                 self._stop(failure, ids, f"{verdict.stop}: the job stops")

@@ -168,7 +168,8 @@ def run_info(plan: LaunchPlan) -> dict[str, Any]:
         "spec": {"nnodes": spec.nnodes, "nproc_per_node": spec.nproc_per_node, "steps": spec.steps,
                  "seed": spec.seed, "model": spec.model, "recovery": spec.recovery, "ckpt_every": spec.ckpt_every,
                  "spares": spec.spares, "injects": [str(f) for f in spec.injects], "script": list(spec.script),
-                 "sandbox": spec.sandbox, "chaos": spec.chaos},
+                 "sandbox": spec.sandbox, "chaos": spec.chaos, "max_restarts": spec.max_restarts,
+                 "role": spec.role, "torchrun": dict(spec.torchrun)},
         "hosts": ["localhost"] * spec.nnodes,
         "versions": {"ffctl": __version__, "torch": torch.__version__, "python": platform.python_version()},
     }
