@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields
 from enum import Enum
 from typing import Callable, Sequence
 
-from fault_injectors.network import QDISC_TRIALS, probe_qdisc
+from fault_injectors.network import QDISC_TRIALS, probe_iptables, probe_qdisc
 from fault_injectors.transport import CommandResult, LocalTransport, Transport, TransportError
 
 MIN_PYTHON = (3, 10)
@@ -235,13 +235,19 @@ def _facts(transport: Transport, timeout: float) -> dict[str, object]:
             values[key.strip()] = value.strip()
     which = {t: values.get(f"which.{t}") or None for t in _TOOLS}
     nvidia = which["nvidia-smi"]
+    is_root = values["uid"] == "0" if values.get("uid", "").isdigit() else None
+    iptables = which["iptables"] is not None
+    if iptables and is_root:
+        # The launch preflight's own probe: installed is not enough, the filter table must be
+        # usable here (a kernel without it, a container without the capability).
+        iptables = probe_iptables(transport, "iptables", timeout).ok
     return {
-        "iptables": which["iptables"] is not None,
+        "iptables": iptables,
         "tc": which["tc"] is not None,
         "nvidia_smi": nvidia is not None,
         "dcgmi": which["dcgmi"] is not None,
         "gpu_count": _gpu_count(transport, nvidia, timeout) if nvidia else None,
-        "is_root": values["uid"] == "0" if values.get("uid", "").isdigit() else None,
+        "is_root": is_root,
         "kernel": values.get("kernel") or None,
         "mem_available_bytes": _kib(values.get("mem_kb")),
         "shm_free_bytes": _kib(values.get("shm_kb")),
