@@ -129,7 +129,7 @@ class HostReport:
         if self.is_root is False:
             out.append("not root: network faults (iptables, tc) need root")
         if not self.iptables:
-            out.append("iptables not found: net-partition and net-port-block cannot run")
+            out.append("iptables missing or its filter table unusable: net-partition and net-port-block cannot run")
         if not self.tc:
             out.append("tc not found: net-bandwidth, net-delay and net-loss cannot run")
         else:
