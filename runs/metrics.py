@@ -6,10 +6,13 @@ Definitions, all on the controller clock:
   highest step any rank had completed when the fault hit. Replay of rolled-back steps is included.
 - breakdown: detect, decide, spawn, rendezvous, restore, replay; they add up to recovery_s.
 - lost_steps = m - s, s being the step the job was restored to.
-- lost_gpu_hours = world_size x recovery_s / 3600 (a fault never recovered from counts until the
-  run ended).
-Per run, lost_gpu_hours_total counts the union of the faults' windows, so two overlapping faults
-(a fault during another's replay) do not bill the same idle device-seconds twice.
+- lost_s = the wall time the job lost to the fault against its own pace before it (`_lost_windows`):
+  from the last commit before the injection until the job is back at that pace after the fault
+  ended, that window's length less the time the steps it gained would have taken at that pace.
+  It covers what recovery_s cannot see: a hang shorter than the detection threshold, a slowdown.
+- lost_gpu_hours = world_size x lost_s / 3600.
+Per run, lost_gpu_hours_total is the sum over the faults: time covered by two faults' windows is
+split between them, so nothing is billed twice.
 
 Status: a `run_finished` event's, else `running` while the controller lives and `incomplete`
 once it is gone (`run_status`). Whether it lives is not in the events: the caller that can look
@@ -18,13 +21,19 @@ Figures of an incomplete run stop at the controller's last event.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import statistics
+from dataclasses import asdict, dataclass, field, replace
 from enum import Enum
 from typing import Any, Iterable
 
 from runs.events import Event, EventKind, RunStatus, finish_reason
 
 BREAKDOWN_KEYS = ("detect", "decide", "spawn", "rendezvous", "restore", "replay")
+# "Back at pace" after a fault ended: the first commit from which BACK_WINDOW consecutive step
+# intervals have a median within PACE_TOLERANCE of the pre-fault pace, the first interval too (a
+# median alone would wave a slow first interval through unbilled).
+BACK_WINDOW = 3
+PACE_TOLERANCE = 0.2
 
 
 @dataclass(frozen=True)
@@ -53,6 +62,12 @@ class FaultMetrics:
     revert_ok: bool | None = None
     # How each replacement of the recovery started (spare | template | cold), by rank.
     started_by: dict[str, str] = field(default_factory=dict)
+    # Wall time lost to the fault against the job's pace before it (see `_lost_windows`); the
+    # pace (seconds per step) it was measured against, and when the job was back at it (None:
+    # it never was before the run ended, and the loss counts to the end).
+    lost_s: float = 0.0
+    pace_s: float | None = None
+    back_at_pace_at: float | None = None
 
 
 @dataclass(frozen=True)
@@ -187,7 +202,6 @@ def _fault_metrics(inj: Event, events: list[Event], world_size: int, end_t: floa
         for key, (a, b) in zip(BREAKDOWN_KEYS[1:], zip(marks, marks[1:])):
             breakdown[key] = max(0.0, b - a)
     recovery_s = resumed.t - ti if resumed is not None else None
-    window = recovery_s if recovery_s is not None else max(0.0, end_t - ti)
     restore_step = decision.get("restore_step") if decision is not None else None
     reverted_at, reverted_by, revert_ok = _revert_of(fid, events)
     spawned = None
@@ -214,13 +228,113 @@ def _fault_metrics(inj: Event, events: list[Event], world_size: int, end_t: floa
             if decision is not None and decision.get("restore_source") is not None
             else None
         ),
-        lost_gpu_hours=world_size * window / 3600.0,
+        lost_gpu_hours=0.0,  # from lost_s, once every fault's window is known (`compute`)
         recovered=resumed is not None,
         reverted_at=reverted_at,
         reverted_by=reverted_by,
         revert_ok=revert_ok,
         started_by={str(r): str(h) for r, h in started_by.items()} if isinstance(started_by, dict) else {},
     )
+
+
+
+@dataclass(frozen=True)
+class _Commit:
+    t: float
+    step: int
+    gen: int
+    step_time_s: float
+
+
+@dataclass(frozen=True)
+class _LostWindow:
+    start: float  # the last commit before the injection (the injection when there was none)
+    end: float  # back at pace, else where the run's progress ended
+    pace: float | None
+    back_at: float | None
+
+
+def _commits(events: list[Event]) -> list[_Commit]:
+    return [_Commit(ev.t, int(ev.get("step")), int(ev.get("gen", 0) or 0), float(ev.get("step_time_s", 0.0) or 0.0))
+            for ev in events if ev.kind is EventKind.STEP]
+
+
+def _interval(commits: list[_Commit], i: int) -> float | None:
+    """Wall time of the step committed at `commits[i]`, when the commit before it is the step
+    before it in the same generation (a replay's first step or a new generation's is no pace)."""
+    if i <= 0:
+        return None
+    a, b = commits[i - 1], commits[i]
+    if b.step != a.step + 1 or b.gen != a.gen:
+        return None
+    return b.t - a.t
+
+
+def _step_at(commits: list[_Commit], t: float) -> int:
+    """The step of the newest commit at or before `t`: where the job stood (a rollback lowers it,
+    so replayed steps are no progress)."""
+    step = 0
+    for c in commits:
+        if c.t > t:
+            break
+        step = c.step
+    return step
+
+
+def _lost_window(injected_at: float, fault_end: float | None, commits: list[_Commit], end_t: float,
+                 completed: bool) -> _LostWindow:
+    before = [i for i, c in enumerate(commits) if c.t <= injected_at]
+    start = commits[before[-1]].t if before else injected_at
+    # The pace: the median wall time per step before the fault, from the commits' timestamps (what
+    # the job delivered, input and reporting included); a single commit has only its own step_time_s.
+    gaps = [g for g in (_interval(commits, i) for i in before) if g is not None]
+    pace: float | None = statistics.median(gaps) if gaps else (
+        statistics.median(commits[i].step_time_s for i in before) if before else None)
+    back_at = None
+    if fault_end is not None:
+        for j, c in enumerate(commits):
+            if c.t < fault_end or j + BACK_WINDOW >= len(commits):
+                continue
+            window = [_interval(commits, j + k) for k in range(1, BACK_WINDOW + 1)]
+            if any(g is None for g in window):
+                continue
+            gaps_after = [float(g) for g in window if g is not None]
+            if pace is None:
+                # No step before the fault: the job's own pace once it runs again is the measure.
+                pace = statistics.median(gaps_after)
+            limit = (1.0 + PACE_TOLERANCE) * pace
+            if gaps_after[0] <= limit and statistics.median(gaps_after) <= limit:
+                back_at = c.t
+                break
+    if back_at is not None:
+        end = back_at
+    elif completed:
+        # The job finished its steps without settling back to its pace: the loss runs to its last
+        # step; the shutdown after it is no fault's doing.
+        end = max([start] + [c.t for c in commits if c.t >= start])
+    else:
+        end = max(start, end_t)  # failed, interrupted, incomplete or still running: to the end
+    return _LostWindow(start, end, pace, back_at)
+
+
+def _lost_windows(windows: list[_LostWindow], commits: list[_Commit]) -> list[float]:
+    """Each window's lost seconds: its length less (steps gained) x pace, floored at zero.
+
+    Where windows overlap, each stretch of time between two window edges is split evenly between
+    the faults whose windows cover it (each at its own pace), so the faults' lost_s add up to the
+    job's loss over the union of their windows: nothing is billed twice, and a fault that hit
+    during another's recovery still carries its share.
+    """
+    lost = [0.0] * len(windows)
+    cuts = sorted({w.start for w in windows} | {w.end for w in windows})
+    for x, y in zip(cuts, cuts[1:]):
+        active = [i for i, w in enumerate(windows) if w.start <= x and y <= w.end]
+        if not active:
+            continue
+        gained = _step_at(commits, y) - _step_at(commits, x)
+        for i in active:
+            lost[i] += ((y - x) - gained * (windows[i].pace or 0.0)) / len(active)
+    return [max(0.0, v) for v in lost]
 
 
 def _revert_of(fid: str, events: list[Event]) -> tuple[float | None, str | None, bool | None]:
@@ -247,20 +361,6 @@ def run_status(events: list[Event], controller_alive: bool | None = None) -> str
 
 
 CONTROLLER_LOST = "controller lost"
-
-
-def _union_length(intervals: list[tuple[float, float]]) -> float:
-    total, cur_start, cur_end = 0.0, None, None
-    for a, b in sorted(intervals):
-        if cur_end is None or a > cur_end:
-            if cur_end is not None:
-                total += cur_end - cur_start  # type: ignore[operator]
-            cur_start, cur_end = a, b
-        else:
-            cur_end = max(cur_end, b)
-    if cur_end is not None:
-        total += cur_end - cur_start  # type: ignore[operator]
-    return total
 
 
 def _spare_seconds(events: list[Event], end_t: float) -> float:
@@ -297,9 +397,19 @@ def compute(run_id: str, events: list[Event], controller_alive: bool | None = No
         for ev in events
         if ev.kind is EventKind.FAULT_INJECTED
     ]
-    windows = [
-        (f.injected_at, f.resumed_at if f.resumed_at is not None else max(end_t, f.injected_at))
-        for f in faults
+    commits = _commits(events)
+    windows = []
+    for f in faults:
+        # The fault ended when it was recovered from and, if it was reverted, reverted: a hang
+        # the job got past at once (step m+1 was already reduced) still stalls it until then.
+        ends = [t for t in (f.resumed_at, f.reverted_at) if t is not None]
+        fault_end = max(ends) if ends and (f.recovered or f.reverted_at is not None) else None
+        windows.append(_lost_window(f.injected_at, fault_end, commits, end_t,
+                                    status == RunStatus.COMPLETED.value))
+    faults = [
+        replace(f, lost_s=lost_s, pace_s=w.pace, back_at_pace_at=w.back_at,
+                lost_gpu_hours=world_size * lost_s / 3600.0)
+        for f, w, lost_s in zip(faults, windows, _lost_windows(windows, commits))
     ]
     wall = end_t - start_t
     useful = sum(_final_step_times(events).values())
@@ -312,7 +422,7 @@ def compute(run_id: str, events: list[Event], controller_alive: bool | None = No
         final_loss=losses[max(losses)] if losses else None,
         loss_by_step=[[step, losses[step]] for step in sorted(losses)],
         faults=faults,
-        lost_gpu_hours_total=world_size * _union_length(windows) / 3600.0,
+        lost_gpu_hours_total=sum(f.lost_gpu_hours for f in faults),
         spare_gpu_hours=_spare_seconds(events, end_t) / 3600.0,
         goodput=(useful / wall) if wall > 0 else None,
         wall_s=wall,

@@ -162,7 +162,15 @@ def test_disk_lost_steps_source_and_gpu_hours(disk: DiskRecovery) -> None:
     assert f.restore_step == 20
     assert f.lost_steps == 5
     assert f.restore_source == "disk"
-    assert f.lost_gpu_hours == approx(WORLD * f.recovery_s / 3600.0)
+    # lost_s runs from the last commit before the fault (step 25) to the commit of 26, where the
+    # job is back at its pace, less the one step of progress it made: recovery_s plus the part of
+    # step 26 lost at the kill, less one step.
+    last_before = disk.injected.t - 0.25
+    assert f.pace_s == approx(STEP_TIME_S)
+    assert f.back_at_pace_at == disk.resumed.t
+    assert f.lost_s == approx(disk.resumed.t - last_before - STEP_TIME_S)
+    assert f.lost_s == approx(f.recovery_s + 0.25 - STEP_TIME_S)
+    assert f.lost_gpu_hours == approx(WORLD * f.lost_s / 3600.0)
     assert m.lost_gpu_hours_total == approx(f.lost_gpu_hours)
 
 
@@ -313,12 +321,12 @@ class FaultDuringReplay:
         b = StreamBuilder()
         self.b = b
         self.started = b.run_started(world_size=WORLD, strategy="restart-disk")
-        b.steps(1, 25)
+        self.gen0 = b.steps(1, 25)
         self.inj1 = b.fault_injected("f1", at_step=25, target="rank:1", dt=0.25)
         self.det1 = b.failure_detected(["f1"], gen=0, dt=0.5)
         self.rec1 = b.recovery(["f1"], gen=1, restore_step=20, restore_source="disk",
                                strategy="restart-disk", spawn_s=2.0, rendezvous_s=1.0, restore_s=1.0)
-        b.steps(21, 22, gen=1)
+        self.gen1 = b.steps(21, 22, gen=1)
         self.inj2 = b.fault_injected("f2", at_step=22, target="rank:2", ranks=(2,), dt=0.25)
         self.det2 = b.failure_detected(["f2"], gen=1, ranks=(2,), dt=0.5)
         self.rec2 = b.recovery(["f2"], gen=2, restore_step=20, restore_source="disk",
@@ -352,7 +360,7 @@ def test_overlap_first_fault_ends_at_its_own_m_plus_one(overlap: FaultDuringRepl
     assert f1.resumed_at == overlap.resumed1.t
     assert f1.recovery_s == approx(overlap.resumed1.t - overlap.inj1.t)
     assert sum(f1.breakdown.values()) == approx(f1.recovery_s)
-    assert f1.lost_gpu_hours == approx(gpu_hours(f1.recovery_s))
+    assert f1.lost_gpu_hours == approx(gpu_hours(f1.lost_s))
 
 
 def test_overlap_second_fault_uses_the_job_state_it_hit(overlap: FaultDuringReplay) -> None:
@@ -372,9 +380,15 @@ def test_overlap_second_fault_uses_the_job_state_it_hit(overlap: FaultDuringRepl
 def test_overlap_total_is_the_union_not_the_sum(overlap: FaultDuringReplay) -> None:
     m = overlap.metrics
     f1, f2 = m.faults
-    union_s = max(overlap.resumed1.t, overlap.resumed2.t) - overlap.inj1.t
-    assert m.lost_gpu_hours_total == approx(gpu_hours(union_s))
-    assert m.lost_gpu_hours_total < f1.lost_gpu_hours + f2.lost_gpu_hours
+    t25, t22 = overlap.gen0[-1].t, overlap.gen1[-1].t
+    # f2's window (step 22 of generation 1 to the commit of 23 in generation 2) lies inside f1's
+    # (step 25 of generation 0 to the commit of 26 in generation 2): the time both cover is
+    # split between them, so together they bill the union once.
+    shared = (overlap.resumed2.t - t22) - 1 * STEP_TIME_S
+    assert f2.lost_s == approx(shared / 2)
+    assert f1.lost_s == approx((overlap.resumed1.t - t25) - 1 * STEP_TIME_S - shared / 2)
+    assert f1.lost_s + f2.lost_s == approx((overlap.resumed1.t - t25) - 1 * STEP_TIME_S)
+    assert m.lost_gpu_hours_total == approx(gpu_hours(f1.lost_s + f2.lost_s))
     assert m.loss_by_step == [[s, loss_at(s, 0 if s <= 20 else 2)] for s in range(1, 31)]
 
 
@@ -386,12 +400,12 @@ def test_overlap_total_is_the_union_not_the_sum(overlap: FaultDuringReplay) -> N
 def test_two_separate_faults_total_is_the_sum() -> None:
     b = StreamBuilder()
     b.run_started(world_size=8, strategy="peer")
-    b.steps(1, 10)
+    t10 = b.steps(1, 10)[-1].t
     inj_a = b.fault_injected("a", at_step=10, dt=0.25)
     b.failure_detected(["a"], gen=0, dt=0.125)
     b.recovery(["a"], gen=1, restore_step=10, restore_source="local-memory")
     res_a = b.step(11, gen=1)
-    b.steps(12, 20, gen=1)
+    t20 = b.steps(12, 20, gen=1)[-1].t
     inj_b = b.fault_injected("b", kind="kill-node", target="node:1", ranks=(4, 5, 6, 7), nodes=(1,),
                              at_step=20, dt=0.25)
     b.failure_detected(["b"], gen=1, cause="heartbeat", ranks=(4, 5, 6, 7), nodes=(1,), dt=1.0)
@@ -407,8 +421,10 @@ def test_two_separate_faults_total_is_the_sum() -> None:
     assert (fa.lost_steps, fa.restore_source) == (0, "local-memory")
     assert (fb.lost_steps, fb.restore_source) == (1, "replica")
     assert fb.kind == "kill-node" and fb.target == "node:1"
-    assert fa.lost_gpu_hours == approx(gpu_hours(fa.recovery_s, 8))
-    assert fb.lost_gpu_hours == approx(gpu_hours(fb.recovery_s, 8))
+    assert fa.lost_s == approx(res_a.t - t10 - STEP_TIME_S)
+    assert fb.lost_s == approx(res_b.t - t20 - STEP_TIME_S)
+    assert fa.lost_gpu_hours == approx(gpu_hours(fa.lost_s, 8))
+    assert fb.lost_gpu_hours == approx(gpu_hours(fb.lost_s, 8))
     assert m.lost_gpu_hours_total == approx(fa.lost_gpu_hours + fb.lost_gpu_hours)
     assert m.steps_completed == 24
 
@@ -427,7 +443,7 @@ def test_undetected_slowdown_recovers_at_m_plus_one() -> None:
     slow = b.step(13, step_time_s=3.0)  # the same generation, just slower
     b.steps(14, 15, step_time_s=3.0)
     b.fault_reverted("bw", dt=0.5)
-    b.steps(16, 20)
+    back = b.steps(16, 20)[0]
     b.run_finished("completed", dt=0.25)
     m = compute("bw", b.events)
     f = only_fault(m)
@@ -442,8 +458,12 @@ def test_undetected_slowdown_recovers_at_m_plus_one() -> None:
     assert f.lost_steps == 0
     assert f.restore_step is None
     assert f.restore_source is None
-    assert f.lost_gpu_hours == approx(gpu_hours(3.0))
-    assert m.lost_gpu_hours_total == approx(gpu_hours(3.0))
+    # Lost: three 3 s steps where 0.5 s ones were due, the 0.25 s before the fault hit and
+    # the 0.5 s revert, until step 16 at the old pace: 10.25 s for 4 steps of 0.5 s.
+    assert f.back_at_pace_at == back.t
+    assert f.lost_s == approx(0.25 + 9.0 + 0.5 + 0.5 - 4 * STEP_TIME_S)
+    assert f.lost_gpu_hours == approx(gpu_hours(f.lost_s))
+    assert m.lost_gpu_hours_total == approx(gpu_hours(f.lost_s))
     assert m.loss_by_step == [[s, loss_at(s)] for s in range(1, 21)]
 
 
@@ -468,7 +488,7 @@ def test_emulated_fault_is_reported_as_emulated() -> None:
 def test_recovery_failed_counts_until_the_run_ended() -> None:
     b = StreamBuilder()
     started = b.run_started(world_size=WORLD, strategy="none")
-    b.steps(1, 15)
+    last_step = b.steps(1, 15)[-1]
     inj = b.fault_injected("k", kind="kill-node", target="node:0", ranks=(0, 1), nodes=(0,),
                            at_step=15, dt=0.25)
     det = b.failure_detected(["k"], gen=0, cause="heartbeat", ranks=(0, 1), dt=1.0)
@@ -483,8 +503,10 @@ def test_recovery_failed_counts_until_the_run_ended() -> None:
     assert f.detection_s == approx(det.t - inj.t)
     assert f.breakdown["detect"] == approx(1.0)
     assert f.breakdown["replay"] is None
-    assert f.lost_gpu_hours == approx(gpu_hours(end.t - inj.t))
-    assert m.lost_gpu_hours_total == approx(gpu_hours(end.t - inj.t))
+    # Nothing was done after the last step before the fault: all of it to the end is lost.
+    assert f.lost_s == approx(end.t - last_step.t)
+    assert f.lost_gpu_hours == approx(gpu_hours(end.t - last_step.t))
+    assert m.lost_gpu_hours_total == approx(gpu_hours(end.t - last_step.t))
     assert m.steps_completed == 15
     assert m.goodput == approx(15 * STEP_TIME_S / (end.t - started.t))
 
@@ -493,7 +515,7 @@ def test_recovery_failed_after_a_decision_is_not_recovered() -> None:
     """The decision and the phases before the failure are recorded; recovery_s stays None."""
     b = StreamBuilder()
     b.run_started(world_size=WORLD, strategy="peer")
-    b.steps(1, 5)
+    last_step = b.steps(1, 5)[-1]
     inj = b.fault_injected("k", at_step=5, dt=0.25)
     b.failure_detected(["k"], gen=0, dt=0.25)
     b.recovery_decided(["k"], gen=1, restore_step=5, restore_source="peer-memory", dt=0.25)
@@ -507,21 +529,22 @@ def test_recovery_failed_after_a_decision_is_not_recovered() -> None:
     assert f.breakdown["decide"] == approx(0.25)
     assert f.breakdown["spawn"] == approx(1.0)
     assert f.breakdown["replay"] is None
-    assert f.lost_gpu_hours == approx(gpu_hours(end.t - inj.t))
+    assert inj.t > last_step.t
+    assert f.lost_gpu_hours == approx(gpu_hours(end.t - last_step.t))
 
 
 def test_unrecovered_fault_in_a_running_job_counts_until_the_last_event() -> None:
     b = StreamBuilder()
     b.run_started(world_size=WORLD)
-    b.steps(1, 5)
-    inj = b.fault_injected("k", at_step=5, dt=0.25)
+    last_step = b.steps(1, 5)[-1]
+    b.fault_injected("k", at_step=5, dt=0.25)
     last = b.failure_detected(["k"], gen=0, dt=0.75)
     m = compute("live", b.events)
     f = only_fault(m)
     assert m.status == "running"
     assert f.recovered is False
-    assert f.lost_gpu_hours == approx(gpu_hours(last.t - inj.t))
-    assert m.lost_gpu_hours_total == approx(gpu_hours(last.t - inj.t))
+    assert f.lost_gpu_hours == approx(gpu_hours(last.t - last_step.t))
+    assert m.lost_gpu_hours_total == approx(gpu_hours(last.t - last_step.t))
 
 
 # --------------------------------------------------------------------------------------------
@@ -589,7 +612,7 @@ REPORT_FIELDS = {
 }
 FAULT_FIELDS = {
     "kind", "target", "injected_at", "detected_at", "resumed_at", "emulated", "detection_s",
-    "recovery_s", "breakdown", "lost_steps", "restore_source", "lost_gpu_hours",
+    "recovery_s", "breakdown", "lost_steps", "restore_source", "lost_gpu_hours", "lost_s",
 }
 
 
