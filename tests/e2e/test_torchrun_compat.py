@@ -36,7 +36,8 @@ def main():
     flags = (f"elastic={dist.is_torchelastic_launched()} run_id={bool(os.environ.get('TORCHELASTIC_RUN_ID'))} "
              f"error_file={bool(os.environ.get('TORCHELASTIC_ERROR_FILE'))} "
              f"master={bool(os.environ.get('MASTER_ADDR'))}:{bool(os.environ.get('MASTER_PORT'))}")
-    print(f"RESULT sum={t.item()} {seen} {flags}", flush=True)
+    # One write: the ranks share torchrun's stdout, and a line must not be split by another's.
+    os.write(1, f"RESULT sum={t.item()} {seen} {flags}\\n".encode())
     dist.destroy_process_group()
 
 
@@ -46,6 +47,8 @@ if __name__ == "__main__":
 
 # A small DDP job: same seed, same data, same result whoever launches it.
 DDP = '''
+import os
+
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -63,7 +66,7 @@ for step in range(5):
     loss.backward()
     opt.step()
 weights = sum(p.detach().double().sum().item() for p in model.parameters())
-print(f"RESULT rank={rank} world={world} loss={loss.item()!r} weights={weights!r}", flush=True)
+os.write(1, f"RESULT rank={rank} world={world} loss={loss.item()!r} weights={weights!r}\\n".encode())
 dist.destroy_process_group()
 '''
 
