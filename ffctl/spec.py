@@ -27,6 +27,8 @@ MAX_BATCH = 1 << 20
 # recovery library keeps ffctl's 3 (see ffctl.controller.coordinator).
 PLAIN_MAX_RESTARTS = 0
 LIBRARY_MAX_RESTARTS = 3
+# What a worker given with torchrun's --no-python runs (it replaces itself with the program).
+EXEC_MODULE = "ffctl.agent.execprog"
 SANDBOXES = ("netns",)  # --sandbox values (ffctl.launch.plan.BACKENDS has one backend each)
 
 

@@ -28,7 +28,7 @@ from ffctl.controller.failures import Cause, Failure, RankFailure, error_line
 from ffctl.controller.state import JobState, NodeState, Phase
 from ffctl.controller.decide import Decision, ring_holder
 from ffctl.controller.injector import Injector
-from ffctl.spec import LIBRARY_MAX_RESTARTS, PLAIN_MAX_RESTARTS, LaunchSpec
+from ffctl.spec import EXEC_MODULE, LIBRARY_MAX_RESTARTS, PLAIN_MAX_RESTARTS, LaunchSpec
 from ffctl.controller.backend import NodeBackend
 from ffctl.controller.progress import StepReport
 from recovery import control, disk, messages
@@ -405,8 +405,10 @@ class Controller:
         self.pids[rank] = None
         if msg.expected or rank in self.gen_msgs.get(("done", self.gen), set()):
             return
-        if self.plain_script and code == 0:
-            # A script without the recovery library has no other way to say it finished.
+        if code == 0 and (self.plain_script or not self._ever_announced(rank)):
+            # A script without the recovery library has no other way to say it finished; and a
+            # rank that ends cleanly without ever announcing itself (the library's `started`)
+            # ran no library, whatever its source looked like.
             self.gen_msgs.setdefault(("done", msg.gen), set()).add(rank)
             return
         node = msg.node
@@ -443,6 +445,10 @@ class Controller:
         messages.Kind.INJECT_REQUEST: lambda self, msg: self._adhoc_inject(msg),
         messages.Kind.REJECTED: _on_refusal,
     }
+
+    def _ever_announced(self, rank: int) -> bool:
+        """Whether the rank has spoken the library's protocol in any generation."""
+        return any(rank in ranks for (kind, _), ranks in self.gen_msgs.items() if kind in ("started", "joined"))
 
     def _failing_step(self, rank: int) -> int | None:
         """The step a rank that exited was most likely in: the one after its newest commit in this
@@ -698,6 +704,8 @@ def uses_recovery_library(script: tuple[str, ...]) -> bool:
         name = script[1] if script[0] == "-m" and len(script) > 1 else script[0][2:]
         if name.startswith("ffctl.workload"):
             return True
+        if name == EXEC_MODULE:
+            return False  # a program given with --no-python: not Python at all
         # Found without importing it (importing would run the user's package code here).
         parts = name.split(".")
         places = [Path(d or ".", *parts) for d in [str(Path.cwd()), *sys.path]]

@@ -18,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from ffctl.spec import EXEC_MODULE
+
 # torchrun's options, by the destination name its parser gives them (PET_<NAME.upper()>), with
 # torchrun's defaults. Flags are "0"/"1" in the environment, as torchrun reads them.
 VALUE_DEFAULTS: dict[str, str] = {
@@ -46,8 +48,6 @@ START_METHODS = ("spawn", "fork", "forkserver")
 RECORDED = ("rdzv_backend", "rdzv_endpoint", "rdzv_id", "rdzv_conf", "monitor_interval", "start_method",
             "log_dir", "redirects", "tee", "local_ranks_filter", "node_rank", "master_port", "local_addr",
             "run_path")
-# The program that runs a worker given with --no-python (it replaces itself with the command).
-EXEC_MODULE = "ffctl.agent.execprog"
 
 
 class TorchrunArgError(ValueError):

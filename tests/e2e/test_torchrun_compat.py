@@ -171,3 +171,18 @@ def test_rank_failing_every_attempt_stops_after_the_restarts(workdir: Path) -> N
     assert [e.get("error_file") for e in exits] == ["ValueError: rank 1 cannot go on"] * 3, [e.data for e in exits]
     assert_nothing_left(workdir)
     assert not shm_left(res.run_id or "")
+
+
+def test_no_python_from_the_environment_runs_a_program(workdir: Path) -> None:
+    script = workdir / "job.sh"
+    script.write_text('#!/bin/sh\necho "RESULT rank=$RANK of $WORLD_SIZE role=$ROLE_NAME args=$*"\n')
+    script.chmod(0o755)
+    run_id = rid("nopython")
+    proc = subprocess.run([sys.executable, "-m", "ffctl", "launch", "--run-id", run_id, "--runs-dir",
+                           str(workdir / "runs"), "--nproc-per-node", "2", "--role", "trainer", "./job.sh", "a", "b"],
+                          cwd=workdir, capture_output=True, text=True, timeout=TIMEOUT,
+                          env={**_env(), "PET_NO_PYTHON": "1"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    text = "\n".join(p.read_text() for p in sorted((workdir / "runs" / run_id / "logs").glob("*/[0-9]*.log")))
+    assert _results(text) == [f"RESULT rank={r} of 2 role=trainer args=a b" for r in (0, 1)]
+    assert_nothing_left(workdir)
