@@ -309,6 +309,29 @@ def _ends_with_newline(path: Path) -> bool:
         return fh.read(1) == b"\n"
 
 
+def list_runs(runs_dir: Path) -> list[RunStore]:
+    """The runs recorded under `runs_dir`, newest first: by their first event's time (when the
+    controller started writing), else by run.json's; ties by run id. Directories that are not
+    runs (no run.json, a name no run id can have) are skipped."""
+    if not runs_dir.is_dir():
+        return []
+    found: list[tuple[float, str, RunStore]] = []
+    for path in runs_dir.iterdir():
+        if not RUN_ID_RE.fullmatch(path.name) or ".." in path.name:
+            continue
+        try:
+            if not path.is_dir() or not (path / "run.json").is_file():
+                continue
+            store = RunStore(path)
+            first = next(iter_events(store.events_path), None)
+            started = first.t if first is not None else (path / "run.json").stat().st_mtime
+        except OSError:
+            continue  # removed while listed, or unreadable: not a run to show
+        found.append((started, path.name, store))
+    found.sort(key=lambda item: (item[0], item[1]), reverse=True)
+    return [store for _, _, store in found]
+
+
 def open_run(runs_dir: Path, run_id: str) -> RunStore:
     validate_run_id(run_id)
     path = runs_dir / run_id

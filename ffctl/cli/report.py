@@ -1,4 +1,5 @@
-"""`ffctl report`: recovery time and lost GPU-hours of every fault of a run, recomputed from its events."""
+"""`ffctl report`: recovery time, lost time and lost GPU-hours of every fault of a run, recomputed
+from its events; without a run, the runs recorded; with several, the runs side by side."""
 from __future__ import annotations
 
 import json
@@ -9,10 +10,11 @@ import typer
 
 from ffctl.render import make_console
 from ffctl.errors import BadInput
-from ffctl.render.report import render_report
+from ffctl.render.report import (markdown_comparison, markdown_report, markdown_run_list, render_comparison,
+                                 render_report, render_run_list)
 from runs.events import RunStatus
 from runs.metrics import compute
-from runs.store import RunStore, RunStoreError, open_run
+from runs.store import RunStore, RunStoreError, list_runs, open_run
 
 
 def left_behind(record: RunStore) -> dict[str, Any]:
@@ -40,38 +42,72 @@ def left_behind(record: RunStore) -> dict[str, Any]:
             "remove": f"ffctl inject revert --all --run {record.run_id}"}
 
 
+def _run_report(record: RunStore) -> dict[str, Any]:
+    rep = compute(record.run_id, record.events(), record.controller_alive()).to_dict()
+    if rep["status"] == RunStatus.INCOMPLETE.value:
+        rep["left"] = left_behind(record)
+    return rep
+
+
+def run_summary(rep: dict[str, Any]) -> dict[str, Any]:
+    """A run as `ffctl report --json` without a run id lists it."""
+    return {
+        "run_id": rep["run_id"], "status": rep["status"], "strategy": rep["strategy"],
+        "world_size": rep["world_size"], "steps_completed": rep["steps_completed"],
+        "faults": len(rep["faults"]), "lost_s": sum(float(f.get("lost_s") or 0.0) for f in rep["faults"]),
+        "lost_gpu_hours_total": rep["lost_gpu_hours_total"], "goodput": rep["goodput"],
+    }
+
+
 def register(app: typer.Typer) -> None:
     @app.command("report")
     def report(
-        runs: Annotated[list[str], typer.Argument(help="Run ids.")],
+        runs: Annotated[Optional[list[str]], typer.Argument(
+            help="Run ids; none lists the runs, several are compared side by side.")] = None,
         as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+        markdown: Annotated[bool, typer.Option(
+            "--markdown", help="Print GitHub-flavoured Markdown tables (for CI summaries).")] = False,
         html: Annotated[Optional[Path], typer.Option("--html", help="Also write an HTML report to FILE.")] = None,
         runs_dir: Annotated[Path, typer.Option("--runs-dir", envvar="FFCTL_RUNS_DIR")] = Path("ffctl-runs"),
     ) -> None:
-        """Show each fault's detection and recovery time, lost steps and lost GPU-hours.
+        """Show each fault's detection and recovery time, lost time, lost steps and lost GPU-hours.
 
-        Exits 1 when a run is incomplete (its controller was lost before it finished the record):
-        the figures stop where it died and the sandbox may still be on the machine, which a script
-        must not mistake for a run that ended.
+        Without a run id, lists the runs in the runs directory, newest first; with several,
+        compares them in one table. Exits 1 when a named run is incomplete (its controller was
+        lost before it finished the record): the figures stop where it died and the sandbox may
+        still be on the machine, which a script must not mistake for a run that ended.
         """
-        reports = []
-        incomplete = False
-        for run_id in runs:
+        if as_json and markdown:
+            raise BadInput("--json and --markdown: choose one")
+        if runs_dir.exists() and not runs_dir.is_dir():
+            raise BadInput(f"--runs-dir {str(runs_dir)!r} is not a directory")
+        records = []
+        for run_id in runs or []:
             try:
-                record = open_run(runs_dir, run_id)
+                records.append(open_run(runs_dir, run_id))
             except RunStoreError as exc:
                 raise BadInput(str(exc)) from None
-            rep = compute(record.run_id, record.events(), record.controller_alive()).to_dict()
-            if rep["status"] == RunStatus.INCOMPLETE.value:
-                incomplete = True
-                rep["left"] = left_behind(record)
-            reports.append(rep)
+        console = make_console(record=html is not None, quiet=as_json or markdown)
+        if not records:
+            listed = [_run_report(record) for record in list_runs(runs_dir)]
+            if as_json:
+                typer.echo(json.dumps([run_summary(r) for r in listed], indent=2))
+            elif markdown:
+                typer.echo(markdown_run_list(listed), nl=False)
+            render_run_list(listed, console, str(runs_dir))
+            if html is not None:
+                console.save_html(str(html))
+            return
+        reports = [_run_report(record) for record in records]
         if as_json:
             typer.echo(json.dumps(reports[0] if len(reports) == 1 else reports, indent=2))
-        console = make_console(record=html is not None, quiet=as_json)
-        for rep in reports:
-            render_report(rep, console)
+        elif markdown:
+            typer.echo(markdown_report(reports[0]) if len(reports) == 1 else markdown_comparison(reports), nl=False)
+        if len(reports) == 1:
+            render_report(reports[0], console)
+        else:
+            render_comparison(reports, console)
         if html is not None:
             console.save_html(str(html))
-        if incomplete:
+        if any(r["status"] == RunStatus.INCOMPLETE.value for r in reports):
             raise typer.Exit(1)

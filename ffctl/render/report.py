@@ -1,56 +1,266 @@
-"""`ffctl report` rendering: a table per run's faults plus the run's totals."""
+"""`ffctl report` rendering: a run's summary and a block per fault, the list of runs, runs
+side by side, and the same as GitHub-flavoured Markdown.
+
+Terminal output never cuts or folds a value: tables are used where they fit the console's width
+(80 columns when output is not a terminal) and fall back to one block of `field: value` lines per
+row where they do not, and a comparison too wide for one table is split into tables of fewer runs.
+"""
 from __future__ import annotations
 
-from typing import Any
+import re
+from typing import Any, Callable
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
+
+BREAKDOWN = ("detect", "decide", "spawn", "rendezvous", "restore", "replay")
 
 
 def _s(value: float | None, digits: int = 2) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
+def _gpu_h(value: float | None) -> str:
+    """GPU-hours: a chaos run's are tiny; six decimals, or two significant digits below that."""
+    if value is None:
+        return "-"
+    if value == 0 or abs(value) >= 1e-6:
+        return f"{value:.6f}"
+    return f"{value:.2e}"
+
+
+def started_text(fault: dict[str, Any]) -> str:
+    """How the replacements started: a warm spare, a fork of the agent's template, or a fresh
+    interpreter (cold); per rank when they differ."""
+    by = fault.get("started_by") or {}
+    kinds = sorted(set(by.values()))
+    if not kinds:
+        return "-"
+    if len(kinds) == 1:
+        return kinds[0]
+    return ", ".join(f"rank {r}: {by[r]}" for r in sorted(by, key=lambda r: (len(str(r)), str(r))))
+
+
+def fault_fields(f: dict[str, Any]) -> list[tuple[str, str]]:
+    """One fault's figures, as the report shows them (terminal and Markdown alike)."""
+    reverted = f.get("reverted_by") or "-"
+    if f.get("reverted_by") and f.get("revert_ok") is False:
+        reverted += " (a revert command failed)"
+    return [
+        ("kind", str(f["kind"])),
+        ("target", str(f["target"])),
+        ("step", str(f["at_step"])),
+        ("detection s", _s(f.get("detection_s")) if f.get("detection_s") is not None else "not detected"),
+        ("recovery s", _s(f.get("recovery_s")) if f.get("recovered") else "not recovered"),
+        ("lost s", _s(f.get("lost_s"))),
+        ("lost steps", str(f["lost_steps"])),
+        ("lost GPU-h", _gpu_h(f.get("lost_gpu_hours"))),
+        ("restore source", f.get("restore_source") or "-"),
+        ("started by", started_text(f)),
+        ("emulated", "yes" if f.get("emulated") else "no"),
+        ("reverted by", reverted),
+    ]
+
+
+def summary_fields(report: dict[str, Any]) -> list[tuple[str, str]]:
+    lost_s = sum(float(f.get("lost_s") or 0.0) for f in report.get("faults", []))
+    return [
+        ("run", str(report["run_id"])),
+        ("status", str(report["status"])),
+        ("strategy", str(report["strategy"] or "-")),
+        ("world size", str(report["world_size"])),
+        ("steps", str(report["steps_completed"])),
+        ("final loss", _s(report.get("final_loss"), 4)),
+        ("goodput", _s(report.get("goodput"), 3)),
+        ("wall time s", _s(report.get("wall_s"))),
+        ("faults", str(len(report.get("faults", [])))),
+        ("lost s", _s(lost_s)),
+        ("lost GPU-hours", _gpu_h(report.get("lost_gpu_hours_total"))),
+        ("spare GPU-hours", _gpu_h(report.get("spare_gpu_hours"))),
+    ]
+
+
+def run_row(report: dict[str, Any]) -> dict[str, str]:
+    """A run as one line of `ffctl report` without a run id."""
+    return {
+        "run": str(report["run_id"]), "status": str(report["status"]),
+        "strategy": str(report["strategy"] or "-"), "world": str(report["world_size"]),
+        "steps": str(report["steps_completed"]), "faults": str(len(report.get("faults", []))),
+        "lost GPU-h": _gpu_h(report.get("lost_gpu_hours_total")),
+    }
+
+
+def _kv(title: str | None, fields: list[tuple[str, str]]) -> Table:
+    table = Table(show_header=False, box=None, padding=(0, 2, 0, 0), title=title, title_justify="left",
+                  title_style="bold")
+    table.add_column(style="bold", no_wrap=True)
+    # Only a value wider than the whole line is folded: nothing is ever cut.
+    table.add_column(overflow="fold")
+    for key, value in fields:
+        table.add_row(key, value)
+    return table
+
+
+def _grid(title: str | None, headers: list[str], rows: list[list[str]], left: int = 1,
+          tight: bool = False) -> Table:
+    # Two spaces between columns; `tight`: one, before giving up on a table.
+    table = Table(title=title, title_justify="left", title_style="bold", box=box.SIMPLE_HEAD,
+                  show_edge=False, pad_edge=False, padding=(0, 0) if tight else (0, 1), collapse_padding=True)
+    for i, header in enumerate(headers):
+        table.add_column(header, justify="left" if i < left else "right", no_wrap=True)
+    for row in rows:
+        table.add_row(*row)
+    return table
+
+
+def _fits(console: Console, table: Table) -> bool:
+    # Measured against a very wide line: measuring against the console's own width clamps the
+    # answer to it, and every table would seem to fit.
+    natural = console.measure(table, options=console.options.update_width(1 << 16))
+    return natural.maximum <= console.width
+
+
+def _table_or_blocks(console: Console, title: str, headers: list[str], rows: list[list[str]],
+                     left: int = 1) -> None:
+    for tight in (False, True):
+        table = _grid(title, headers, rows, left, tight)
+        if _fits(console, table):
+            console.print(table)
+            return
+    console.print(title, style="bold", markup=False, highlight=False)
+    for row in rows:
+        console.print(_kv(None, list(zip(headers, row))))
+        console.print()
+
+
 def render_report(report: dict[str, Any], console: Console) -> None:
-    title = (f"run {report['run_id']}  status {report['status']}  strategy {report['strategy']}  "
-             f"world {report['world_size']}  steps {report['steps_completed']}  "
-             f"final loss {_s(report['final_loss'], 4)}")
-    faults = Table(title=title, title_justify="left")
-    for col in ("fault", "kind", "target", "step", "detect s", "recover s", "lost", "source", "GPU-h", "emu"):
-        # Folded, never cut: a narrow terminal or a pipe gets every value whole.
-        faults.add_column(col, justify="left" if col in ("fault", "kind", "target", "source") else "right",
-                          overflow="fold")
-    phases = Table(title="recovery breakdown (s)", title_justify="left")
-    for col in ("fault", "detect", "decide", "spawn", "rendezvous", "restore", "replay", "started"):
-        phases.add_column(col, justify="left" if col in ("fault", "started") else "right", overflow="fold")
-    for f in report["faults"]:
-        faults.add_row(
-            f["fault_id"], f["kind"], f["target"], str(f["at_step"]), _s(f["detection_s"]),
-            _s(f["recovery_s"]) if f["recovered"] else "[red]not recovered[/red]",
-            str(f["lost_steps"]), f["restore_source"] or "-", f"{f['lost_gpu_hours']:.6f}",
-            "yes" if f["emulated"] else "no",
+    """A run's summary, its faults at a glance, then each fault's figures and recovery breakdown."""
+    console.print(_kv("summary", summary_fields(report)))
+    faults = report.get("faults") or []
+    if faults:
+        console.print()
+        _table_or_blocks(
+            console, "faults", ["fault", "kind", "target", "step", "recover s", "lost s"],
+            [[f["fault_id"], f["kind"], f["target"], str(f["at_step"]),
+              _s(f.get("recovery_s")) if f.get("recovered") else "not recovered", _s(f.get("lost_s"))]
+             for f in faults],
+            left=3,
         )
-        b = f["breakdown"]
-        # How the replacements started: a warm spare, a fork of the agent's template, or a
-        # fresh interpreter (cold).
-        started = ",".join(sorted(set((f.get("started_by") or {}).values()))) or "-"
-        phases.add_row(f["fault_id"], *(_s(b.get(k)) for k in ("detect", "decide", "spawn", "rendezvous", "restore", "replay")),
-                       started)
-    if not report["faults"]:
-        faults.add_row("-", "no faults", *[""] * 8)
-    console.print(faults)
-    if report["faults"]:
-        console.print(phases)
-    totals = Table(show_header=False, box=None)
-    totals.add_column(style="bold")
-    totals.add_column()
-    totals.add_row("lost GPU-hours", f"{report['lost_gpu_hours_total']:.6f}")
-    totals.add_row("spare GPU-hours", f"{report['spare_gpu_hours']:.6f}")
-    totals.add_row("goodput", _s(report["goodput"], 3))
-    totals.add_row("wall time s", _s(report.get("wall_s")))
-    console.print(totals)
+    for f in faults:
+        console.print()
+        console.print(_kv(f"fault {f['fault_id']}", fault_fields(f)))
+        b = f.get("breakdown") or {}
+        _table_or_blocks(console, f"fault {f['fault_id']}: recovery breakdown (s)", list(BREAKDOWN),
+                         [[_s(b.get(k)) for k in BREAKDOWN]], left=0)
     for line in status_notes(report):
         console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+
+def render_run_list(reports: list[dict[str, Any]], console: Console, runs_dir: str) -> None:
+    """The runs of a runs directory, newest first."""
+    if not reports:
+        console.print(f"no runs in {runs_dir}", markup=False, highlight=False)
+        return
+    rows = [run_row(r) for r in reports]
+    headers = list(rows[0])
+    _table_or_blocks(console, f"runs in {runs_dir} (newest first)", headers,
+                     [list(r.values()) for r in rows], left=3)
+
+
+COMPARE_FIELDS: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
+    ("status", lambda r: str(r["status"])),
+    ("strategy", lambda r: str(r["strategy"] or "-")),
+    ("world size", lambda r: str(r["world_size"])),
+    ("steps", lambda r: str(r["steps_completed"])),
+    ("final loss", lambda r: _s(r.get("final_loss"), 4)),
+    ("goodput", lambda r: _s(r.get("goodput"), 3)),
+    ("faults", lambda r: str(len(r.get("faults") or []))),
+    ("max recovery s", lambda r: _s(max((f["recovery_s"] for f in r.get("faults") or []
+                                         if f.get("recovery_s") is not None), default=None))),
+    ("lost s", lambda r: _s(sum(float(f.get("lost_s") or 0.0) for f in r.get("faults") or []))),
+    ("lost steps", lambda r: str(sum(int(f.get("lost_steps") or 0) for f in r.get("faults") or []))),
+    ("lost GPU-hours", lambda r: _gpu_h(r.get("lost_gpu_hours_total"))),
+    ("spare GPU-hours", lambda r: _gpu_h(r.get("spare_gpu_hours"))),
+]
+
+
+def comparison_rows(reports: list[dict[str, Any]]) -> list[list[str]]:
+    return [[name] + [get(r) for r in reports] for name, get in COMPARE_FIELDS]
+
+
+def render_comparison(reports: list[dict[str, Any]], console: Console) -> None:
+    """Runs side by side: a row per figure, a column per run. Runs that do not fit one table's
+    width go on to the next table, so every run id and value stays whole."""
+    start = 0
+    while start < len(reports):
+        end = len(reports)
+        while True:
+            group = reports[start:end]
+            table = _grid("runs compared" if start == 0 else None, ["run"] + [r["run_id"] for r in group],
+                          comparison_rows(group))
+            if end - start == 1 or _fits(console, table):
+                break
+            end -= 1
+        if start > 0:
+            console.print()
+        if end - start == 1 and not _fits(console, table):
+            console.print(_kv(f"run {group[0]['run_id']}", [(n, g(group[0])) for n, g in COMPARE_FIELDS]))
+        else:
+            console.print(table)
+        start = end
+    for r in reports:
+        for line in status_notes(r):
+            console.print(f"{r['run_id']}: {line}", markup=False, highlight=False, soft_wrap=True)
+
+
+# --- Markdown (GitHub-flavoured), for CI summaries ------------------------------------------
+
+
+def _md_cell(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("|", "\\|").replace("\n", " ")
+
+
+def _numeric(cell: str) -> bool:
+    return cell == "-" or re.fullmatch(r"-?[0-9][0-9.e+-]*", cell) is not None
+
+
+def md_table(headers: list[str], rows: list[list[str]], left: int = 1) -> str:
+    """A GitHub-flavoured table; past the first `left` columns, numeric ones align right."""
+    right = [i >= left and bool(rows) and all(_numeric(row[i]) for row in rows) for i in range(len(headers))]
+    lines = ["| " + " | ".join(_md_cell(h) for h in headers) + " |",
+             "|" + "|".join(" ---: " if r else " --- " for r in right) + "|"]
+    lines += ["| " + " | ".join(_md_cell(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def markdown_report(report: dict[str, Any]) -> str:
+    parts = [f"### ffctl run `{report['run_id']}`", "",
+             md_table(["", "value"], [[k, v] for k, v in summary_fields(report)[1:]])]
+    faults = report.get("faults") or []
+    if faults:
+        headers = ["fault"] + [k for k, _ in fault_fields(faults[0])]
+        parts += ["", "#### Faults", "",
+                  md_table(headers, [[f["fault_id"]] + [v for _, v in fault_fields(f)] for f in faults], left=3)]
+        parts += ["", "#### Recovery breakdown (s)", "",
+                  md_table(["fault"] + list(BREAKDOWN),
+                           [[f["fault_id"]] + [_s((f.get("breakdown") or {}).get(k)) for k in BREAKDOWN]
+                            for f in faults])]
+    notes = status_notes(report)
+    if notes:
+        parts += [""] + [f"> {line}" for line in notes]
+    return "\n".join(parts) + "\n"
+
+
+def markdown_run_list(reports: list[dict[str, Any]]) -> str:
+    if not reports:
+        return "No runs.\n"
+    rows = [run_row(r) for r in reports]
+    return md_table(list(rows[0]), [list(r.values()) for r in rows], left=3) + "\n"
+
+
+def markdown_comparison(reports: list[dict[str, Any]]) -> str:
+    return md_table(["run"] + [f"`{r['run_id']}`" for r in reports], comparison_rows(reports)) + "\n"
 
 
 def status_notes(report: dict[str, Any]) -> list[str]:
