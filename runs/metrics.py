@@ -428,3 +428,59 @@ def compute(run_id: str, events: list[Event], controller_alive: bool | None = No
         wall_s=wall,
         reason=reason,
     )
+
+
+# --- Projection to cluster scale (`ffctl report --project gpus=N,mtbf=T`) ----------------------
+
+SECONDS_PER_DAY = 86400.0
+PROJECTION_FORMULA = [
+    "interruptions/day = 86400 / mtbf_s",
+    "lost GPU-h/day = interruptions/day x lost_s per fault x gpus / 3600",
+    "goodput = fault-free goodput x max(0, 1 - lost_s per fault / mtbf_s)",
+    "spare GPU-h/day = spare share x gpus x 24",
+]
+
+
+def project(reports: list[dict[str, Any]], gpus: int, mtbf_s: float) -> dict[str, Any]:
+    """What the measured runs imply for a job of `gpus` devices interrupted once every `mtbf_s`
+    seconds, per strategy measured (the runs' `to_dict()` reports in, a JSON-ready dict out).
+
+    Inputs taken from the runs, per strategy: lost_s per fault (the mean over the faults measured,
+    and by fault kind), the fault-free goodput (useful step time over the wall time no fault
+    lost), and the spare share (spare device-seconds held over the job's device-seconds). It
+    assumes an interruption at scale costs the whole job what one cost here, and that spares
+    scale with the job: a projection, not a measurement.
+    """
+    by_strategy: dict[str, list[dict[str, Any]]] = {}
+    for rep in reports:
+        by_strategy.setdefault(str(rep.get("strategy") or "-"), []).append(rep)
+    per_day = SECONDS_PER_DAY / mtbf_s
+    out = []
+    for strategy, reps in by_strategy.items():
+        faults = [f for rep in reps for f in rep.get("faults") or []]
+        kinds: dict[str, list[float]] = {}
+        for f in faults:
+            kinds.setdefault(str(f["kind"]), []).append(float(f.get("lost_s") or 0.0))
+        wall = sum(float(rep.get("wall_s") or 0.0) for rep in reps)
+        lost = sum(float(f.get("lost_s") or 0.0) for f in faults)
+        useful = sum(float(rep.get("goodput") or 0.0) * float(rep.get("wall_s") or 0.0) for rep in reps)
+        device_s = sum(float(rep.get("wall_s") or 0.0) * int(rep.get("world_size") or 0) for rep in reps)
+        spare_s = sum(float(rep.get("spare_gpu_hours") or 0.0) * 3600.0 for rep in reps)
+        base = useful / (wall - lost) if wall - lost > 0 else None
+        spare_share = spare_s / device_s if device_s > 0 else 0.0
+        per_fault = lost / len(faults) if faults else None
+        out.append({
+            "strategy": strategy,
+            "runs": [rep["run_id"] for rep in reps],
+            "faults": len(faults),
+            "lost_s_per_fault": per_fault,
+            "lost_s_by_kind": {k: sum(v) / len(v) for k, v in sorted(kinds.items())},
+            "fault_free_goodput": base,
+            "spare_share": spare_share,
+            "goodput": (base * max(0.0, 1.0 - per_fault / mtbf_s)
+                        if base is not None and per_fault is not None else None),
+            "lost_gpu_hours_per_day": per_day * per_fault * gpus / 3600.0 if per_fault is not None else None,
+            "spare_gpu_hours_per_day": spare_share * gpus * 24.0,
+        })
+    return {"gpus": gpus, "mtbf_s": mtbf_s, "interruptions_per_day": per_day,
+            "formula": list(PROJECTION_FORMULA), "strategies": out}

@@ -10,10 +10,10 @@ import typer
 
 from ffctl.render import make_console
 from ffctl.errors import BadInput
-from ffctl.render.report import (markdown_comparison, markdown_report, markdown_run_list, render_comparison,
-                                 render_report, render_run_list)
+from ffctl.render.report import (markdown_comparison, markdown_projection, markdown_report, markdown_run_list,
+                                 render_comparison, render_projection, render_report, render_run_list)
 from runs.events import RunStatus
-from runs.metrics import compute
+from runs.metrics import compute, project
 from runs.store import RunStore, RunStoreError, list_runs, open_run
 
 
@@ -59,6 +59,35 @@ def run_summary(rep: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+_DURATION_UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
+_MAX_GPUS = 100_000_000
+
+
+def parse_project(text: str) -> tuple[int, float]:
+    """`gpus=N,mtbf=T` (T in seconds, or with a unit: 90m, 3h, 1d) -> (gpus, mtbf seconds)."""
+    fields: dict[str, str] = {}
+    for part in text.split(","):
+        key, sep, value = part.partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep or key not in ("gpus", "mtbf") or key in fields:
+            raise BadInput(f"--project {text!r}: expected gpus=N,mtbf=DURATION (e.g. gpus=16384,mtbf=3h)")
+        fields[key] = value
+    if set(fields) != {"gpus", "mtbf"}:
+        raise BadInput(f"--project {text!r}: needs both gpus= and mtbf= (e.g. gpus=16384,mtbf=3h)")
+    gpus_text = fields["gpus"].replace("_", "")
+    if not gpus_text.isdigit() or not 0 < int(gpus_text) <= _MAX_GPUS:
+        raise BadInput(f"--project gpus={fields['gpus']!r}: a whole number of GPUs from 1 to {_MAX_GPUS}")
+    number = fields["mtbf"].rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = fields["mtbf"][len(number):]
+    try:
+        mtbf = float(number) * _DURATION_UNITS[unit]
+    except (ValueError, KeyError):
+        mtbf = float("nan")
+    if not (mtbf > 0 and mtbf < float("inf")):
+        raise BadInput(f"--project mtbf={fields['mtbf']!r}: a positive duration in s, m, h or d (e.g. 3h)")
+    return int(gpus_text), mtbf
+
+
 def register(app: typer.Typer) -> None:
     @app.command("report")
     def report(
@@ -69,6 +98,9 @@ def register(app: typer.Typer) -> None:
             "--markdown", help="Print GitHub-flavoured Markdown tables (for CI summaries).")] = False,
         html: Annotated[Optional[Path], typer.Option("--html", help="Also write an HTML report to FILE.")] = None,
         runs_dir: Annotated[Path, typer.Option("--runs-dir", envvar="FFCTL_RUNS_DIR")] = Path("ffctl-runs"),
+        project_to: Annotated[Optional[str], typer.Option(
+            "--project", metavar="gpus=N,mtbf=T",
+            help="Project the runs' measured costs to a job of N GPUs interrupted once every T (e.g. 3h).")] = None,
     ) -> None:
         """Show each fault's detection and recovery time, lost time, lost steps and lost GPU-hours.
 
@@ -79,6 +111,9 @@ def register(app: typer.Typer) -> None:
         """
         if as_json and markdown:
             raise BadInput("--json and --markdown: choose one")
+        projection_of = parse_project(project_to) if project_to is not None else None
+        if projection_of is not None and not runs:
+            raise BadInput("--project needs the runs to project from: ffctl report RUN [RUN...] --project ...")
         if runs_dir.exists() and not runs_dir.is_dir():
             raise BadInput(f"--runs-dir {str(runs_dir)!r} is not a directory")
         records = []
@@ -99,14 +134,20 @@ def register(app: typer.Typer) -> None:
                 console.save_html(str(html))
             return
         reports = [_run_report(record) for record in records]
+        proj = project(reports, *projection_of) if projection_of is not None else None
         if as_json:
-            typer.echo(json.dumps(reports[0] if len(reports) == 1 else reports, indent=2))
+            shown: Any = reports[0] if len(reports) == 1 else reports
+            typer.echo(json.dumps(shown if proj is None else {"runs": reports, "projection": proj}, indent=2))
         elif markdown:
             typer.echo(markdown_report(reports[0]) if len(reports) == 1 else markdown_comparison(reports), nl=False)
+            if proj is not None:
+                typer.echo(markdown_projection(proj), nl=False)
         if len(reports) == 1:
             render_report(reports[0], console)
         else:
             render_comparison(reports, console)
+        if proj is not None:
+            render_projection(proj, console)
         if html is not None:
             console.save_html(str(html))
         if any(r["status"] == RunStatus.INCOMPLETE.value for r in reports):

@@ -214,6 +214,47 @@ def render_comparison(reports: list[dict[str, Any]], console: Console) -> None:
             console.print(f"{r['run_id']}: {line}", markup=False, highlight=False, soft_wrap=True)
 
 
+PROJECTION_FIELDS: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
+    ("runs", lambda p: str(len(p["runs"]))),
+    ("faults measured", lambda p: str(p["faults"])),
+    ("lost s per fault", lambda p: _s(p["lost_s_per_fault"])),
+    ("fault-free goodput", lambda p: _s(p["fault_free_goodput"], 3)),
+    ("spare share", lambda p: _s(p["spare_share"], 3)),
+    ("goodput", lambda p: _s(p["goodput"], 3)),
+    ("lost GPU-h/day", lambda p: _s(p["lost_gpu_hours_per_day"], 1)),
+    ("spare GPU-h/day", lambda p: _s(p["spare_gpu_hours_per_day"], 1)),
+]
+
+
+def _mtbf_text(seconds: float) -> str:
+    for unit, size in (("d", 86400.0), ("h", 3600.0), ("min", 60.0)):
+        if seconds >= size:
+            return f"{seconds / size:g} {unit} ({seconds:g} s)"
+    return f"{seconds:g} s"
+
+
+def projection_rows(proj: dict[str, Any]) -> list[list[str]]:
+    rows = [[name] + [get(p) for p in proj["strategies"]] for name, get in PROJECTION_FIELDS]
+    kinds = sorted({k for p in proj["strategies"] for k in p["lost_s_by_kind"]})
+    rows += [[f"lost s, {k}"] + [_s(p["lost_s_by_kind"].get(k)) for p in proj["strategies"]] for k in kinds]
+    return rows
+
+
+def projection_title(proj: dict[str, Any]) -> str:
+    return (f"projected to {proj['gpus']:,} GPUs, one interruption every {_mtbf_text(proj['mtbf_s'])}: "
+            f"{proj['interruptions_per_day']:.2f} a day")
+
+
+def render_projection(proj: dict[str, Any], console: Console) -> None:
+    """Per strategy measured: its inputs from the runs and what they project to, then the formula."""
+    console.print()
+    console.print(projection_title(proj), style="bold", markup=False, highlight=False)
+    headers = ["strategy"] + [p["strategy"] for p in proj["strategies"]]
+    _table_or_blocks(console, "per strategy", headers, projection_rows(proj))
+    for line in proj["formula"]:
+        console.print(f"  {line}", markup=False, highlight=False)
+
+
 # --- Markdown (GitHub-flavoured), for CI summaries ------------------------------------------
 
 
@@ -261,6 +302,12 @@ def markdown_run_list(reports: list[dict[str, Any]]) -> str:
 
 def markdown_comparison(reports: list[dict[str, Any]]) -> str:
     return md_table(["run"] + [f"`{r['run_id']}`" for r in reports], comparison_rows(reports)) + "\n"
+
+
+def markdown_projection(proj: dict[str, Any]) -> str:
+    headers = ["strategy"] + [p["strategy"] for p in proj["strategies"]]
+    return ("\n#### " + projection_title(proj) + "\n\n" + md_table(headers, projection_rows(proj)) + "\n\n"
+            + "\n".join(f"- `{line}`" for line in proj["formula"]) + "\n")
 
 
 def status_notes(report: dict[str, Any]) -> list[str]:
