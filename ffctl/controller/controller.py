@@ -580,7 +580,10 @@ class Controller:
         # Spawned means started and ready to join (torch imported), not merely forked. A plain
         # script says nothing: its process being up is all there is.
         said = "spawned" if self.plain_script else "started"
-        spawned = lambda: set(respawn) <= self.gen_msgs.get((said, gen), set())  # noqa: E731
+        # (A rank that already ended cleanly without a word ran no library: it is done, see
+        # _on_rank_exited, and nothing more is to be waited for from it.)
+        done = lambda: self.gen_msgs.get(("done", gen), set())  # noqa: E731
+        spawned = lambda: set(respawn) <= self.gen_msgs.get((said, gen), set()) | done()  # noqa: E731
         if not self.wait_for(spawned, PHASE_TIMEOUT, "spawn"):
             raise FatalRun(f"ranks {sorted(respawn)} were not spawned within {PHASE_TIMEOUT:g}s")
         # How each started (a warm spare, a fork of the template, a fresh interpreter) and how
@@ -590,7 +593,7 @@ class Controller:
                     pids={str(r): self.pids.get(r) for r in respawn},
                     started_by={r: how for r, (how, _) in started.items() if how},
                     start_s={r: s for r, (_, s) in started.items() if s is not None})
-        if self.plain_script:
+        if self.plain_script or world <= done():
             self.last_progress = time.monotonic()
             return  # its rendezvous is torch's own (MASTER_ADDR), unseen here
         joined = lambda: world <= self.gen_msgs.get(("joined", gen), set())  # noqa: E731

@@ -185,3 +185,48 @@ def test_bad_torchrun_value_is_one_line_exit_2(tmp_path: Path, monkeypatch: pyte
     assert code == 2 and spec is None
     assert "--nnodes '2:1': MIN is more than MAX" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()
+
+
+# -- what workers are given --------------------------------------------------------------------
+
+def test_omp_threads_as_torchrun_sets_them() -> None:
+    from ffctl.agent.workerenv import worker_env
+
+    assert worker_env({}, {"LOCAL_WORLD_SIZE": "2"}, False)["OMP_NUM_THREADS"] == "1"
+    assert "OMP_NUM_THREADS" not in worker_env({}, {"LOCAL_WORLD_SIZE": "1"}, False)
+    assert worker_env({"OMP_NUM_THREADS": "4"}, {"LOCAL_WORLD_SIZE": "2"}, False)["OMP_NUM_THREADS"] == "4"
+
+
+def test_job_env_carries_torchruns_names() -> None:
+    from recovery.jobenv import JobEnv
+
+    env = JobEnv(rank=3, world_size=4, local_rank=1, local_world_size=2, node=1, run_id="r", store_host="h",
+                 store_port=5, gen=2, role="trainer", max_restarts=7).to_env()
+    assert {k: env[k] for k in ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "WORLD_SIZE",
+                                "LOCAL_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                                "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID")} == {
+        "RANK": "3", "LOCAL_RANK": "1", "GROUP_RANK": "1", "ROLE_RANK": "3", "ROLE_NAME": "trainer",
+        "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "ROLE_WORLD_SIZE": "4", "MASTER_ADDR": "h", "MASTER_PORT": "5",
+        "TORCHELASTIC_RESTART_COUNT": "2", "TORCHELASTIC_MAX_RESTARTS": "7", "TORCHELASTIC_RUN_ID": "r"}
+
+
+def test_error_file_as_torchs_record_writes_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    from ffctl.agent.agent import read_error_file
+
+    path = tmp_path / "0.gen0.error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+
+    @record
+    def failing() -> None:
+        raise ValueError("bad batch")
+
+    with pytest.raises(ValueError):
+        failing()
+    assert read_error_file(path) == "ValueError: bad batch"
+    assert read_error_file(tmp_path / "missing.json") is None
+    (tmp_path / "junk.json").write_text("{not json")
+    assert read_error_file(tmp_path / "junk.json") is None
+    (tmp_path / "plain.json").write_text('{"message": "OOM on device 0"}')
+    assert read_error_file(tmp_path / "plain.json") == "OOM on device 0"
