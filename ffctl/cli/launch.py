@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import os
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
@@ -11,7 +12,8 @@ from fault_injectors import FaultSpecError
 from fault_injectors.spec import parse_injection
 from ffctl.render import make_console
 from ffctl.errors import EXIT_EXPECTATION, EXIT_INTERRUPTED, EXIT_OK, BadInput
-from ffctl.launch.plan import execute, plan_launch
+from ffctl.launch.echo import RankEcho, parse_ranks_filter
+from ffctl.launch.plan import LaunchPlan, execute, plan_launch
 from ffctl.launch.torchrun import TorchrunArgError, resolve
 from ffctl.spec import LaunchSpec
 from ffctl.render.live import LiveView
@@ -25,6 +27,18 @@ def _gpus() -> int:
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _echo(plan: LaunchPlan, console: Any) -> AbstractContextManager[object]:
+    """A user script's output on the console as it comes, `[rank N]: line` (torchrun's
+    `--local-ranks-filter` picks the local ranks shown). The built-in workload's is in its logs
+    only, and so is that of ranks on hosts over SSH, whose logs stay there."""
+    spec = plan.spec
+    if not spec.script or spec.hostfile is not None:
+        return nullcontext()
+    write = lambda line: console.print(line, markup=False, highlight=False, soft_wrap=True)  # noqa: E731
+    return RankEcho(spec.runs_dir / plan.run_id / "logs", write, spec.nproc_per_node,
+                    parse_ranks_filter(dict(spec.torchrun).get("local_ranks_filter", "")))
 
 
 def register(app: typer.Typer) -> None:
@@ -74,9 +88,9 @@ def register(app: typer.Typer) -> None:
         no_python: Annotated[bool, typer.Option("--no-python", "--no_python", rich_help_panel="torchrun options", help="SCRIPT is a program, run as is (not with Python).")] = False,
         run_path: Annotated[bool, typer.Option("--run-path", "--run_path", rich_help_panel="torchrun options", help="Accepted and recorded: a script is always run as `runpy.run_path` runs it.")] = False,
         log_dir: Annotated[Optional[str], typer.Option("--log-dir", "--log_dir", rich_help_panel="torchrun options", help="Accepted and recorded: each rank's output and error file are in the run record, logs/<node>/.")] = None,
-        redirects: Annotated[Optional[str], typer.Option("-r", "--redirects", rich_help_panel="torchrun options", help="0-3 or LOCAL_RANK:0-3,...: accepted and recorded; ranks' output always goes to their log in the record.")] = None,
-        tee: Annotated[Optional[str], typer.Option("-t", "--tee", rich_help_panel="torchrun options", help="0-3 or LOCAL_RANK:0-3,...: accepted and recorded; ranks' output always goes to their log in the record.")] = None,
-        local_ranks_filter: Annotated[Optional[str], typer.Option("--local-ranks-filter", "--local_ranks_filter", rich_help_panel="torchrun options", help="Accepted and recorded.")] = None,
+        redirects: Annotated[Optional[str], typer.Option("-r", "--redirects", rich_help_panel="torchrun options", help="0-3 or LOCAL_RANK:0-3,...: accepted and recorded; a script's ranks' output always goes to their log in the record and to the console, prefixed [rank N]:.")] = None,
+        tee: Annotated[Optional[str], typer.Option("-t", "--tee", rich_help_panel="torchrun options", help="0-3 or LOCAL_RANK:0-3,...: accepted and recorded; a script's ranks' output always goes to their log in the record and to the console, prefixed [rank N]:.")] = None,
+        local_ranks_filter: Annotated[Optional[str], typer.Option("--local-ranks-filter", "--local_ranks_filter", rich_help_panel="torchrun options", help="LOCAL_RANK,...: the local ranks whose output the console shows, each line prefixed [rank N]: (default: every rank's).")] = None,
     ) -> int:
         """Train on local nodes (the built-in GPT, or SCRIPT), inject faults, recover, and record it."""
         try:
@@ -112,7 +126,7 @@ def register(app: typer.Typer) -> None:
         if dry_run:
             render_plan(list(plan.lines), console)
             return EXIT_OK
-        with LiveView(console) as view:
+        with LiveView(console) as view, _echo(plan, console):
             status, record = execute(plan, view)
         render_report(compute(record.run_id, record.events()).to_dict(), console)
         console.print(f"run {record.run_id}: {status.value} (record in {record.path})", markup=False, highlight=False)

@@ -9,15 +9,17 @@ CPU and GPU counts are arguments), so every spelling and variable is testable as
 Options that shape the job (`--nnodes`, `--nproc-per-node`, `--max-restarts`, `--role`, `-m`,
 `--no-python`, `--standalone`) take effect. Options about how torchrun's own agent rendezvous and
 supervises (`--rdzv-*`, `--node-rank`, `--master-port`, `--local-addr`, `--monitor-interval`,
-`--start-method`, `--log-dir`, `-r`, `-t`, `--local-ranks-filter`, `--run-path`) are accepted,
+`--start-method`, `--log-dir`, `-r`, `-t`, `--run-path`) are accepted,
 checked where torchrun checks them, and recorded: ffctl's controller runs the job's store and
 watches its workers itself, which is what those options configure under torchrun.
+`--local-ranks-filter` picks the local ranks whose output the console shows (ffctl.launch.echo).
 """
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from ffctl.launch.echo import parse_ranks_filter
 from ffctl.spec import EXEC_MODULE
 
 # torchrun's options, by the destination name its parser gives them (PET_<NAME.upper()>), with
@@ -201,6 +203,10 @@ def resolve(given: Mapping[str, str | None], flags: Mapping[str, bool], script: 
     _check_std("-r/--redirects", values["redirects"])
     _check_std("-t/--tee", values["tee"])
     _check_endpoint(values["rdzv_endpoint"])
+    try:
+        parse_ranks_filter(values["local_ranks_filter"])
+    except ValueError as exc:
+        raise TorchrunArgError(str(exc)) from None
     if on["module"] and on["no_python"]:
         raise TorchrunArgError("-m/--module and --no-python: give one or the other")
 

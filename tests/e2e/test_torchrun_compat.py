@@ -38,6 +38,7 @@ def main():
              f"master={bool(os.environ.get('MASTER_ADDR'))}:{bool(os.environ.get('MASTER_PORT'))}")
     # One write: the ranks share torchrun's stdout, and a line must not be split by another's.
     os.write(1, f"RESULT sum={t.item()} {seen} {flags}\\n".encode())
+    dist.barrier()  # no rank tears gloo down while another still talks to it
     dist.destroy_process_group()
 
 
@@ -67,6 +68,10 @@ for step in range(5):
     opt.step()
 weights = sum(p.detach().double().sum().item() for p in model.parameters())
 os.write(1, f"RESULT rank={rank} world={world} loss={loss.item()!r} weights={weights!r}\\n".encode())
+# DDP's reducer goes before its group: torch aborts the process now and then ("terminate called
+# without an active exception") when the group is destroyed under a live DDP module.
+del model, opt
+dist.barrier()  # no rank tears gloo down while another still talks to it
 dist.destroy_process_group()
 '''
 
@@ -132,6 +137,10 @@ def _ffctl(workdir: Path, argv: list[str]) -> list[str]:
     text = "\n".join(p.read_text() for p in sorted(logs.glob("*/[0-9]*.log")))
     assert_nothing_left(workdir)
     assert not shm_left(run_id)
+    # On the console too, as it came, each line under its rank.
+    shown = sorted(line for line in proc.stdout.splitlines() if line.startswith("[rank ") and "RESULT " in line)
+    assert sorted(line[line.index("RESULT"):] for line in shown) == _results(text), proc.stdout
+    assert all(line.startswith(("[rank 0]: RESULT", "[rank 1]: RESULT")) for line in shown), shown
     return _results(text)
 
 

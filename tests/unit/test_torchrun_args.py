@@ -230,3 +230,26 @@ def test_error_file_as_torchs_record_writes_it(tmp_path: Path, monkeypatch: pyte
     assert read_error_file(tmp_path / "junk.json") is None
     (tmp_path / "plain.json").write_text('{"message": "OOM on device 0"}')
     assert read_error_file(tmp_path / "plain.json") == "OOM on device 0"
+
+
+def test_rank_output_is_echoed_with_its_rank(tmp_path: Path) -> None:
+    from ffctl.launch.echo import RankEcho, parse_ranks_filter
+
+    logs = tmp_path / "logs"
+    (logs / "0").mkdir(parents=True)
+    (logs / "1").mkdir()
+    seen: list[str] = []
+    echo = RankEcho(logs, seen.append, nproc_per_node=2, local_ranks=parse_ranks_filter("0"))
+    (logs / "0" / "0.log").write_bytes(b"hello\npart")
+    (logs / "0" / "1.log").write_bytes(b"filtered out\n")
+    (logs / "1" / "2.log").write_bytes(b"node one\n")
+    (logs / "0" / "template.log").write_bytes(b"not a rank\n")
+    echo.poll()
+    assert seen == ["[rank 0]: hello", "[rank 2]: node one"]
+    with open(logs / "0" / "0.log", "ab") as fh:
+        fh.write(b"ial line\nlast")
+    echo.poll(final=True)
+    assert seen[2:] == ["[rank 0]: partial line", "[rank 0]: last"]
+    assert parse_ranks_filter("") is None and parse_ranks_filter("0, 2") == {0, 2}
+    with pytest.raises(TorchrunArgError, match="--local-ranks-filter 'x'"):
+        _resolve({"local_ranks_filter": "x"})
