@@ -310,12 +310,10 @@ def test_node_faults_are_detected_and_recovered(workdir: tuple[Path, list[str]],
     cwd, run_ids = workdir
     run_id = rid("node")
     run_ids.append(run_id)
-    # No spares: the lost node's rank is forked from node 0's warm template (a CPU host) and
-    # restores from the copy node 0 holds as node 1's ring neighbour; node 1 comes back empty.
-    # The reboot then hits node 0, which holds both ranks: they go to node 1 and restore from
-    # the replicas node 1 holds again by then.
+    # No spares: the lost node's rank waits for the node's agent to come back, and restores
+    # from the copy its ring neighbour holds.
     proc = start_launch(cwd, run_id, "--nnodes", "2", "--nproc-per-node", "1", "--steps", "120",
-                        "--inject", "kill-node:node=1,step=20", "--inject", "reboot-node:node=0,step=70")
+                        "--inject", "kill-node:node=1,step=20", "--inject", "reboot-node:node=1,step=70")
     try:
         wait_event(cwd, run_id, step_at_least(1), 240, proc)
         # A dry run prints the exact commands (live pids) and changes nothing.
