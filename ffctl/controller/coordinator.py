@@ -277,16 +277,10 @@ class RecoveryCoordinator:
 
     def _place(self, ranks: list[int], lost_nodes: set[int]) -> None:
         """Ranks of a lost node go to warm spares on surviving nodes when there are any (no wait
-        for the node to come back), or to surviving nodes whose worker template is warm when the
-        hosts have no GPU (a CPU host can run another rank; a GPU host's devices are taken);
-        otherwise they wait for the node's restarted agent, whose template must warm up first."""
+        for the node to come back); otherwise they wait for the node's restarted agent."""
         job = self.job
         # A spare still warming up is further along than a node restart, so count it too.
         free = {n: st.spares_total for n, st in job.nodes.items() if st.up and n not in lost_nodes}
-        if not self.cluster.has_gpu():
-            for n, st in job.nodes.items():
-                if n in free and st.template:
-                    free[n] = max(free[n], len(ranks))
         for r in ranks:
             if job.members[r] in lost_nodes and free:
                 n = max(free, key=lambda k: (free[k], -k))
