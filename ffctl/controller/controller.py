@@ -43,38 +43,7 @@ STARTUP_HANG_S = 120.0
 STARTUP_HEARTBEAT_S = 10.0
 
 
-class _OnJob:
-    """A Controller attribute kept on its `JobState` (`self.job`), the one object the recovery
-    coordinator and the fault scheduler share with it: the handlers read and write it by name."""
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-
-    def __get__(self, obj: Any, objtype: type | None = None) -> Any:
-        return getattr(obj.job, self.name)
-
-    def __set__(self, obj: Any, value: Any) -> None:
-        setattr(obj.job, self.name, value)
-
-
 class Controller:
-    gen = _OnJob()
-    members = _OnJob()
-    pids = _OnJob()
-    nodes = _OnJob()
-    progress = _OnJob()
-    last_progress = _OnJob()
-    gen_msgs = _OnJob()
-    restore_how = _OnJob()
-    ckpt_reports = _OnJob()
-    disk_step = _OnJob()
-    bad_sources = _OnJob()
-    inventories = _OnJob()
-    pending = _OnJob()
-    phase = _OnJob()
-    rank_failed = _OnJob()
-    deferred_restarts = _OnJob()
-
     def __init__(self, spec: LaunchSpec, record: RunStore, nodes: NodeBackend,
                  view: Callable[[dict[str, Any]], None] | None = None,
                  transport_for: Callable[[HostCommand], Any] | None = None) -> None:
@@ -117,10 +86,10 @@ class Controller:
         if not force and now - self._view_at < 0.1:
             return
         self._view_at = now
-        med = self.progress.median_step_s(last=20)
+        med = self.job.progress.median_step_s(last=20)
         self.view({
-            "run_id": self.rec.run_id, "phase": self.job.phase.value, "gen": self.gen, "step": self.progress.committed_step,
-            "steps": self.spec.steps, "loss": self.progress.last_loss,
+            "run_id": self.rec.run_id, "phase": self.job.phase.value, "gen": self.job.gen, "step": self.job.progress.committed_step,
+            "steps": self.spec.steps, "loss": self.job.progress.last_loss,
             "steps_per_s": (1.0 / med) if med else None,
             "fault": self.injector.describe_current(), "strategy": self.spec.recovery,
             "notice": self.notice, "notices": tuple(self.notices),
@@ -173,9 +142,9 @@ class Controller:
         nodes = tuple(
             NodePlace(n, self.launcher.host(n), self.launcher.address(n), st.pid,
                       self.launcher.netns(n), self.launcher.interface(n))
-            for n, st in sorted(self.nodes.items())
+            for n, st in sorted(self.job.nodes.items())
         )
-        ranks = tuple(RankPlace(r, self.members[r], pid) for r, pid in sorted(self.pids.items()) if pid)
+        ranks = tuple(RankPlace(r, self.job.members[r], pid) for r, pid in sorted(self.job.pids.items()) if pid)
         # GPU faults act on the device where the backend says the hosts have one, else emulated.
         return Topology(self.rec.run_id, nodes, ranks, controller_address=self.spec.address,
                         store_port=self.port, has_gpu=self.launcher.has_gpu(),
@@ -200,8 +169,8 @@ class Controller:
         )
 
     def _rank_env(self, rank: int, gen: int) -> dict[str, str]:
-        node = self.members[rank]
-        local = sorted(r for r, n in self.members.items() if n == node)
+        node = self.job.members[rank]
+        local = sorted(r for r, n in self.job.members.items() if n == node)
         memory = self.spec.recovery in (Strategy.PEER, Strategy.RESTART_MEMORY)
         env = JobEnv(
             rank=rank, world_size=self.spec.world_size, local_rank=local.index(rank),
@@ -292,18 +261,18 @@ class Controller:
     # -- message handlers: one per kind, each given its decoded message -------------------------
     def _on_step(self, msg: messages.Step) -> None:
         rep = StepReport(msg.gen, msg.step, msg.rank, float(msg.loss), float(msg.dt))
-        if rep.gen == self.gen:
-            self.last_progress = time.monotonic()
-        if self.progress.report(rep):
+        if rep.gen == self.job.gen:
+            self.job.last_progress = time.monotonic()
+        if self.job.progress.report(rep):
             self.record(EventKind.STEP, t=time.time(), step=rep.step, loss=rep.loss,
                         step_time_s=rep.dt, gen=rep.gen, rank=rep.rank)
 
     def _on_agent_failed(self, msg: messages.AgentFailed) -> None:
-        self.nodes[msg.node].failed = msg.reason
+        self.job.nodes[msg.node].failed = msg.reason
 
     def _on_agent_up(self, msg: messages.AgentUp) -> None:
         now = time.time()
-        st = self.nodes[msg.node]
+        st = self.job.nodes[msg.node]
         st.pid, st.peer, st.up = msg.pid, (msg.peer_address, int(msg.peer_port)), True  # type: ignore[arg-type]
         # Events stay stamped on receipt with our clock; the offset is what converts the
         # agent's own stamps. Measured NTP-style before the start (SSH hosts) when we can,
@@ -315,11 +284,11 @@ class Controller:
                     clock_offset_s=offset, clock_offset_source="ntp" if measured is not None else "receipt",
                     agent_up_at=self.agent_time(st.node, float(msg.time)))
         st.hb_seen = time.monotonic()
-        if self.phase != "starting":
+        if self.job.phase != "starting":
             self.wire_ring()  # a node came back: it holds replicas again
 
     def _on_spares(self, msg: messages.Spares) -> None:
-        st = self.nodes[msg.node]
+        st = self.job.nodes[msg.node]
         st.spares_total = msg.count if msg.total is None else msg.total
         if msg.count != st.spares or bool(msg.template) != st.template:
             # Whether the node's worker template is warm is on record too: a template that died
@@ -330,8 +299,8 @@ class Controller:
 
     def _on_spawned(self, msg: messages.Spawned) -> None:
         for r, pid in msg.pids.items():
-            self.pids[int(r)] = pid
-        self.gen_msgs.setdefault(("spawned", msg.gen), set()).update(int(r) for r in msg.pids)
+            self.job.pids[int(r)] = pid
+        self.job.gen_msgs.setdefault(("spawned", msg.gen), set()).update(int(r) for r in msg.pids)
         for r, how in (msg.how or {}).items():
             self.job.started_by[(msg.gen, int(r))] = (how, (msg.start_s or {}).get(r))
 
@@ -340,39 +309,39 @@ class Controller:
         trace = _lines(msg.traceback)
         self.record(EventKind.RANK_EXITED, t=now, node=msg.node, rank=msg.rank, error=msg.error,
                     gen=msg.gen, reason="error-in-step", step=msg.step, traceback=trace)
-        if self.pids.get(msg.rank):
+        if self.job.pids.get(msg.rank):
             rf = RankFailure(msg.rank, msg.node, self._host(msg.node), now, step=msg.step,
-                             step_exact=msg.step is not None, pid=self.pids.get(msg.rank),
+                             step_exact=msg.step is not None, pid=self.job.pids.get(msg.rank),
                              error=msg.error or "", tail=trace)
-            self.rank_failed[rf.rank] = rf
+            self.job.rank_failed[rf.rank] = rf
             self._fail(Failure("step-error", {rf.rank}, t=now, detail=str(msg.error),
                                rank_failures={rf.rank: rf}))
 
     def _on_generation_report(self, msg: messages.Started | messages.Joined | messages.Done) -> None:
         # Keyed by the kind's value: an enum member does not hash as its string does.
-        self.gen_msgs.setdefault((msg.kind.value, msg.gen), set()).add(msg.rank)
+        self.job.gen_msgs.setdefault((msg.kind.value, msg.gen), set()).add(msg.rank)
 
     def _on_restored(self, msg: messages.Restored) -> None:
-        self.gen_msgs.setdefault(("restored", msg.gen), set()).add(msg.rank)
+        self.job.gen_msgs.setdefault(("restored", msg.gen), set()).add(msg.rank)
         if msg.how:
-            self.restore_how.setdefault(msg.gen, {})[msg.rank] = msg.how
+            self.job.restore_how.setdefault(msg.gen, {})[msg.rank] = msg.how
 
     def _on_aborted(self, msg: messages.Aborted) -> None:
-        self.gen_msgs.setdefault(("aborted", msg.gen), set()).add(msg.rank)
+        self.job.gen_msgs.setdefault(("aborted", msg.gen), set()).add(msg.rank)
 
     def _on_restore_failed(self, msg: messages.RestoreFailed) -> None:
-        self.gen_msgs.setdefault(("restore_failed", msg.gen), set()).add(msg.rank)
+        self.job.gen_msgs.setdefault(("restore_failed", msg.gen), set()).add(msg.rank)
         # That copy is never offered again: the next decision picks another or disk.
-        self.bad_sources.add((msg.rank, msg.step, msg.source))
+        self.job.bad_sources.add((msg.rank, msg.step, msg.source))
         self._fail(Failure("restore-failed", {msg.rank}, t=time.time(), detail=str(msg.reason)))
 
     def _on_ckpt(self, msg: messages.Ckpt) -> None:
-        got = self.ckpt_reports.setdefault(msg.step, set())
+        got = self.job.ckpt_reports.setdefault(msg.step, set())
         got.add(msg.rank)
         if len(got) == self.spec.world_size:
             if self.launcher.run_dir is None:  # remote checkpoints: hosts' dirs
                 disk.mark_complete(self.rec.path / "checkpoints", msg.step)
-            self.disk_step = max(self.disk_step or 0, msg.step)
+            self.job.disk_step = max(self.job.disk_step or 0, msg.step)
             self.record(EventKind.SNAPSHOT_TAKEN, t=time.time(), step=msg.step, kind="disk", ranks=sorted(got))
 
     def _on_replicated(self, msg: messages.Replicated) -> None:
@@ -380,7 +349,7 @@ class Controller:
                     node=msg.node, ranks=msg.ranks)
 
     def _on_inventory(self, msg: messages.Inventory) -> None:
-        self.inventories[(msg.node, msg.req)] = msg
+        self.job.inventories[(msg.node, msg.req)] = msg
 
     def _on_agent_error(self, msg: messages.AgentError) -> None:
         # A command the agent accepted and could not carry out.
@@ -400,19 +369,19 @@ class Controller:
         self.record(EventKind.RANK_EXITED, t=now, node=msg.node, rank=rank, pid=pid, exitcode=code,
                     gen=msg.gen, expected=bool(msg.expected), **({"log_tail": tail} if tail else {}),
                     **({"error_file": msg.error} if msg.error else {}))
-        if self.pids.get(rank) != pid:
+        if self.job.pids.get(rank) != pid:
             return  # a process of an earlier generation, already replaced
-        self.pids[rank] = None
-        if msg.expected or rank in self.gen_msgs.get(("done", self.gen), set()):
+        self.job.pids[rank] = None
+        if msg.expected or rank in self.job.gen_msgs.get(("done", self.job.gen), set()):
             return
         if code == 0 and (self.plain_script or not self._ever_announced(rank)):
             # A script without the recovery library has no other way to say it finished; and a
             # rank that ends cleanly without ever announcing itself (the library's `started`)
             # ran no library, whatever its source looked like.
-            self.gen_msgs.setdefault(("done", msg.gen), set()).add(rank)
+            self.job.gen_msgs.setdefault(("done", msg.gen), set()).add(rank)
             return
         node = msg.node
-        rf = self.rank_failed.get(rank)
+        rf = self.job.rank_failed.get(rank)
         if rf is not None and rf.pid == pid and rf.exitcode is None:
             rf.exitcode = code  # the end of the exception it reported: keep its traceback
             rf.tail = rf.tail or tail
@@ -420,7 +389,7 @@ class Controller:
             host = msg.host if msg.host is not None else self._host(node)
             rf = RankFailure(rank, node, host[:255], now, step=self._failing_step(rank), pid=pid,
                              exitcode=code, error=(msg.error or error_line(tail))[:500], tail=tail)
-            self.rank_failed[rank] = rf
+            self.job.rank_failed[rank] = rf
         self._fail(Failure("process-exit", {rank}, t=now, detail=f"exit code {code}", rank_failures={rank: rf}))
 
     # Every kind of report has its handler (a unit test holds this table to `messages.Kind`).
@@ -448,14 +417,14 @@ class Controller:
 
     def _ever_announced(self, rank: int) -> bool:
         """Whether the rank has spoken the library's protocol in any generation."""
-        return any(rank in ranks for (kind, _), ranks in self.gen_msgs.items() if kind in ("started", "joined"))
+        return any(rank in ranks for (kind, _), ranks in self.job.gen_msgs.items() if kind in ("started", "joined"))
 
     def _failing_step(self, rank: int) -> int | None:
         """The step a rank that exited was most likely in: the one after its newest commit in this
         generation (or after the restore step). Unknown for a script that reports no steps."""
         if self.plain_script:
             return None
-        return max(self.progress.restore_step, self.progress.everywhere([rank])) + 1
+        return max(self.job.progress.restore_step, self.job.progress.everywhere([rank])) + 1
 
     def _host(self, node: int) -> str:
         host = self.launcher.host(node)
@@ -465,7 +434,7 @@ class Controller:
     def _check_nodes(self) -> None:
         assert self.store is not None
         now = time.monotonic()
-        for n, st in self.nodes.items():
+        for n, st in self.job.nodes.items():
             if not st.up:
                 continue
             if st.proc.poll() is not None:
@@ -485,18 +454,18 @@ class Controller:
         # While the job starts, every host imports torch in several processes at once and an
         # agent can be starved of CPU for more than a second; a node lost then costs nothing to
         # wait for, so allow a longer silence until the first step is committed.
-        if self.gen == 0 and not self.progress.started(0):
+        if self.job.gen == 0 and not self.job.progress.started(0):
             return max(self.spec.heartbeat_timeout, STARTUP_HEARTBEAT_S)
         return self.spec.heartbeat_timeout
 
     def _check_hang(self) -> None:
-        if self.job.phase is not Phase.RUNNING or self.pending is not None or self.plain_script:
+        if self.job.phase is not Phase.RUNNING or self.job.pending is not None or self.plain_script:
             return  # (a plain script reports no steps: no progress to judge)
-        if not self.progress.started():
+        if not self.job.progress.started():
             limit = STARTUP_HANG_S
         else:
-            limit = self.progress.hang_limit(self.spec.hang_min_s)
-        if time.monotonic() - self.last_progress > limit:
+            limit = self.job.progress.hang_limit(self.spec.hang_min_s)
+        if time.monotonic() - self.job.last_progress > limit:
             self._fail(Failure(Cause.HANG, detail=f"no step progress for {limit:.1f}s"))
 
     def _adhoc_inject(self, msg: messages.InjectRequest) -> None:
@@ -520,7 +489,7 @@ class Controller:
         deadline = time.monotonic() + timeout
         while not cond():
             self.pump()
-            if abandon_on_failure and self.pending is not None:
+            if abandon_on_failure and self.job.pending is not None:
                 raise RecoveryAbandoned(what)
             if time.monotonic() > deadline:
                 return False
@@ -530,38 +499,38 @@ class Controller:
 
     # -- lifecycle ----------------------------------------------------------------------------
     def start_agent(self, node: int) -> None:
-        st = self.nodes.get(node)
+        st = self.job.nodes.get(node)
         if st is not None:
             st.proc.stop(timeout=2.0)
             self._incarnation[node] = self._incarnation.get(node, 0) + 1
         proc = self.launcher.start(self._agent_config(node))
-        self.nodes[node] = NodeState(node, proc)
+        self.job.nodes[node] = NodeState(node, proc)
 
     def wait_agents(self, nodes: list[int]) -> None:
-        settled = lambda: all(self.nodes[n].up or self.nodes[n].failed for n in nodes)  # noqa: E731
+        settled = lambda: all(self.job.nodes[n].up or self.job.nodes[n].failed for n in nodes)  # noqa: E731
         ok = self.wait_for(settled, AGENT_START_TIMEOUT, "agents starting", abandon_on_failure=False)
         for n in nodes:
-            if self.nodes[n].failed:
-                raise FatalRun(f"node {n}: {self.nodes[n].failed}")
+            if self.job.nodes[n].failed:
+                raise FatalRun(f"node {n}: {self.job.nodes[n].failed}")
         if not ok:
-            missing = [n for n in nodes if not self.nodes[n].up]
+            missing = [n for n in nodes if not self.job.nodes[n].up]
             raise FatalRun(f"agent of node(s) {missing} did not start within {AGENT_START_TIMEOUT:g}s "
                            f"(see {self.rec.path / 'logs'})")
         for n in nodes:
-            self.nodes[n].hb_seen = time.monotonic()
+            self.job.nodes[n].hb_seen = time.monotonic()
         self.wire_ring()
 
     def wire_ring(self) -> None:
-        live = sorted(n for n, st in self.nodes.items() if st.up)
+        live = sorted(n for n, st in self.job.nodes.items() if st.up)
         for n in live:
             holder = ring_holder(n, live) if self.spec.recovery in (Strategy.PEER, Strategy.RESTART_MEMORY) else None
-            peer = self.nodes[holder].peer if holder is not None else None
+            peer = self.job.nodes[holder].peer if holder is not None else None
             self.send(n, messages.Neighbor(address=peer[0] if peer else None, port=peer[1] if peer else None))
 
     def _spawn(self, gen: int, ranks: list[int]) -> None:
         by_node: dict[int, list[int]] = {}
         for r in ranks:
-            by_node.setdefault(self.members[r], []).append(r)
+            by_node.setdefault(self.job.members[r], []).append(r)
         for node, rs in by_node.items():
             self.send(node, messages.Spawn(gen=gen, ranks=[{"rank": r, "env": self._rank_env(r, gen)} for r in rs]))
 
@@ -570,47 +539,47 @@ class Controller:
         plan = {"gen": gen, "world_size": self.spec.world_size, "strategy": self.spec.recovery,
                 "restore_step": decision.restore_step if decision else 0,
                 "sources": {str(r): s for r, s in (decision.sources.items() if decision else [])}}
-        self.gen = gen
-        self.progress.open(gen, int(plan["restore_step"]))
+        self.job.gen = gen
+        self.job.progress.open(gen, int(plan["restore_step"]))
         control.publish_plan(self.store, gen, plan, self.sealer)
         self._spawn(gen, respawn)
 
     def await_generation(self, gen: int, respawn: list[int], restore_step: int, source: RestoreSource) -> None:
-        world = set(self.members)
+        world = set(self.job.members)
         # Spawned means started and ready to join (torch imported), not merely forked. A plain
         # script says nothing: its process being up is all there is.
         said = "spawned" if self.plain_script else "started"
         # (A rank that already ended cleanly without a word ran no library: it is done, see
         # _on_rank_exited, and nothing more is to be waited for from it.)
-        done = lambda: self.gen_msgs.get(("done", gen), set())  # noqa: E731
-        spawned = lambda: set(respawn) <= self.gen_msgs.get((said, gen), set()) | done()  # noqa: E731
+        done = lambda: self.job.gen_msgs.get(("done", gen), set())  # noqa: E731
+        spawned = lambda: set(respawn) <= self.job.gen_msgs.get((said, gen), set()) | done()  # noqa: E731
         if not self.wait_for(spawned, PHASE_TIMEOUT, "spawn"):
             raise FatalRun(f"ranks {sorted(respawn)} were not spawned within {PHASE_TIMEOUT:g}s")
         # How each started (a warm spare, a fork of the template, a fresh interpreter) and how
         # long its agent took to start it.
         started = {str(r): self.job.started_by.get((gen, r), (None, None)) for r in respawn}
         self.record(EventKind.RANKS_SPAWNED, gen=gen, ranks=sorted(respawn),
-                    pids={str(r): self.pids.get(r) for r in respawn},
+                    pids={str(r): self.job.pids.get(r) for r in respawn},
                     started_by={r: how for r, (how, _) in started.items() if how},
                     start_s={r: s for r, (_, s) in started.items() if s is not None})
         if self.plain_script or world <= done():
-            self.last_progress = time.monotonic()
+            self.job.last_progress = time.monotonic()
             return  # its rendezvous is torch's own (MASTER_ADDR), unseen here
-        joined = lambda: world <= self.gen_msgs.get(("joined", gen), set())  # noqa: E731
+        joined = lambda: world <= self.job.gen_msgs.get(("joined", gen), set())  # noqa: E731
         if not self.wait_for(joined, PHASE_TIMEOUT, "rendezvous"):
-            self._fail(Failure(Cause.RENDEZVOUS_TIMEOUT, world - self.gen_msgs.get(("joined", gen), set())))
+            self._fail(Failure(Cause.RENDEZVOUS_TIMEOUT, world - self.job.gen_msgs.get(("joined", gen), set())))
             raise RecoveryAbandoned("rendezvous")
         self.record(EventKind.RENDEZVOUS_DONE, gen=gen)
         if restore_step > 0:
-            restored = lambda: world <= self.gen_msgs.get(("restored", gen), set())  # noqa: E731
+            restored = lambda: world <= self.job.gen_msgs.get(("restored", gen), set())  # noqa: E731
             if not self.wait_for(restored, PHASE_TIMEOUT, "restore"):
                 self._fail(Failure(Cause.RESTORE_TIMEOUT))
                 raise RecoveryAbandoned("restore")
-            how = self.restore_how.get(gen, {})
+            how = self.job.restore_how.get(gen, {})
             # Which ranks kept their live state, received it from one that did, or gathered it.
             self.record(EventKind.RESTORE_DONE, gen=gen, step=restore_step, source=source,
                         transfer={k: sorted(r for r, h in how.items() if h == k) for k in sorted(set(how.values()))})
-        self.last_progress = time.monotonic()
+        self.job.last_progress = time.monotonic()
 
     def run(self) -> RunStatus:
         status, reason = RunStatus.FAILED, ""
@@ -627,13 +596,13 @@ class Controller:
             for n in range(self.spec.nnodes):
                 self.start_agent(n)
             self.wait_agents(list(range(self.spec.nnodes)))
-            self.open_generation(0, None, sorted(self.members))
+            self.open_generation(0, None, sorted(self.job.members))
             self.job.enter(Phase.RUNNING)
             try:
-                self.await_generation(0, sorted(self.members), 0, RestoreSource.NONE)
+                self.await_generation(0, sorted(self.job.members), 0, RestoreSource.NONE)
             except RecoveryAbandoned:
                 pass  # a rank failed while starting: the loop recovers it
-            self.last_progress = time.monotonic()
+            self.job.last_progress = time.monotonic()
             status = self._loop()
         except KeyboardInterrupt:
             status, reason = RunStatus.INTERRUPTED, "interrupted"
@@ -648,7 +617,7 @@ class Controller:
             self.job.enter(Phase(status.value))
             self.show(force=True)
             self._teardown()
-            self.record(EventKind.RUN_FINISHED, status=status.value, steps_completed=self.progress.committed_step,
+            self.record(EventKind.RUN_FINISHED, status=status.value, steps_completed=self.job.progress.committed_step,
                         reason=reason,
                         **({"root_cause": self.root_cause} if status is RunStatus.FAILED and self.root_cause else {}))
             self.rec.write_json("report.json", compute(self.rec.run_id, self.rec.events()).to_dict())
@@ -656,20 +625,20 @@ class Controller:
         return status
 
     def _loop(self) -> RunStatus:
-        world = set(self.members)
+        world = set(self.job.members)
         while True:
             self.pump()
             self._check_hang()
             self.injector.tick(time.time() - self.started)  # (a step trigger waits for every rank)
-            if self.pending is not None:
+            if self.job.pending is not None:
                 self.job.enter(Phase.RECOVERING)
                 self.coordinator.recover()
                 self.job.enter(Phase.RUNNING)
-            for n, due in list(self.deferred_restarts.items()):
+            for n, due in list(self.job.deferred_restarts.items()):
                 if time.monotonic() >= due:
-                    del self.deferred_restarts[n]
+                    del self.job.deferred_restarts[n]
                     self.start_agent(n)
-            if world <= self.gen_msgs.get(("done", self.gen), set()):
+            if world <= self.job.gen_msgs.get(("done", self.job.gen), set()):
                 return RunStatus.COMPLETED
             self.show()
             time.sleep(0.005)
@@ -679,17 +648,17 @@ class Controller:
             self.injector.revert_all()
         except Exception:
             pass
-        for n, st in self.nodes.items():
+        for n, st in self.job.nodes.items():
             try:
                 if st.up and self.store is not None:
                     self.send(n, messages.Stop())
             except Exception:
                 pass
-        for st in self.nodes.values():
+        for st in self.job.nodes.values():
             st.proc.stop(timeout=15.0)
         try:
             # Agents wipe their slots on the way out; one SIGKILLed with its node cannot.
-            self.launcher.sweep(self.rec.run_id, sorted(self.nodes))
+            self.launcher.sweep(self.rec.run_id, sorted(self.job.nodes))
         except Exception:
             pass
         self.store = None  # its server closes the listening socket

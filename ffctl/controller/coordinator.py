@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
 
 from ffctl.controller.cluster import Cluster, FatalRun, RecoveryAbandoned
 from ffctl.controller.decide import Decision, Inventory, decide

@@ -7,6 +7,7 @@ import os
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -209,15 +210,20 @@ def _started_by(events: list, gen: int) -> dict[str, str]:
     return spawned.get("started_by")
 
 
-def test_without_spares_replacements_are_forked_from_the_template(workdir: Path, baseline: list[list[float]]) -> None:
-    # No warm spare anywhere: the lost rank is forked from its agent's template, and the lost
-    # node's ranks from the surviving node's (a CPU host), instead of fresh interpreters.
-    res = launch(workdir, rid("tmpl"), "--steps", "60", "--seed", "3", "--spares", "0",
-                 "--inject", "kill-rank:rank=1,step=20", "--inject", "kill-node:node=1,step=40")
+def _rank_then_node(workdir: Path, baseline: list[list[float]], spares: int, node_step: int) -> tuple[Any, ...]:
+    """A kill-rank at step 20 and a kill-node at `node_step`, bit-exact: (result, rank fault, node fault)."""
+    res = launch(workdir, rid("two"), "--steps", "60", "--seed", "3", "--spares", str(spares),
+                 "--inject", "kill-rank:rank=1,step=20", "--inject", f"kill-node:node=1,step={node_step}")
     assert res.returncode == 0, res.stderr
+    assert res.report["loss_by_step"] == baseline
+    return (res, *res.report["faults"])
+
+
+def test_without_spares_replacements_are_forked_from_the_template(workdir: Path, baseline: list[list[float]]) -> None:
+    # No warm spare anywhere: the lost rank is forked from its agent's template instead of a
+    # fresh interpreter; the lost node's ranks wait for their node's agent.
+    res, rank_fault, node_fault = _rank_then_node(workdir, baseline, spares=0, node_step=40)
     rep = res.report
-    assert rep["loss_by_step"] == baseline
-    rank_fault, node_fault = rep["faults"]
     assert rank_fault["started_by"] == {"1": "template"} and rank_fault["restore_source"] == "local-memory"
     assert node_fault["restore_source"] == "peer-memory"
     for f in rep["faults"]:
@@ -240,13 +246,9 @@ def test_restart_disk_starts_every_worker_as_a_fresh_interpreter(workdir: Path) 
 
 def test_faults_close_together_never_find_the_spare_pool_empty(workdir: Path, baseline: list[list[float]]) -> None:
     # One spare: the kill-rank uses it; it is refilled at once by a fork of the template, so the
-    # node fault three steps later finds a spare again, and the template covers the rest.
-    res = launch(workdir, rid("close"), "--steps", "60", "--seed", "3", "--spares", "1",
-                 "--inject", "kill-rank:rank=1,step=20", "--inject", "kill-node:node=1,step=23")
-    assert res.returncode == 0, res.stderr
+    # node fault three steps later finds a spare again.
+    res, rank_fault, node_fault = _rank_then_node(workdir, baseline, spares=1, node_step=23)
     rep = res.report
-    assert rep["loss_by_step"] == baseline
-    rank_fault, node_fault = rep["faults"]
     assert rank_fault["started_by"] == {"1": "spare"}
     assert "spare" in node_fault["started_by"].values()
     for f in rep["faults"]:

@@ -2,17 +2,15 @@
 snapshot channel's cap on what one put may make the receiver allocate."""
 from __future__ import annotations
 
-import datetime
 import json
-import socket
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch.distributed as dist
 
 from recovery import control, messages
+from tests.helpers.store import loopback_store
 from recovery.peer import _LEN, ChannelError, PeerClient, PeerStore
 from recovery.slots import SlotContent, slot_path
 
@@ -21,16 +19,7 @@ OTHER = "b" * 64
 Q = "ctl/q"
 LIMITS = messages.Limits(world_size=4, nnodes=2)
 
-_SOCKETS: list[socket.socket] = []  # the listening sockets must outlive their stores
-
-
-def _store() -> dist.TCPStore:
-    sock = socket.socket()
-    _SOCKETS.append(sock)
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(16)
-    return dist.TCPStore("127.0.0.1", sock.getsockname()[1], is_master=True, wait_for_workers=False,
-                         timeout=datetime.timedelta(seconds=5), master_listen_fd=sock.fileno())
+_store = loopback_store
 
 
 def _step(step: int = 3) -> dict[str, Any]:

@@ -2,26 +2,14 @@
 queue carries any JSON object: these send plain ones (`send_dict`), typed messages are tested apart."""
 from __future__ import annotations
 
-import datetime
-import socket
 import time
 
-import torch.distributed as dist
 
 from recovery import control
+from tests.helpers.store import loopback_store
 
 
-_SOCKETS: list[socket.socket] = []  # the listening sockets must outlive their stores
-
-
-def _store() -> dist.TCPStore:
-    sock = socket.socket()
-    _SOCKETS.append(sock)
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(16)
-    store = dist.TCPStore("127.0.0.1", sock.getsockname()[1], is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=5), master_listen_fd=sock.fileno())
-    return store
+_store = loopback_store
 
 
 def test_messages_arrive_in_order_once() -> None:

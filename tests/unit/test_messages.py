@@ -5,15 +5,12 @@ receive: an unknown or unhandled one is recorded (controller) or reported back (
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import json
 import math
-import socket
 import threading
 from typing import Any
 
 import pytest
-import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -22,6 +19,7 @@ from ffctl.controller.controller import Controller
 from recovery import control, messages
 from recovery.messages import CommandKind, DecodeError, Kind
 from runs.events import EventKind
+from tests.helpers.store import loopback_store
 
 LIMITS = messages.Limits(world_size=4, nnodes=2)
 TOKEN = "c" * 64
@@ -238,11 +236,7 @@ def test_near_valid_messages_decode_or_raise_decode_error(example: tuple[dict[st
 
 # -- over a real store, sealed ---------------------------------------------------------------------
 def test_a_sealed_message_arrives_as_the_same_message() -> None:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(16)
-    store = dist.TCPStore("127.0.0.1", sock.getsockname()[1], is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=5), master_listen_fd=sock.fileno())
+    store = loopback_store()
     try:
         rx = control.Receiver(store, control.CTL_QUEUE, opener=control.Opener(TOKEN))
         sealer = control.Sealer(TOKEN, "rank/1")
@@ -252,7 +246,6 @@ def test_a_sealed_message_arrives_as_the_same_message() -> None:
         assert [messages.decode(raw, LIMITS) for raw in rx.poll()] == sent
     finally:
         del store
-        sock.close()
 
 
 # -- the controller and the agent handle every kind; the rest is recorded or reported -------------

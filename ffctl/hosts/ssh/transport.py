@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import paramiko
 
@@ -754,24 +754,18 @@ class SSHTransport:
 
     def get_file(self, remote: str, local: str | Path, *, timeout: float = 60.0) -> None:
         """Copy a remote file here over SFTP (per-host logs, for instance)."""
-        with self._sftp(timeout) as sftp:
-            try:
-                sftp.get(remote, str(local))
-            except (socket.timeout, TimeoutError):
-                raise SSHError(self.host, f"copying {remote} timed out after {timeout:g}s") from None
-            except OSError as exc:
-                raise SSHError(
-                    self.host, f"cannot copy {remote}: {exc.strerror or exc}"
-                ) from None
+        self._copy(lambda sftp: sftp.get(remote, str(local)), f"copying {remote}", f"cannot copy {remote}", timeout)
 
     def put_file(self, local: str | Path, remote: str, *, timeout: float = 60.0) -> None:
         """Copy a local file to the host over SFTP."""
+        self._copy(lambda sftp: sftp.put(str(local), remote), f"copying to {remote}",
+                   f"cannot copy {local} to {remote}", timeout)
+
+    def _copy(self, action: Callable[[Any], Any], doing: str, failed: str, timeout: float) -> None:
         with self._sftp(timeout) as sftp:
             try:
-                sftp.put(str(local), remote)
+                action(sftp)
             except (socket.timeout, TimeoutError):
-                raise SSHError(self.host, f"copying to {remote} timed out after {timeout:g}s") from None
+                raise SSHError(self.host, f"{doing} timed out after {timeout:g}s") from None
             except OSError as exc:
-                raise SSHError(
-                    self.host, f"cannot copy {local} to {remote}: {exc.strerror or exc}"
-                ) from None
+                raise SSHError(self.host, f"{failed}: {exc.strerror or exc}") from None
