@@ -39,7 +39,10 @@ __all__ = ["FatalRun", "RankFailure", "RecoveryAbandoned", "RecoveryCoordinator"
            "describe", "error_line", "restart_verdict", "root_cause", "signal_name"]
 
 ABORT_ACK_TIMEOUT = 5.0
-NODE_RESTART_DELAY_S = 5.0
+# A node whose ranks moved elsewhere comes back as soon as the job has resumed (its agent is
+# started by the controller's loop, after the recovery): until it holds replicas again, the ranks
+# that moved share one node, and a second fault of that node would lose both copies of them.
+NODE_RESTART_DELAY_S = 0.0
 # How long a stopping job waits for a rank that reported an error to exit by itself, so that the
 # root cause shows its exit code and the traceback it printed.
 EXIT_WAIT_S = 3.0
@@ -243,8 +246,9 @@ class RecoveryCoordinator:
             if n in needed:
                 cluster.start_agent(n)
             else:
-                # Its ranks run on spares elsewhere: bring the node back once the job has
-                # resumed, so its start-up does not compete with the recovery.
+                # Its ranks run elsewhere: bring the node back once the job has resumed, so its
+                # start-up does not compete with the recovery, and at once after that, so that
+                # it holds replicas again (see NODE_RESTART_DELAY_S).
                 job.deferred_restarts[n] = time.monotonic() + NODE_RESTART_DELAY_S
         if needed:
             cluster.wait_agents(needed)
@@ -276,10 +280,16 @@ class RecoveryCoordinator:
 
     def _place(self, ranks: list[int], lost_nodes: set[int]) -> None:
         """Ranks of a lost node go to warm spares on surviving nodes when there are any (no wait
-        for the node to come back); otherwise they wait for the node's restarted agent."""
+        for the node to come back), or to surviving nodes whose worker template is warm when the
+        hosts have no GPU (a CPU host can run another rank; a GPU host's devices are taken);
+        otherwise they wait for the node's restarted agent, whose template must warm up first."""
         job = self.job
         # A spare still warming up is further along than a node restart, so count it too.
         free = {n: st.spares_total for n, st in job.nodes.items() if st.up and n not in lost_nodes}
+        if not self.cluster.has_gpu():
+            for n, st in job.nodes.items():
+                if n in free and st.template:
+                    free[n] = max(free[n], len(ranks))
         for r in ranks:
             if job.members[r] in lost_nodes and free:
                 n = max(free, key=lambda k: (free[k], -k))

@@ -221,11 +221,15 @@ def _rank_then_node(workdir: Path, baseline: list[list[float]], spares: int, nod
 
 def test_without_spares_replacements_are_forked_from_the_template(workdir: Path, baseline: list[list[float]]) -> None:
     # No warm spare anywhere: the lost rank is forked from its agent's template instead of a
-    # fresh interpreter; the lost node's ranks wait for their node's agent.
+    # fresh interpreter; the lost node's ranks are forked from the surviving node's template
+    # (a CPU host) rather than waiting for their node's agent to come back.
     res, rank_fault, node_fault = _rank_then_node(workdir, baseline, spares=0, node_step=40)
     rep = res.report
     assert rank_fault["started_by"] == {"1": "template"} and rank_fault["restore_source"] == "local-memory"
+    assert node_fault["started_by"] == {"2": "template", "3": "template"}
     assert node_fault["restore_source"] == "peer-memory"
+    decided = [e for e in res.events if e.kind is EventKind.RECOVERY_DECIDED]
+    assert decided[1].get("placement") == {"2": 0, "3": 0}  # on node 0, not waiting for node 1
     for f in rep["faults"]:
         assert f["recovered"] and f["lost_steps"] <= 1
     assert crashes(res.events) == []
@@ -252,7 +256,7 @@ def test_faults_close_together_never_find_the_spare_pool_empty(workdir: Path, ba
     assert rank_fault["started_by"] == {"1": "spare"}
     assert "spare" in node_fault["started_by"].values()
     for f in rep["faults"]:
-        assert f["recovered"]
+        assert f["recovered"] and set(f["started_by"].values()) <= {"spare", "template"}  # never cold
     assert crashes(res.events) == []
     assert_nothing_left(workdir)
     assert not shm_left(res.run_id)

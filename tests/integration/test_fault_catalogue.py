@@ -310,10 +310,12 @@ def test_node_faults_are_detected_and_recovered(workdir: tuple[Path, list[str]],
     cwd, run_ids = workdir
     run_id = rid("node")
     run_ids.append(run_id)
-    # No spares: the lost node's rank waits for the node's agent to come back, and restores
-    # from the copy its ring neighbour holds.
-    proc = start_launch(cwd, run_id, "--nnodes", "2", "--nproc-per-node", "1", "--steps", "120",
-                        "--inject", "kill-node:node=1,step=20", "--inject", "reboot-node:node=1,step=70")
+    # No spares. The lost node's rank is forked from node 0's warm template (a CPU host) and
+    # restores from the copy node 0 holds as node 1's ring neighbour; node 1's agent comes back
+    # empty and holds replicas of node 0's slots (both ranks) again. The reboot then hits node
+    # 0, which holds both ranks, once node 1 holds their replicas: they restore from node 1.
+    proc = start_launch(cwd, run_id, "--nnodes", "2", "--nproc-per-node", "1", "--steps", "2000",
+                        "--inject", "kill-node:node=1,step=20")
     try:
         wait_event(cwd, run_id, step_at_least(1), 240, proc)
         # A dry run prints the exact commands (live pids) and changes nothing.
@@ -324,17 +326,34 @@ def test_node_faults_are_detected_and_recovered(workdir: tuple[Path, list[str]],
         code, out, err = in_process(capsys, "inject", "kill-rank", "--run", run_id, "--rank", "5",
                                     "--runs-dir", str(cwd / "runs"))
         assert code == 2 and "rank 5" in err and len(err.strip().splitlines()) == 1, err
+        moved = wait_event(cwd, run_id, lambda ev: ev.kind is EventKind.RECOVERY_DECIDED, 120, proc)
+        assert moved.get("placement") == {"1": 0}, moved.data  # onto the survivor, not waiting for node 1
+        back = wait_event(cwd, run_id, lambda ev: ev.kind is EventKind.AGENT_STARTED and ev.get("node") == 1
+                          and ev.t > moved.t, 240, proc)
+        # Node 0's snapshots reach node 1 again (a `snapshot_taken` of node 0 held off-node), and
+        # node 1's template is warm again.
+        wait_event(cwd, run_id, lambda ev: ev.kind is EventKind.SNAPSHOT_TAKEN and ev.get("node") == 0
+                   and ev.t > back.t and sorted(ev.get("ranks") or []) == [0, 1], 120, proc)
+        wait_event(cwd, run_id, lambda ev: ev.kind is EventKind.SPARES_HELD and ev.get("node") == 1
+                   and ev.t > back.t and ev.get("template") is True, 120, proc)
+        code, out, err = in_process(capsys, "inject", "reboot-node", "--run", run_id, "--node", "0",
+                                    "--runs-dir", str(cwd / "runs"))
+        assert code == 0, err
     finally:
-        code, _, err = finish(proc, 300)
+        code, _, err = finish(proc, 600)
     assert code == 0, err[-3000:]
     rep, evs = report(cwd, run_id), events(cwd, run_id)
-    assert rep["status"] == "completed" and rep["steps_completed"] == 120
+    assert rep["status"] == "completed" and rep["steps_completed"] == 2000
     faults = by_kind(rep)
     assert sorted(faults) == ["kill-node", "reboot-node"], figures(rep)  # nothing from the dry run
     for kind in ("kill-node", "reboot-node"):
         f = faults[kind]
         assert_recovered(f, evs, "node-lost")
         assert f["restore_source"] == "peer-memory", f
+    spawned = [ev for ev in evs if ev.kind is EventKind.RANKS_SPAWNED and ev.get("gen") > 0]
+    assert [ev.get("started_by") for ev in spawned] == [{"1": "template"}, {"0": "template", "1": "template"}]
+    decided = [ev.get("placement") for ev in evs if ev.kind is EventKind.RECOVERY_DECIDED]
+    assert decided == [{"1": 0}, {"0": 1, "1": 1}]  # each time onto the surviving node
     print("node:", figures(rep))
     assert_clean(cwd, run_ids)
 

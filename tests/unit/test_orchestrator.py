@@ -327,6 +327,25 @@ def test_a_node_lost_while_survivors_acknowledge_moves_its_ranks_to_spares() -> 
     assert job.pending is None
 
 
+@pytest.mark.parametrize("gpu", [False, True])
+def test_a_lost_node_without_spares_goes_to_a_warm_template_on_a_cpu_host(gpu: bool) -> None:
+    job = _job(spares=0)
+    cluster = _cluster(job)
+    cluster.gpu = gpu
+    job.nodes[0].template = True  # node 0's worker template is warm
+    job.nodes[1].up = False
+    job.fail(Failure(Cause.NODE_LOST, nodes={1}, t=2.0))
+    outcome = _coordinator(cluster).recover()
+    assert outcome.ranks == (2, 3) and outcome.restore_source is RestoreSource.PEER_MEMORY
+    if gpu:
+        # A GPU host has no device to spare: the ranks wait for their node's restarted agent.
+        assert job.members[2] == job.members[3] == 1 and cluster.started_agents == [1]
+    else:
+        # Forked on node 0 in milliseconds; node 1 comes back later, off the recovery's path.
+        assert job.members[2] == job.members[3] == 0
+        assert cluster.started_agents == [] and 1 in job.deferred_restarts
+
+
 class FakeTransport:
     def __init__(self, ran: list[tuple[str, ...]]) -> None:
         self.host = "localhost"
