@@ -14,6 +14,7 @@ from pathlib import Path
 from fault_injectors.spec import MAX_DURATION_S, MAX_SEED, FaultSpec, FaultSpecError
 from fault_injectors.targets import check_in_job
 from recovery.jobenv import Strategy
+from ffctl.agent.stepscan import StepRegexError, compile_step_regex
 from ffctl.workload.sizes import MODELS, OPTIMIZERS
 from runs.store import RunStoreError, validate_run_id
 
@@ -93,6 +94,9 @@ class LaunchSpec:
     # torchrun options accepted and recorded (name, value), which ffctl's controller and agents
     # carry out their own way (ffctl.launch.torchrun.RECORDED).
     torchrun: tuple[tuple[str, str], ...] = ()
+    # A script's steps read off its output (ffctl.agent.stepscan), for one that prints them but
+    # does not call `recovery.report_step`.
+    step_regex: str | None = None
 
     @property
     def world_size(self) -> int:
@@ -120,6 +124,14 @@ class LaunchSpec:
         _whole("--spares", self.spares, 0, MAX_PROCS_PER_NODE)
         if self.max_restarts is not None:
             _whole("--max-restarts", self.max_restarts, 0, MAX_STEPS)
+        if self.step_regex is not None:
+            if not self.script:
+                raise SpecError(f"--step-regex {_shown(self.step_regex)}: only for a script (the built-in GPT "
+                                "reports its steps itself)")
+            try:
+                compile_step_regex(self.step_regex)
+            except StepRegexError as exc:
+                raise SpecError(str(exc)) from None
         if self.run_id is not None:
             try:
                 validate_run_id(self.run_id)

@@ -16,5 +16,6 @@ warnings.filterwarnings("ignore", message=r"Failed to initialize NumPy: No modul
 
 from recovery.errors import PeerFailure, RecoveryError
 from recovery.job import Job, StepContext
+from recovery.steps import report_step
 
-__all__ = ["Job", "PeerFailure", "RecoveryError", "StepContext"]
+__all__ = ["Job", "PeerFailure", "RecoveryError", "StepContext", "report_step"]

@@ -58,6 +58,9 @@ class JobEnv:
     fault_dir: str = SHM_DIR
     role: str = "default"  # torchrun's --role
     max_restarts: int = 0  # the job's restart budget, as torchrun tells its workers
+    # MASTER_PORT when it is not the control store's: an unchanged script's rendezvous store,
+    # one per generation (see ffctl.controller.controller.Controller._rendezvous_store).
+    master_port: int = 0
 
     @property
     def memory_snapshots(self) -> bool:
@@ -71,11 +74,11 @@ class JobEnv:
             RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK=str(self.local_rank),
             LOCAL_WORLD_SIZE=str(self.local_world_size), GROUP_RANK=str(self.node),
             ROLE_RANK=str(self.rank), ROLE_WORLD_SIZE=str(self.world_size), ROLE_NAME=self.role,
-            MASTER_ADDR=self.store_host, MASTER_PORT=str(self.store_port),
+            MASTER_ADDR=self.store_host, MASTER_PORT=str(self.master_port or self.store_port),
             TORCHELASTIC_RUN_ID=self.run_id, TORCHELASTIC_RESTART_COUNT=str(self.gen),
             TORCHELASTIC_MAX_RESTARTS=str(self.max_restarts),
-            # torch's env:// rendezvous then joins the controller's store as a client, under a
-            # prefix per restart, exactly as it does under torchrun's agent.
+            # torch's env:// rendezvous then joins the store as a client, as under torchrun's
+            # agent, which hosts a new store for each restart round (so does ffctl).
             TORCHELASTIC_USE_AGENT_STORE="True",
         )
         return env

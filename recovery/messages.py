@@ -277,14 +277,15 @@ def _command(kind: CommandKind) -> Callable[[type[M]], type[M]]:
 # Reports from a rank name the rank, its node and the generation it is in.
 @_report(Kind.STEP)
 class Step(Message):
-    """A rank committed `step` (its snapshot is durable) with this loss, in `dt` seconds."""
+    """A rank committed `step` (its snapshot is durable) with this loss, in `dt` seconds. A script
+    that reports its steps itself (`recovery.report_step`, `--step-regex`) may not say its loss."""
 
     rank: int = _field(_rank)
     node: int = _field(_node)
     gen: int = _field(_nat)
     step: int = _field(_nat)
-    loss: float = _field(_num)
     dt: float = _field(_seconds)
+    loss: float | None = _optional(_num)
 
 
 @_report(Kind.STARTED)

@@ -70,6 +70,7 @@ class RestoreSource(Label):
     REPLICA = "replica"
     DISK = "disk"
     NONE = "none"
+    SCRIPT = "script"  # an unchanged script restarted: it restores itself (its own checkpoint)
 
 
 @dataclass(frozen=True)

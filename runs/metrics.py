@@ -68,6 +68,12 @@ class FaultMetrics:
     lost_s: float = 0.0
     pace_s: float | None = None
     back_at_pace_at: float | None = None
+    # False for an unchanged script that reports no steps (neither `recovery.report_step` nor
+    # `--step-regex`): its step at the fault is unknown, and its recovery ends when every
+    # restarted worker is up again (`recovery_until` "workers-up") rather than at step m+1
+    # ("step"); lost_s is then that restart time, a lower bound (its replay is unseen).
+    step_known: bool = True
+    recovery_until: str = "step"
 
 
 @dataclass(frozen=True)
@@ -128,7 +134,8 @@ def _final_values(events: list[Event], field: str) -> dict[int, float]:
     for ev in events:
         if ev.kind is EventKind.STEP:
             step = int(ev.get("step"))
-            values[step] = float(ev.get(field, 0.0))
+            value = ev.get(field, 0.0)
+            values[step] = float(value) if value is not None else None  # type: ignore[assignment]
             aside.pop(step, None)
         elif ev.kind is EventKind.RECOVERY_DECIDED and ev.get("restore_step") is not None:
             s = int(ev.get("restore_step"))
@@ -166,7 +173,14 @@ def _fault_metrics(inj: Event, events: list[Event], world_size: int, end_t: floa
     for ev in events:
         if ev.kind is EventKind.STEP and ev.t <= hit_t and ev.get("gen", 0) == gen_at_fault:
             m = max(m, int(ev.get("step")))
-    if decision is not None:
+    step_known = any(ev.kind is EventKind.STEP for ev in events)
+    restore_step = decision.get("restore_step") if decision is not None else None
+    if decision is not None and not step_known:
+        # A script that says nothing of its steps: recovered once every restarted worker is up.
+        gen = decision.get("gen")
+        resumed = _first(events, lambda ev: ev.kind is EventKind.RANKS_SPAWNED and ev.get("gen") == gen
+                         and ev.t >= decision.t)
+    elif decision is not None:
         gen = decision.get("gen")
         resumed = _first(
             events,
@@ -175,6 +189,12 @@ def _fault_metrics(inj: Event, events: list[Event], world_size: int, end_t: floa
             and ev.get("gen", 0) >= gen
             and int(ev.get("step")) >= m + 1,
         )
+        if decision.get("restore_source") == "script":
+            # The script restored itself (its own checkpoint): the step before the first one it
+            # reported again is where it went back to.
+            again = _first(events, lambda ev: ev.kind is EventKind.STEP and ev.t >= decision.t
+                           and ev.get("gen", 0) >= gen)
+            restore_step = int(again.get("step")) - 1 if again is not None else None
     elif detected is not None:
         resumed = None  # the job noticed and nothing recovered it
     else:
@@ -202,7 +222,6 @@ def _fault_metrics(inj: Event, events: list[Event], world_size: int, end_t: floa
         for key, (a, b) in zip(BREAKDOWN_KEYS[1:], zip(marks, marks[1:])):
             breakdown[key] = max(0.0, b - a)
     recovery_s = resumed.t - ti if resumed is not None else None
-    restore_step = decision.get("restore_step") if decision is not None else None
     reverted_at, reverted_by, revert_ok = _revert_of(fid, events)
     spawned = None
     if decision is not None:
@@ -234,6 +253,8 @@ def _fault_metrics(inj: Event, events: list[Event], world_size: int, end_t: floa
         reverted_by=reverted_by,
         revert_ok=revert_ok,
         started_by={str(r): str(h) for r, h in started_by.items()} if isinstance(started_by, dict) else {},
+        step_known=step_known,
+        recovery_until="step" if step_known else "workers-up",
     )
 
 
@@ -406,10 +427,13 @@ def compute(run_id: str, events: list[Event], controller_alive: bool | None = No
         fault_end = max(ends) if ends and (f.recovered or f.reverted_at is not None) else None
         windows.append(_lost_window(f.injected_at, fault_end, commits, end_t,
                                     status == RunStatus.COMPLETED.value))
+    lost = _lost_windows(windows, commits)
+    # Without steps there is no pace to measure against: the restart time is what is known lost.
+    lost = [x if f.step_known else (f.recovery_s or 0.0) for f, x in zip(faults, lost)]
     faults = [
         replace(f, lost_s=lost_s, pace_s=w.pace, back_at_pace_at=w.back_at,
                 lost_gpu_hours=world_size * lost_s / 3600.0)
-        for f, w, lost_s in zip(faults, windows, _lost_windows(windows, commits))
+        for f, w, lost_s in zip(faults, windows, lost)
     ]
     wall = end_t - start_t
     useful = sum(_final_step_times(events).values())

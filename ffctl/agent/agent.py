@@ -31,6 +31,7 @@ from typing import Any, Callable
 import psutil
 
 from recovery.replicator import Replicator
+from ffctl.agent.stepscan import StepScanner, compile_step_regex
 from ffctl.agent.template import (
     Assignment, ForkedSpare, ForkedWorker, Template, TemplateError, set_child_subreaper,
 )
@@ -46,6 +47,7 @@ HEARTBEAT_S = 0.2
 STORE_GRACE_S = 5.0
 TERM_GRACE_S = 5.0
 SPARE_REFILL_DELAY_S = 5.0
+STEP_SCAN_S = 0.1  # how often workers' logs are read for `--step-regex`
 # What of a failed rank's log goes to the controller with its exit.
 LOG_TAIL_LINES = 20
 LOG_TAIL_BYTES = 16384
@@ -77,6 +79,8 @@ class AgentConfig:
     # Fork workers from a warm template process (ffctl.agent.template); False starts every
     # worker as a fresh interpreter, as torchrun does (the honest `restart-disk` baseline).
     template: bool = True
+    # A script's steps read off its output (ffctl.agent.stepscan); empty: none are.
+    step_regex: str = ""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -162,6 +166,9 @@ class Agent:
         Path(cfg.log_dir).mkdir(parents=True, exist_ok=True)
         self.template: Template | None = None
         self._orphans_at = 0.0
+        self.step_pattern = compile_step_regex(cfg.step_regex) if cfg.step_regex else None
+        self.scanners: dict[int, tuple[int, StepScanner, float]] = {}  # rank -> (gen, scanner, last step at)
+        self._scanned_at = 0.0
         # The FIFOs forked spares wait on: the node's (under its claim), owner-only, removed at
         # shutdown, or by the controller's sweep when the node was killed.
         self._fifos = shm.spare_dir(cfg.shm_dir, cfg.run_id, cfg.node)
@@ -306,6 +313,11 @@ class Agent:
                 "log": str(Path(self.cfg.log_dir) / f"{rank}.log"),
                 "cwd": self.cfg.cwd,
             }
+            if self.step_pattern is not None:
+                # The worker appends to its log: its steps are what it writes from here on.
+                log = Path(assignment["log"])
+                offset = log.stat().st_size if log.exists() else 0
+                self.scanners[rank] = (gen, StepScanner(self.step_pattern, log, offset), time.monotonic())
             proc, how[str(rank)] = self._start_worker(assignment)
             took[str(rank)] = round(time.monotonic() - t0, 6)
             with self.lock:
@@ -392,6 +404,22 @@ class Agent:
             return []
         text = data.decode("utf-8", errors="replace").splitlines()
         return [line[:LOG_LINE_CHARS] for line in text[-lines:]]
+
+    def _scan_steps(self) -> None:
+        """Report the steps the workers printed since the last look (`--step-regex`)."""
+        now = time.monotonic()
+        if not self.scanners or now - self._scanned_at < STEP_SCAN_S:
+            return
+        self._scanned_at = now
+        for rank, (gen, scanner, last_at) in list(self.scanners.items()):
+            seen = scanner.poll()
+            if not seen:
+                continue
+            # The time since the previous step was seen, shared among the steps seen together.
+            dt = (now - last_at) / len(seen)
+            self.scanners[rank] = (gen, scanner, now)
+            for found in seen:
+                self._report(messages.Step, rank=rank, gen=gen, step=found.step, dt=dt, loss=found.loss)
 
     # -- control -------------------------------------------------------------------------------
     def _report(self, kind: type[messages.Message], **fields: Any) -> None:
@@ -487,6 +515,7 @@ class Agent:
                     if now - last_beat >= HEARTBEAT_S:
                         self.store.add(control.heartbeat_key(self.cfg.node), 1)
                         last_beat = now
+                    self._scan_steps()
                     self._reap()
                     self._tend_template()
                     self._reap_orphans()

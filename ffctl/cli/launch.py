@@ -72,6 +72,7 @@ def register(app: typer.Typer) -> None:
         master_addr: Annotated[Optional[str], typer.Option("--master-addr", "--master_addr", help="The job's store (ffctl's controller) address the hosts reach, torchrun's MASTER_ADDR (default: 127.0.0.1 locally, found over SSH with --hosts; PET_MASTER_ADDR).")] = None,
         remote_python: Annotated[str, typer.Option("--remote-python", help="Python (with torch and ffctl) on the hosts.")] = "python3",
         remote_runs_dir: Annotated[str, typer.Option("--remote-runs-dir", help="Per-run files (logs, checkpoints) on the hosts.")] = "/tmp/ffctl-runs",
+        step_regex: Annotated[Optional[str], typer.Option("--step-regex", help="A script's steps read off its output: a regular expression with a group (?P<step>\\d+) (or the step as its first group) and optionally (?P<loss>...), matched against each line a rank prints, e.g. 'step (?P<step>\\d+) loss (?P<loss>\\S+)'. For scripts that do not call recovery.report_step; with either, faults can be injected at a step.")] = None,
         keep_freed_memory: Annotated[bool, typer.Option("--keep-freed-memory/--release-freed-memory", help="Ranks keep freed memory instead of faulting it in again every step (glibc settings; left alone where the host sets an allocator).")] = True,
         standalone: Annotated[bool, typer.Option("--standalone", rich_help_panel="torchrun options", help="torchrun's single-node job (PET_STANDALONE): one node; ffctl's controller runs the store on a free port.")] = False,
         rdzv_backend: Annotated[Optional[str], typer.Option("--rdzv-backend", "--rdzv_backend", rich_help_panel="torchrun options", help="Accepted and recorded: ffctl's controller runs the job's TCPStore (torchrun's c10d store) whatever the backend.")] = None,
@@ -120,6 +121,7 @@ def register(app: typer.Typer) -> None:
             hostfile=hosts, accept_new_host_keys=accept_new_host_keys, master_addr=tr.master_addr,
             remote_python=remote_python, remote_runs_dir=remote_runs_dir,
             chaos=chaos, sandbox=sandbox, keep_freed_memory=keep_freed_memory, role=tr.role, torchrun=tr.recorded,
+            step_regex=step_regex,
         )
         plan = plan_launch(spec)
         console = make_console()

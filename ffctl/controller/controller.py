@@ -67,6 +67,7 @@ class Controller:
         self.injector = Injector(self, self.job, transport_for or nodes.transport_for,
                                  scheduled=[s for s in spec.injects], chaos=spec.chaos, hang_min_s=spec.hang_min_s)
         self.store: dist.TCPStore | None = None
+        self._rdzv_stores: dict[int, dist.TCPStore] = {}  # gen -> an unchanged script's rendezvous store
         self.inbox: control.Receiver | None = None
         # An unchanged script gets torchrun's restart: every worker stopped and the group started
         # again (it cannot take part in an in-place recovery), and no crash-loop guard: torchrun
@@ -76,6 +77,8 @@ class Controller:
             strategy = Strategy.RESTART_MEMORY
         self.coordinator = RecoveryCoordinator(self, self.job, strategy, self.max_restarts)
         self.coordinator.crash_loop_guard = not self.plain_script
+        self.coordinator.script_restores_itself = self.plain_script
+        self.job.progress.every_rank_reports = not self.plain_script
 
     # -- record & view ------------------------------------------------------------------------
     def record(self, kind: EventKind, /, t: float | None = None, **data: Any) -> None:
@@ -105,14 +108,15 @@ class Controller:
         self.show(force=True)
 
     # -- plumbing -----------------------------------------------------------------------------
-    def _start_store(self) -> None:
+    def _listen_store(self) -> dist.TCPStore:
+        """A TCPStore server on a free port of the controller's address (and nowhere else)."""
         # Bind the listening socket ourselves: torch's TCPStore would listen on every interface.
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.spec.address, 0))
         sock.listen(1024)
         try:
-            self.store = dist.TCPStore(
+            store = dist.TCPStore(
                 self.spec.address, sock.getsockname()[1], is_master=True, wait_for_workers=False,
                 timeout=datetime.timedelta(seconds=30), master_listen_fd=sock.fileno(),
             )
@@ -122,6 +126,26 @@ class Controller:
         # The store's server owns the descriptor now and closes it when the store goes; closing
         # it here as well could close whatever file has reused the number by then.
         sock.detach()
+        return store
+
+    def _rendezvous_store(self, gen: int) -> int:
+        """The port of generation `gen`'s rendezvous store for an unchanged script (MASTER_PORT).
+
+        torch's env:// rendezvous under an agent (TORCHELASTIC_USE_AGENT_STORE) keeps no prefix
+        per restart, since torchrun's agent hosts a new store for every round: a group restarted
+        on the old store would find the failed round's addresses and connect to dead peers. So
+        each generation gets a store of its own, and the script's keys stay out of ffctl's
+        control plane. Older generations' stores close once their ranks are gone (at the next
+        generation's, the ranks of the one before have been stopped)."""
+        store = self._rdzv_stores.get(gen)
+        if store is None:
+            for old in [g for g in self._rdzv_stores if g < gen - 1]:
+                del self._rdzv_stores[old]  # its server closes with it
+            store = self._rdzv_stores[gen] = self._listen_store()
+        return int(store.port)
+
+    def _start_store(self) -> None:
+        self.store = self._listen_store()
         # Everything the store carries is sealed with the job token, which never travels in it.
         self.sealer = control.Sealer(self.token, "controller")
         self.limits = control.Limits(self.spec.world_size, self.spec.nnodes)
@@ -163,7 +187,7 @@ class Controller:
             store_port=self.port, address=self.launcher.address(node), token=self.token,
             log_dir=str(self.rec.path / "logs" / str(node)), worker_argv=argv, worker_env=env,
             cwd=str(Path.cwd()), spares=self.spec.spares, incarnation=self._incarnation.get(node, 0),
-            keep_freed_memory=self.spec.keep_freed_memory,
+            keep_freed_memory=self.spec.keep_freed_memory, step_regex=self.spec.step_regex or "",
             # restart-disk stays what torchrun users have: every worker a fresh interpreter.
             template=self.spec.recovery != Strategy.RESTART_DISK,
         )
@@ -179,6 +203,7 @@ class Controller:
             ckpt_dir=self._ckpt_dir(), ckpt_every=self.spec.ckpt_every,
             replicate=memory and self.spec.nnodes > 1, pg_timeout=self.spec.pg_timeout,
             role=self.spec.role, max_restarts=self.max_restarts,
+            master_port=self._rendezvous_store(gen) if self.plain_script else 0,
         )
         # No token: this travels through the store. The agent adds it where the rank starts.
         return env.to_env()
@@ -260,7 +285,7 @@ class Controller:
 
     # -- message handlers: one per kind, each given its decoded message -------------------------
     def _on_step(self, msg: messages.Step) -> None:
-        rep = StepReport(msg.gen, msg.step, msg.rank, float(msg.loss), float(msg.dt))
+        rep = StepReport(msg.gen, msg.step, msg.rank, None if msg.loss is None else float(msg.loss), float(msg.dt))
         if rep.gen == self.job.gen:
             self.job.last_progress = time.monotonic()
         if self.job.progress.report(rep):
@@ -661,6 +686,7 @@ class Controller:
             self.launcher.sweep(self.rec.run_id, sorted(self.job.nodes))
         except Exception:
             pass
+        self._rdzv_stores.clear()
         self.store = None  # its server closes the listening socket
 
 
@@ -691,7 +717,26 @@ def uses_recovery_library(script: tuple[str, ...]) -> bool:
         text = path.read_text(errors="replace")
     except OSError:
         return True
-    return re.search(r"^\s*(?:from\s+recovery(?:\.\w+)*\s+import|import\s+recovery\b)", text, re.M) is not None
+    return _runs_the_library(text)
+
+
+# What a script may take from `recovery` and stay an unchanged script: one line reporting its steps.
+_PLAIN_NAMES = frozenset({"report_step", "steps"})
+
+
+def _runs_the_library(text: str) -> bool:
+    """Whether a script's source imports the recovery library for more than `report_step`."""
+    for sub, names in re.findall(r"^[ \t]*from[ \t]+recovery((?:\.\w+)*)[ \t]+import[ \t]+(\([^)]*\)|[^\n]+)", text, re.M):
+        if sub == ".steps":
+            continue
+        names = re.sub(r"#[^\n]*", "", names).strip().strip("()")
+        imported = {n.split(" as ")[0].strip() for n in names.split(",")} - {""}
+        if sub or imported - _PLAIN_NAMES:
+            return True
+    if re.search(r"^[ \t]*import[ \t]+recovery\b", text, re.M):
+        used = set(re.findall(r"\brecovery\.(\w+)", text))
+        return not used or bool(used - _PLAIN_NAMES)
+    return False
 
 
 def _lines(value: Any, limit: int = 50) -> list[str]:

@@ -111,6 +111,9 @@ class RecoveryCoordinator:
         self._restored_from: tuple[object, ...] | None = None  # signature of the last such failure
         # Off for an unchanged script, which torchrun restarts until the budget is spent.
         self.crash_loop_guard = True
+        # An unchanged script restores itself from its own checkpoint (or starts over), as under
+        # torchrun: ffctl restarts the group and restores nothing, whatever steps it reported.
+        self.script_restores_itself = False
 
     def recover(self) -> RecoveryOutcome:
         """Recover from the pending failure, and from any that arrive before the job resumes;
@@ -214,7 +217,10 @@ class RecoveryCoordinator:
         else:
             lost = set(job.members)
             self._kill(lost)
-        decision = self._decide(lost, lost_nodes)
+        if self.script_restores_itself:
+            decision: Decision | None = Decision(0, RestoreSource.SCRIPT, {r: {"kind": "none"} for r in job.members})
+        else:
+            decision = self._decide(lost, lost_nodes)
         new_gen = old_gen + 1
         if decision is None and job.progress.committed_step == 0:
             # Nothing was trained yet: starting over from step 0 loses nothing.
@@ -236,7 +242,9 @@ class RecoveryCoordinator:
             lost = set(job.members)
         respawn = sorted(lost)
         self._place(respawn, lost_nodes)
-        cluster.record(EventKind.RECOVERY_DECIDED, fault_ids=ids, gen=new_gen, restore_step=decision.restore_step,
+        # (The step a script goes back to is its own business: unknown here until it reports one.)
+        restore_step = None if decision.restore_source is RestoreSource.SCRIPT else decision.restore_step
+        cluster.record(EventKind.RECOVERY_DECIDED, fault_ids=ids, gen=new_gen, restore_step=restore_step,
                        restore_source=decision.restore_source, strategy=self.strategy, ranks=respawn,
                        placement={str(r): job.members[r] for r in respawn},
                        lost_both_copies=list(decision.lost_both_copies))

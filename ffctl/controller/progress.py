@@ -18,7 +18,7 @@ class StepReport:
     gen: int
     step: int
     rank: int
-    loss: float
+    loss: float | None  # None: a script that reports its steps without a loss
     dt: float
 
 
@@ -31,6 +31,11 @@ class Progress:
         self.step_times: list[float] = []
         self._recorded: dict[int, int] = {}  # gen -> newest step written for it
         self._rank_step: dict[int, int] = {}  # rank -> newest step it reported in this generation
+        # The library reports every rank's steps. An unchanged script reports them itself
+        # (`recovery.report_step`, `--step-regex`), often from rank 0 only: then the ranks that
+        # have reported a step at all are the ones a step counts on.
+        self.every_rank_reports = True
+        self.reporters: set[int] = set()
 
     def open(self, gen: int, restore_step: int) -> None:
         """A new generation starts from `restore_step`."""
@@ -47,6 +52,7 @@ class Progress:
                 return True
             return False
         self._rank_step[rep.rank] = max(rep.step, self._rank_step.get(rep.rank, 0))
+        self.reporters.add(rep.rank)
         if rep.step <= self._recorded.get(rep.gen, -1):
             return False
         self._recorded[rep.gen] = rep.step
@@ -55,7 +61,10 @@ class Progress:
         return True
 
     def everywhere(self, ranks: list[int]) -> int:
-        """The newest step every one of `ranks` has committed in this generation."""
+        """The newest step every one of `ranks` has committed in this generation (of a script that
+        reports its own steps: every one of them that reports steps at all)."""
+        if not self.every_rank_reports:
+            ranks = [r for r in ranks if r in self.reporters]
         return min((self._rank_step.get(r, 0) for r in ranks), default=0)
 
     def started(self, gen: int | None = None) -> bool:

@@ -103,7 +103,8 @@ def _step(**change: Any) -> dict[str, Any]:
     ({"type": 7}, "unknown message kind 7"),
     ({"rank": 1}, "unknown message kind None"),
     ({"type": "spawn", "gen": 1, "ranks": []}, "unknown message kind 'spawn'"),  # a command, not a report
-    ({k: v for k, v in _step().items() if k != "loss"}, "step: missing field 'loss'"),
+    ({k: v for k, v in _step().items() if k != "dt"}, "step: missing field 'dt'"),
+    (_step(loss="1.5"), "step: bad loss='1.5'"),
     (_step(gen=None), "step: bad gen=None"),
     (_step(rank="1"), "step: bad rank='1'"),
     (_step(step=1.0), "step: bad step=1.0"),
