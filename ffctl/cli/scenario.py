@@ -1,51 +1,71 @@
-"""`ffctl run SCENARIO.toml [--junit FILE]`: a scripted chaos check with expectations (exit 1 if missed)."""
+"""`ffctl run SCENARIO.toml|FOLDER ... [--junit FILE] [--markdown FILE] [--repeat N] [--dry-run]`:
+scripted chaos checks with expectations. Exit 0 when every expectation holds, 1 when one is
+missed, 2 on a bad file (nothing started), 3 when a launch could not run, 130 on Ctrl-C."""
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
-from ffctl.errors import EXIT_EXPECTATION, EXIT_INTERRUPTED, EXIT_OK, BadInput
+from ffctl.errors import EXIT_EXPECTATION, EXIT_INFRA, EXIT_INTERRUPTED, EXIT_OK, BadInput
 from ffctl.render import make_console
 
 
 def register(app: typer.Typer) -> None:
     @app.command("run")
     def run(
-        scenario: Annotated[Path, typer.Argument(help="Scenario file ([launch] and [expect] tables).")],
-        junit: Annotated[Optional[Path], typer.Option("--junit", help="Write a JUnit XML report here.")] = None,
-        run_id: Annotated[Optional[str], typer.Option("--run-id")] = None,
+        scenarios: Annotated[list[Path], typer.Argument(help="Scenario files ([launch], [faults], [expect]), or folders of them.")],
+        junit: Annotated[Optional[Path], typer.Option("--junit", help="Write JUnit XML here: a test suite per scenario, a test case per expectation.")] = None,
+        markdown: Annotated[Optional[Path], typer.Option("--markdown", help="Write a Markdown summary here (e.g. $GITHUB_STEP_SUMMARY).")] = None,
+        repeat: Annotated[int, typer.Option("--repeat", help="Run each scenario N times, seeds seed..seed+N-1; each expectation's worst case counts.")] = 1,
+        run_id: Annotated[Optional[str], typer.Option("--run-id", help="Run id (one run), or the prefix of every run's id.")] = None,
         runs_dir: Annotated[Path, typer.Option("--runs-dir", envvar="FFCTL_RUNS_DIR")] = Path("ffctl-runs"),
-        dry_run: Annotated[bool, typer.Option("--dry-run", help="Check the scenario and print the plan only.")] = False,
+        dry_run: Annotated[bool, typer.Option("--dry-run", help="Check the scenarios and print what would run; start nothing.")] = False,
     ) -> int:
-        """Launch the scenario's job, then check its report against the expectations."""
+        """Launch each scenario's job with its faults, then check its report against the expectations."""
         from ffctl.launch import scenario as lib
-        from ffctl.launch.plan import execute, plan_launch
+        from ffctl.launch.scenario_runs import plan_scenarios, run_scenario
         from ffctl.render.live import LiveView
-        from ffctl.render.report import render_checks, render_plan, render_report
-        from runs.events import RunStatus
-        from runs.metrics import compute
+        from ffctl.render.report import render_plan
+        from ffctl.render.scenario import junit as junit_xml
+        from ffctl.render.scenario import markdown as markdown_text
+        from ffctl.render.scenario import render_outcome, render_summary
 
+        for flag, out in (("--junit", junit), ("--markdown", markdown)):
+            if out is not None and not out.absolute().parent.is_dir():
+                raise BadInput(f"{flag} {str(out)!r}: folder {str(out.absolute().parent)!r} does not exist")
         try:
-            sc = lib.load(scenario)
-            plan = plan_launch(sc.spec(runs_dir, run_id))
+            planned = plan_scenarios(scenarios, runs_dir, run_id, repeat)
         except lib.ScenarioError as exc:
             raise BadInput(str(exc)) from None
         console = make_console()
         if dry_run:
-            render_plan(list(plan.lines), console)
+            for ps in planned:
+                console.print(f"scenario {ps.scenario.name} ({ps.scenario.path}): expects "
+                              + ", ".join(f"{k} = {lib.shown(v)}" for k, v in ps.scenario.expect.items()),
+                              markup=False, highlight=False, soft_wrap=True)
+                for pr in ps.runs:
+                    render_plan(list(pr.plan.lines), console)
+                    if pr.twin is not None:
+                        render_plan([f"fault-free twin: {pr.twin.lines[0]}"], console)
             return EXIT_OK
-        t0 = time.monotonic()
-        with LiveView(console) as view:
-            status, record = execute(plan, view)
-        report = compute(record.run_id, record.events()).to_dict()
-        render_report(report, console)
-        checks = lib.evaluate(sc.expect, report)
-        render_checks([(c.name, c.passed, c.detail) for c in checks], console)
+        say = lambda line: console.print(line, markup=False, highlight=False, soft_wrap=True)  # noqa: E731
+        outcomes = []
+        for ps in planned:
+            outcome = run_scenario(ps, lambda: LiveView(console), say)
+            outcomes.append(outcome)
+            render_outcome(outcome.to_dict(), console)
+            if outcome.interrupted:
+                break
+        dicts = [o.to_dict() for o in outcomes]
+        render_summary(dicts, console)
         if junit is not None:
-            junit.write_text(lib.junit(scenario.stem, checks, time.monotonic() - t0))
-        if status is RunStatus.INTERRUPTED:
+            junit.write_text(junit_xml(dicts))
+        if markdown is not None:
+            markdown.write_text(markdown_text(dicts))
+        if any(o.interrupted for o in outcomes):
             return EXIT_INTERRUPTED
-        return EXIT_OK if all(c.passed for c in checks) else EXIT_EXPECTATION
+        if any(o.error for o in outcomes):
+            return EXIT_INFRA
+        return EXIT_OK if all(o.passed for o in outcomes) else EXIT_EXPECTATION
