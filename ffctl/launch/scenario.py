@@ -194,8 +194,7 @@ class Scenario:
         table = raw.pop("torchrun", {})
         if "hang_timeout" in raw:
             raw["hang_min_s"] = raw.pop("hang_timeout")
-        given = {k: (None if k not in table else str(table[k]).lower() if isinstance(table[k], bool) else str(table[k]))
-                 for k in TORCHRUN_VALUES if k not in TORCHRUN_FLAGS}
+        given = {k: None if k not in table else str(table[k]) for k in TORCHRUN_VALUES}
         flags = {k: bool(table.get(k, False)) for k in TORCHRUN_FLAGS}
         if words and not flags["module"]:
             # A script is named relative to the scenario file, so a folder of checks can move.

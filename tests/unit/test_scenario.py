@@ -299,3 +299,31 @@ def test_markdown_summary() -> None:
     assert "| kill & <node> | ❌ failed | 1 | 12.5 |" in text and "| sandbox | ⚠️ error | 0 | 0.0 |" in text
     assert "| `max_recovery_s` | 6.000 s | <= 1.000 s | **missed** |" in text
     assert "Operation not permitted" in text and "record /runs/r1" in text
+
+
+def test_a_launch_that_cannot_run_is_exit_3_and_a_junit_error(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launch's execute path fails as it does when a tool or host is unusable (InfraError):
+    the scenario is an error, not a miss, and the other scenarios still run."""
+    from ffctl.errors import InfraError
+    from ffctl.launch import scenario_runs
+
+    started: list[str] = []
+
+    def unusable(plan: Any, view: Any) -> Any:
+        started.append(plan.run_id)
+        raise InfraError(f"run {plan.run_id}: iptables is not usable on localhost")
+
+    monkeypatch.setattr(scenario_runs, "execute", unusable)
+    for name in ("a", "b"):
+        (tmp_path / f"{name}.toml").write_text("[launch]\nsteps = 5\n[expect]\ncompletes = true\n")
+    xml = tmp_path / "out.xml"
+    with pytest.raises(SystemExit) as ex:
+        main(["run", str(tmp_path), "--run-id", "inf", "--junit", str(xml), "--runs-dir", str(tmp_path / "runs")])
+    out = capsys.readouterr().out
+    assert ex.value.code == 3, out
+    assert started == ["inf-a-0", "inf-b-0"] and "2 error" in out
+    root = ET.parse(xml).getroot()
+    assert root.get("errors") == "2" and root.get("failures") == "0"
+    errors = [e.get("message") for e in root.iter("error")]
+    assert errors == ["run inf-a-0: iptables is not usable on localhost", "run inf-b-0: iptables is not usable on localhost"]
