@@ -207,10 +207,11 @@ class Scenario:
         except TorchrunArgError as exc:
             raise ScenarioError(f"{self.path}: [launch.torchrun]: {exc}") from None
         default_layout = 2 if not tr.worker_argv else 1  # as `ffctl launch`: torchrun's 1 for a script
+        if tr.nnodes is not None and raw.get("nnodes", tr.nnodes) != tr.nnodes:  # --standalone: one node
+            raise ScenarioError(f"{self.path}: [launch.torchrun].standalone with [launch].nnodes = {raw['nnodes']}: "
+                                "standalone is one node")
         raw.setdefault("nnodes", tr.nnodes if tr.nnodes is not None else default_layout)
-        raw.setdefault("nproc_per_node", tr.nproc_per_node if tr.nproc_per_node is not None else default_layout)
-        if tr.max_restarts is not None:
-            raw.setdefault("max_restarts", tr.max_restarts)
+        raw.setdefault("nproc_per_node", default_layout)
         if seed is not None:
             raw["seed"] = seed
         spec = LaunchSpec(**raw, injects=injects, script=tr.worker_argv, role=tr.role, torchrun=tr.recorded,

@@ -120,6 +120,8 @@ def test_bad_scenarios_name_the_problem(tmp_path: Path, text: str, needle: str) 
     ('[launch]\nrecovery = "restart-disk"\n[expect]\ncompletes = true\n', "--ckpt-every"),
     ('[launch]\nscript = "x.py"\n[launch.torchrun]\nstandalone = true\nmodule = true\nno_python = true\n'
      '[expect]\ncompletes = true\n', "[launch.torchrun]"),
+    ('[launch]\nnnodes = 2\n[launch.torchrun]\nstandalone = true\n[expect]\ncompletes = true\n',
+     "standalone is one node"),
 ])
 def test_ffctl_run_refuses_a_bad_file_with_exit_2_and_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                                text: str, needle: str) -> None:
