@@ -15,7 +15,7 @@ from ffctl.render import make_console
 def register(app: typer.Typer) -> None:
     @app.command("run")
     def run(
-        scenarios: Annotated[list[Path], typer.Argument(help="Scenario files ([launch], [faults], [expect]), or folders of them.")],
+        scenarios: Annotated[list[Path], typer.Argument(help="Scenario files (TOML: the launch, faults and expect tables), or folders of their *.toml files.")],
         junit: Annotated[Optional[Path], typer.Option("--junit", help="Write JUnit XML here: a test suite per scenario, a test case per expectation.")] = None,
         markdown: Annotated[Optional[Path], typer.Option("--markdown", help="Write a Markdown summary here (e.g. $GITHUB_STEP_SUMMARY).")] = None,
         repeat: Annotated[int, typer.Option("--repeat", help="Run each scenario N times, seeds seed..seed+N-1; each expectation's worst case counts.")] = 1,
