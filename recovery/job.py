@@ -26,7 +26,7 @@ from typing import Any, Callable, TypeVar
 
 import torch
 
-from recovery import control, disk, messages
+from recovery import control, ddp, disk, messages
 from recovery.errors import PeerFailure, RecoveryError, StepRestart
 from recovery.faults import InStepFaults
 from recovery.group import Generation
@@ -100,6 +100,12 @@ class Job:
         self._collectives = 0  # collectives the step has started so far
         self._retry_input: torch.Tensor | None = None
         self._ack_degraded = False
+        # Set by `register_ddp` (recovery/ddp.py): what runs after each step function, given its
+        # loss and returning the loss to report (a step whose gradient reduction failed must not
+        # commit; the job's loss is the mean over the ranks), and work done when the job starts
+        # fresh over the first generation's group (DDP's broadcast of rank 0's parameters).
+        self._after_step: list[Callable[[float], float]] = []
+        self._on_fresh_start: list[Callable[[Generation], None]] = []
         signal.signal(signal.SIGTERM, _exit_on_term)
         self._send(messages.Started, gen=env.gen, pid=os.getpid())
 
@@ -115,6 +121,20 @@ class Job:
         if any(e.name == name for e in self.entries):
             raise ValueError(f"state {name!r} registered twice")
         self.entries.append(StateEntry(name, get, set, replicated))
+
+    # -- torch DDP (recovery/ddp.py) ----------------------------------------------------------
+    def ddp_group(self) -> Any:
+        """The process group to build `DistributedDataParallel` with: this rank's alone, so DDP
+        itself never waits on a peer; its gradients travel over the job's generations instead."""
+        return ddp.private_group()
+
+    def register_ddp(self, *, model: Any, optimizer: torch.optim.Optimizer, scheduler: Any | None = None,
+                     loader: Any | None = None) -> Any:
+        """Hand over a DDP training's state as objects: `model` (a `DistributedDataParallel`
+        built with `process_group=job.ddp_group()`), its optimizer, LR scheduler and `DataLoader`.
+        Returns an endless iterator over the loader's batches whose position is restored with the
+        rest (None without a loader). Call before the first forward."""
+        return ddp.attach(self, model, optimizer, scheduler, loader)
 
     # -- collectives --------------------------------------------------------------------------
     def allreduce(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -285,6 +305,8 @@ class Job:
         how = ""
         if step == 0:
             self.group.barrier()
+            for start in self._on_fresh_start:
+                start(self.group)
             self._send(messages.Joined, gen=gen)
         else:
             # The exchange of what each rank holds is the group's first collective: it serves as
@@ -337,6 +359,8 @@ class Job:
             try:
                 self.faults.check()
                 loss = float(step_fn(StepContext(step, self)))
+                for after in self._after_step:
+                    loss = after(loss)
             except PeerFailure:
                 raise
             except Exception as exc:

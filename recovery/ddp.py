@@ -1,0 +1,307 @@
+"""One-step recovery for torch's own `DistributedDataParallel` (DDP).
+
+    job = Job.from_env()
+    model = DDP(net, process_group=job.ddp_group())
+    batches = job.register_ddp(model=model, optimizer=opt, scheduler=sched, loader=loader)
+    def train_step(ctx):
+        x, y = next(batches); opt.zero_grad(); loss = loss_fn(model(x), y); loss.backward()
+        opt.step(); sched.step(); return loss.item()
+    job.run(train_step, steps)
+
+DDP keeps doing what it does (buckets, autograd hooks, `no_sync`, buffer handling); only where
+its gradients travel changes:
+
+- DDP's own process group is private to the rank, of size 1 (`private_group`). DDP's collectives
+  (the parameter shape check and broadcast at construction, bucket-order agreement, buffer
+  broadcasts) are then local no-ops, so a replacement rank that builds DDP issues no collective
+  the survivors never join, and DDP never blocks in C++ on a peer that died. What DDP's init
+  broadcast would have done, the library does over the job's generation group when the job
+  starts fresh (`_broadcast_from_rank0`).
+- Gradients go through a communication hook (`Reduction.hook`) into the library's abortable
+  allreduce over the current generation, divided by its world size as DDP's default hook does.
+  The hook gathers every bucket of the iteration and reduces all gradients at the last one, in
+  one flat buffer in parameter order: DDP rebuilds its buckets after the first iteration (in
+  gradient-ready order), so a replacement rank's first iteration has other buckets than the
+  survivors'; a reduction in parameter order matches element for element on every rank and
+  sums each element in the same order as the fault-free run, so losses stay bit-identical.
+- A peer failure inside the hook is not raised through autograd (that would leave DDP's reducer
+  half-finalized and unusable). The hook completes every bucket's future with the local
+  gradients, remembers the failure and lets `backward()` finish, so the reducer is ready for
+  the next iteration. The optimizer's step pre-hook then raises it before any parameter moves
+  (and a check after the step function catches a step that had no optimizer step): the step
+  unwinds to `Job.run`, which joins the next generation, restores the last committed step and
+  trains the interrupted step again.
+- Model, optimizer, scheduler and data position are registered as the job's state: the model and
+  optimizer replicated (each rank snapshots a 1/W slice), the scheduler's counters with them, and
+  the data position (`Batches`: epoch and batches taken) per rank, so a loop over a
+  `DistributedSampler`'s `DataLoader` resumes at the same sample after a restore.
+"""
+from __future__ import annotations
+
+import datetime
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Protocol
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from recovery.errors import PeerFailure
+
+if TYPE_CHECKING:
+    from recovery.group import Generation
+
+PRIVATE_GROUP_TIMEOUT = datetime.timedelta(seconds=60)
+
+
+class Host(Protocol):
+    """What this module needs of the `Job` it serves (`recovery.job` imports this module)."""
+
+    _collectives: int
+    _after_step: list[Callable[[float], float]]
+    _on_fresh_start: list[Callable[[Generation], None]]
+
+    def register(self, name: str, get: Callable[[], Any], set: Callable[[Any], None], *,
+                 replicated: bool = False) -> None: ...
+
+    def fence(self) -> None: ...
+
+    def _group(self) -> Generation: ...
+
+    def allreduce(self, tensor: torch.Tensor) -> torch.Tensor: ...
+
+
+def private_group() -> dist.ProcessGroup:
+    """A gloo process group of this rank alone, for DDP's `process_group=`.
+
+    Built as torch builds its own groups (a ProcessGroup with a gloo backend registered for the
+    CPU), over a store in this process: no rendezvous, no peer, nothing a failure can block.
+    DDP needs a `ProcessGroup` (a bare backend object is refused by its C++ checks) and calls
+    only collectives of a size-1 group on it, which complete at once."""
+    store = dist.HashStore()
+    group = dist.ProcessGroup(store, 0, 1)
+    gloo = dist.ProcessGroupGloo(store, 0, 1, PRIVATE_GROUP_TIMEOUT)
+    group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+    group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
+    if torch.cuda.is_available():
+        # Gloo also moves CUDA tensors; DDP's init checks and buffer broadcasts stay local anyway.
+        group._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.GLOO, gloo)
+    return group
+
+
+class Batches:
+    """An endless iterator over a `DataLoader`'s batches, epoch after epoch, whose position is
+    part of the job's state.
+
+    At each epoch's start it calls `set_epoch(epoch)` on the loader's sampler (or its batch
+    sampler) when it has one, as a `DistributedSampler` loop does. Its state is (epoch, batches
+    taken in the epoch, the RNG state the epoch's iterator was made with). After a restore the
+    next batch comes from a new iterator of the restored epoch, made from the same RNG state
+    (a `DataLoader` draws its workers' seed, a `RandomSampler` its shuffle seed, from torch's
+    generator) and advanced past the batches already taken, then the RNG is put back: the
+    batches are the ones the fault-free run saw and the training RNG is untouched. The world
+    size and rank never change under ffctl, so a `DistributedSampler` keeps its shard. Skipping
+    loads the skipped batches (a `DataLoader` has no cheaper way to seek); it happens only on
+    ranks that restore, once per recovery."""
+
+    def __init__(self, loader: Iterable) -> None:
+        self.loader = loader
+        self.epoch = 0
+        self.taken = 0  # batches taken from the current epoch
+        self._epoch_rng: torch.Tensor | None = None
+        self._it: Iterator[Any] | None = None
+
+    def __iter__(self) -> Batches:
+        return self
+
+    def __next__(self) -> Any:
+        if self._it is None:
+            self._open()
+        assert self._it is not None
+        try:
+            batch = next(self._it)
+        except StopIteration:
+            self.epoch, self.taken, self._epoch_rng = self.epoch + 1, 0, None
+            self._open()
+            try:
+                batch = next(self._it)
+            except StopIteration:
+                raise RuntimeError(f"the data loader yields no batch in epoch {self.epoch}") from None
+        self.taken += 1
+        return batch
+
+    def _generator(self) -> torch.Generator | None:
+        return getattr(self.loader, "generator", None)
+
+    def _get_rng(self) -> torch.Tensor:
+        gen = self._generator()
+        return gen.get_state() if gen is not None else torch.get_rng_state()
+
+    def _set_rng(self, state: torch.Tensor) -> None:
+        gen = self._generator()
+        if gen is not None:
+            gen.set_state(state)
+        else:
+            torch.set_rng_state(state)
+
+    def _set_epoch(self) -> None:
+        for owner in (getattr(self.loader, "sampler", None), getattr(getattr(self.loader, "batch_sampler", None), "sampler", None)):
+            if owner is not None and hasattr(owner, "set_epoch"):
+                owner.set_epoch(self.epoch)
+                return
+
+    def _open(self) -> None:
+        self._set_epoch()
+        if self.taken == 0 or self._epoch_rng is None:
+            self._epoch_rng = self._get_rng().clone()
+            self._it = iter(self.loader)
+            self.taken = 0
+            return
+        # Mid-epoch after a restore: replay the epoch's draws from its starting RNG state.
+        now = self._get_rng().clone()
+        self._set_rng(self._epoch_rng)
+        try:
+            self._it = iter(self.loader)
+            for _ in range(self.taken):
+                next(self._it)
+        finally:
+            self._set_rng(now)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "taken": self.taken, "epoch_rng": self._epoch_rng}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.epoch, self.taken = int(state["epoch"]), int(state["taken"])
+        rng = state["epoch_rng"]
+        self._epoch_rng = rng.clone() if rng is not None else None
+        self._it = None  # the next batch comes from an iterator of the restored position
+
+
+class Reduction:
+    """The communication hook and the unwinding of a step whose gradient reduction failed."""
+
+    def __init__(self, job: Host, model: DistributedDataParallel, optimizer: torch.optim.Optimizer) -> None:
+        self.job = job
+        self.model = model
+        self.optimizer = optimizer
+        self.order = {id(p): i for i, p in enumerate(model.module.parameters())}
+        self.failure: PeerFailure | None = None
+        self._pending: list[tuple[Any, torch.futures.Future[torch.Tensor]]] = []
+        self._flat: torch.Tensor | None = None
+        self.reductions = 0  # completed reductions (for tests and logs)
+
+    def hook(self, state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        """DDP's comm hook: hold each bucket until the iteration's last, then reduce them all."""
+        if bucket.index() == 0:
+            self._pending.clear()  # a new backward (an earlier one may have been cut short)
+        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        self._pending.append((bucket, fut))
+        if bucket.is_last():
+            pending, self._pending = self._pending, []
+            try:
+                self._reduce([b for b, _ in pending])
+            finally:
+                # Every future completes whatever happened, with the reduced gradients or the
+                # local ones: DDP's reducer then finalizes normally and is ready for the next
+                # iteration. A step with a failure never reaches the optimizer (`before_update`).
+                for b, f in pending:
+                    f.set_result(b.buffer())
+        return fut
+
+    def _reduce(self, buckets: list[Any]) -> None:
+        views: list[tuple[int, torch.Tensor]] = []
+        for b in buckets:
+            views += [(self.order[id(p)], g) for p, g in zip(b.parameters(), b.gradients())]
+        views.sort(key=lambda v: v[0])
+        grads = [g for _, g in views]
+        total = sum(g.numel() for g in grads)
+        flat = self._flat
+        if flat is None or flat.numel() != total or flat.dtype != grads[0].dtype or flat.device != grads[0].device:
+            flat = self._flat = torch.empty(total, dtype=grads[0].dtype, device=grads[0].device)
+        torch.cat([g.reshape(-1) for g in grads], out=flat)
+        # This is the step's gradient collective: a later one of the same step (a loss averaged
+        # for logging) must not be taken for the step's first (`Job._collective`).
+        self.job._collectives += 1
+        try:
+            # The optimizer update that follows must not race the previous step's snapshot copy.
+            self.job.fence()
+            group = self.job._group()
+            flat.div_(group.world_size)  # DDP's default hook divides before it sums
+            group.allreduce(flat)
+        except PeerFailure as exc:
+            # Not raised through autograd: remembered, and raised before the optimizer step.
+            self.failure = exc
+            self._flat = None  # an aborted collective may still write into its buffer
+            return
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+        self.reductions += 1
+
+    def raise_failure(self) -> None:
+        """Unwind the step if its reduction failed: the gradients are local ones, dropped."""
+        exc, self.failure = self.failure, None
+        if exc is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+            raise exc
+
+    def after_step(self, loss: float) -> float:
+        """After the step function: unwind a step whose reduction failed (one with no optimizer
+        step would otherwise commit it), and make the step's loss the mean over the ranks, as the
+        loss of a data-parallel step is (each rank returns the loss of its own batch)."""
+        self.raise_failure()
+        total = torch.tensor([loss], dtype=torch.float64)
+        self.job.allreduce(total)
+        return float(total.item()) / self.job._group().world_size
+
+    def before_update(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """Optimizer step pre-hook: no parameter moves after a failed reduction, nor before the
+        previous step's snapshot is copied (a step with no reduction, under `no_sync`)."""
+        self.raise_failure()
+        self.job.fence()
+
+
+# DDP checks a comm hook's annotations by identity; this module's are strings (postponed
+# evaluation), so the hook carries the objects themselves.
+Reduction.hook.__annotations__.update(bucket=dist.GradBucket, state=object,
+                                      **{"return": torch.futures.Future[torch.Tensor]})
+
+
+def _broadcast_from_rank0(group: Generation, module: torch.nn.Module) -> None:
+    """What DDP's constructor does over its group: every rank starts from rank 0's parameters
+    and buffers. One flat broadcast per dtype."""
+    tensors = [t.detach() for t in (*module.parameters(), *module.buffers())]
+    for dtype in sorted({t.dtype for t in tensors}, key=str):
+        same = [t for t in tensors if t.dtype == dtype]
+        flat = torch.cat([t.reshape(-1) for t in same])
+        group.wait(group.pg.broadcast(flat, 0), "broadcast")
+        offset = 0
+        with torch.no_grad():
+            for t in same:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+
+def attach(job: Host, model: DistributedDataParallel, optimizer: torch.optim.Optimizer,
+           scheduler: Any | None, loader: Iterable | None) -> Batches | None:
+    """`Job.register_ddp`: see the module's docstring."""
+    if not isinstance(model, DistributedDataParallel):
+        raise TypeError(f"register_ddp: model must be torch's DistributedDataParallel, not {type(model).__name__}")
+    size = model.process_group.size()
+    if size != 1:
+        raise ValueError(f"register_ddp: the DDP model's process group has {size} ranks; "
+                         "build it with DistributedDataParallel(..., process_group=job.ddp_group())")
+    reduction = Reduction(job, model, optimizer)
+    model.register_comm_hook(state=None, hook=reduction.hook)
+    optimizer.register_step_pre_hook(reduction.before_update)
+    job._after_step.append(reduction.after_step)
+    job._on_fresh_start.append(lambda group: _broadcast_from_rank0(group, model.module))
+    job.register("model", model.module.state_dict, model.module.load_state_dict, replicated=True)
+    job.register("optimizer", optimizer.state_dict, optimizer.load_state_dict, replicated=True)
+    if scheduler is not None:
+        job.register("scheduler", scheduler.state_dict, scheduler.load_state_dict, replicated=True)
+    if loader is None:
+        return None
+    batches = Batches(loader)
+    job.register("data", batches.state_dict, batches.load_state_dict, replicated=False)
+    return batches
