@@ -1,0 +1,76 @@
+"""The DDP example pair end to end: `examples/ddp/plain.py` prints the same loss lines under
+torchrun and under `ffctl launch`; `examples/ddp/with_ffctl.py` survives a killed rank and a
+killed node with every step's loss bit for bit the fault-free run's, one step lost at most per
+fault, the lost ranks' state from local then peer memory, and no survivor restarted."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from runs.events import EventKind
+from tests.helpers.launch import TIMEOUT, assert_nothing_left, crashes, launch, rid, shm_left
+
+pytestmark = pytest.mark.slow
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "ddp"
+LAYOUT = ["--nnodes", "2", "--nproc-per-node", "2", "--spares", "2"]
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("ddp")
+
+
+def _env() -> dict[str, str]:
+    # Neither launcher may take its layout from this machine's PET_* or a worker variable.
+    drop = ("PET_", "TORCHELASTIC_", "OMP_NUM_THREADS", "RANK", "WORLD_SIZE", "MASTER_", "LOCAL_")
+    return {k: v for k, v in os.environ.items() if not k.startswith(drop)}
+
+
+def _loss_lines(text: str) -> list[str]:
+    return [line[line.index("step "):] for line in text.splitlines() if " loss " in line and "step " in line]
+
+
+def test_plain_prints_the_same_losses_under_torchrun_and_ffctl(workdir: Path) -> None:
+    argv = ["--nnodes", "1", "--nproc-per-node", "2", str(EXAMPLES / "plain.py"), "--steps", "40"]
+    torchrun = subprocess.run([sys.executable, "-m", "torch.distributed.run", *argv], cwd=workdir,
+                              capture_output=True, text=True, timeout=TIMEOUT, env=_env())
+    assert torchrun.returncode == 0, torchrun.stdout + torchrun.stderr
+    expected = _loss_lines(torchrun.stdout)
+    assert [line.split()[1] for line in expected] == [str(s) for s in range(1, 41)], expected
+    run_id = rid("ddp-plain")
+    ffctl = subprocess.run([sys.executable, "-m", "ffctl", "launch", "--run-id", run_id, "--runs-dir",
+                            str(workdir / "runs"), *argv], cwd=workdir, capture_output=True, text=True,
+                           timeout=TIMEOUT, env=_env())
+    assert ffctl.returncode == 0, ffctl.stdout + ffctl.stderr
+    assert _loss_lines((workdir / "runs" / run_id / "logs" / "0" / "0.log").read_text()) == expected
+    assert [line for line in ffctl.stdout.splitlines() if line.startswith("[rank 0]: step ")] == [
+        f"[rank 0]: {line}" for line in expected]
+    assert_nothing_left(workdir)
+    assert not shm_left(run_id)
+
+
+def test_with_ffctl_survives_a_rank_and_a_node_bit_for_bit(workdir: Path) -> None:
+    script = [str(EXAMPLES / "with_ffctl.py"), "--steps", "40"]
+    base = launch(workdir, rid("ddp-base"), *LAYOUT, *script)
+    assert base.returncode == 0, base.stdout + base.stderr
+    run_id = rid("ddp-faults")
+    res = launch(workdir, run_id, *LAYOUT, "--inject", "kill-rank:rank=1,step=10",
+                 "--inject", "kill-node:node=1,step=25", *script)
+    assert res.returncode == 0, res.stdout + res.stderr
+    rep = res.report
+    assert len(base.report["loss_by_step"]) == 40
+    assert rep["loss_by_step"] == base.report["loss_by_step"]  # every step, bit for bit
+    assert [f["kind"] for f in rep["faults"]] == ["kill-rank", "kill-node"]
+    assert [f["restore_source"] for f in rep["faults"]] == ["local-memory", "peer-memory"]
+    assert all(f["recovered"] and f["lost_steps"] <= 1 for f in rep["faults"]), rep["faults"]
+    # No survivor restarted: generation 0 spawned every rank, later ones only the lost ranks.
+    spawned = {e.get("gen"): e.get("ranks") for e in res.events if e.kind is EventKind.RANKS_SPAWNED}
+    assert spawned == {0: [0, 1, 2, 3], 1: [1], 2: [2, 3]}, spawned
+    assert crashes(res.events) == []
+    assert_nothing_left(workdir)
+    assert not shm_left(run_id)
