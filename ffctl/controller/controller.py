@@ -59,6 +59,7 @@ class Controller:
         self.notices: list[str] = []  # said on screen once each: a failed rank, a fallback, a fatal reason
         self.root_cause: dict[str, Any] | None = None  # the failure that stopped the job
         self.plain_script = not uses_recovery_library(spec.script)
+        self.training_api: str | None = None  # what the ranks' library says (`training` message)
         # torchrun's default for an unchanged script is no restart; the library keeps ffctl's.
         self.max_restarts = spec.max_restarts if spec.max_restarts is not None else (
             PLAIN_MAX_RESTARTS if self.plain_script else LIBRARY_MAX_RESTARTS)
@@ -387,6 +388,18 @@ class Controller:
                        (msg.raw or "")[:200], reported_by_node=msg.node,
                        **({"reported_by_rank": msg.rank} if msg.rank is not None else {}))
 
+    def _on_training(self, msg: messages.Training) -> None:
+        self.training_api = msg.api
+
+    def training_path(self) -> str:
+        """Which path the run took, for the record: "built-in", "ddp" or "library" (a script on
+        the recovery library, by what its ranks said) or "script" (an unchanged script)."""
+        if not self.spec.script:
+            return "built-in"
+        if self.training_api is None:
+            return "script"
+        return "ddp" if self.training_api == "ddp" else "library"
+
     def _on_rank_exited(self, msg: messages.RankExited) -> None:
         now = time.time()
         rank, pid, code = msg.rank, msg.pid, msg.exitcode
@@ -438,6 +451,7 @@ class Controller:
         messages.Kind.INVENTORY: _on_inventory,
         messages.Kind.INJECT_REQUEST: lambda self, msg: self._adhoc_inject(msg),
         messages.Kind.REJECTED: _on_refusal,
+        messages.Kind.TRAINING: _on_training,
     }
 
     def _ever_announced(self, rank: int) -> bool:
@@ -643,7 +657,7 @@ class Controller:
             self.show(force=True)
             self._teardown()
             self.record(EventKind.RUN_FINISHED, status=status.value, steps_completed=self.job.progress.committed_step,
-                        reason=reason,
+                        reason=reason, path=self.training_path(), api=self.training_api,
                         **({"root_cause": self.root_cause} if status is RunStatus.FAILED and self.root_cause else {}))
             self.rec.write_json("report.json", compute(self.rec.run_id, self.rec.events()).to_dict())
             self.rec.close()
