@@ -31,6 +31,7 @@ REPORTS: dict[Kind, dict[str, Any]] = {
     Kind.JOINED: {"rank": 0, "node": 0, "gen": 1},
     Kind.RESTORED: {"rank": 2, "node": 1, "gen": 1, "step": 5, "how": "received", "source": "replica"},
     Kind.DONE: {"rank": 1, "node": 0, "gen": 3, "step": 40},
+    Kind.TRAINING: {"rank": 1, "node": 0, "gen": 0, "api": "ddp"},
     Kind.ABORTED: {"rank": 1, "node": 0, "gen": 3, "step": 12, "reason": "abort flag"},
     Kind.RESTORE_FAILED: {"rank": 2, "node": 1, "gen": 1, "step": 5, "source": "peer-memory", "reason": "missing"},
     Kind.ERROR: {"rank": 0, "node": 0, "gen": 0, "step": 3, "error": "RuntimeError: boom",
