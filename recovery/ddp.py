@@ -57,6 +57,7 @@ class Host(Protocol):
     """What this module needs of the `Job` it serves (`recovery.job` imports this module)."""
 
     _collectives: int
+    api: str
     _after_step: list[Callable[[float], float]]
     _on_fresh_start: list[Callable[[Generation], None]]
 
@@ -292,6 +293,7 @@ def attach(job: Host, model: DistributedDataParallel, optimizer: torch.optim.Opt
         raise ValueError(f"register_ddp: the DDP model's process group has {size} ranks; "
                          "build it with DistributedDataParallel(..., process_group=job.ddp_group())")
     reduction = Reduction(job, model, optimizer)
+    job.api = "ddp"
     model.register_comm_hook(state=None, hook=reduction.hook)
     optimizer.register_step_pre_hook(reduction.before_update)
     job._after_step.append(reduction.after_step)

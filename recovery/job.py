@@ -106,6 +106,7 @@ class Job:
         # fresh over the first generation's group (DDP's broadcast of rank 0's parameters).
         self._after_step: list[Callable[[float], float]] = []
         self._on_fresh_start: list[Callable[[Generation], None]] = []
+        self.api = "step-function"  # how the script trains, told to the controller (`register_ddp`: "ddp")
         signal.signal(signal.SIGTERM, _exit_on_term)
         self._send(messages.Started, gen=env.gen, pid=os.getpid())
 
@@ -231,6 +232,7 @@ class Job:
     # -- the loop ----------------------------------------------------------------------------
     def run(self, step_fn: Callable[[StepContext], float], steps: int) -> None:
         self.faults.install()
+        self._send(messages.Training, gen=self.env.gen, api=self.api)
         try:
             gen, plan = control.newest_plan(self.store, self.env.gen, PLAN_TIMEOUT, self._opener, self._rejected)
             try:

@@ -55,6 +55,7 @@ class Kind(str, Enum):
     INJECT_REQUEST = "inject_request"
     # A sender that refused something it read (an agent's queue, an abort flag, a plan).
     REJECTED = "rejected"
+    TRAINING = "training"
 
 
 class CommandKind(str, Enum):
@@ -174,6 +175,14 @@ def _held(v: Any, lim: Limits | None) -> bool:  # {"<rank>": [steps]}
         for k, s in v.items())
 
 
+# How a script drives the recovery library (`Training.api`).
+APIS = ("step-function", "ddp")
+
+
+def _api(v: Any, _: Limits | None) -> bool:
+    return isinstance(v, str) and v in APIS
+
+
 def _req(v: Any, _: Limits | None) -> bool:  # an inject request id: it names a store key
     return isinstance(v, str) and 0 < len(v) <= 64 and v.isascii() and v.isalnum()
 
@@ -203,7 +212,7 @@ _WANT: dict[Check, str] = {
     _ranks: "a list of ranks", _lines: "a list of strings", _pids: "{rank: pid}",
     _rank_words: "{rank: string}", _rank_seconds: "{rank: seconds}", _held: "{rank: [steps]}",
     _req: "1-64 ASCII letters or digits", _addr: "a host address", _port: "a port (1-65535)",
-    _rank_specs: '[{"rank": rank, "env": {string: string}}]',
+    _rank_specs: '[{"rank": rank, "env": {string: string}}]', _api: " or ".join(APIS),
 }
 
 
@@ -315,6 +324,17 @@ class Restored(Message):
     step: int = _field(_nat)
     how: str | None = _optional(_str)
     source: str | None = _optional(_str)
+
+
+@_report(Kind.TRAINING)
+class Training(Message):
+    """How this rank's script trains, said once as `Job.run` starts: `api` "step-function" (a
+    step function with the library's collectives) or "ddp" (torch's DDP, `Job.register_ddp`)."""
+
+    rank: int = _field(_rank)
+    node: int = _field(_node)
+    gen: int = _field(_nat)
+    api: str = _field(_api)
 
 
 @_report(Kind.DONE)

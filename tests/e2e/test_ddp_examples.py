@@ -4,6 +4,7 @@ killed node with every step's loss bit for bit the fault-free run's, one step lo
 fault, the lost ranks' state from local then peer memory, and no survivor restarted."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -50,6 +51,9 @@ def test_plain_prints_the_same_losses_under_torchrun_and_ffctl(workdir: Path) ->
     assert _loss_lines((workdir / "runs" / run_id / "logs" / "0" / "0.log").read_text()) == expected
     assert [line for line in ffctl.stdout.splitlines() if line.startswith("[rank 0]: step ")] == [
         f"[rank 0]: {line}" for line in expected]
+    finished = [json.loads(line) for line in (workdir / "runs" / run_id / "events.jsonl").read_text().splitlines()
+                if '"run_finished"' in line]
+    assert finished[0]["path"] == "script"  # its ranks never spoke the recovery library
     assert_nothing_left(workdir)
     assert not shm_left(run_id)
 
@@ -72,5 +76,7 @@ def test_with_ffctl_survives_a_rank_and_a_node_bit_for_bit(workdir: Path) -> Non
     spawned = {e.get("gen"): e.get("ranks") for e in res.events if e.kind is EventKind.RANKS_SPAWNED}
     assert spawned == {0: [0, 1, 2, 3], 1: [1], 2: [2, 3]}, spawned
     assert crashes(res.events) == []
+    (finished,) = [e for e in res.events if e.kind is EventKind.RUN_FINISHED]
+    assert finished.get("path") == "ddp" and finished.get("api") == "ddp"  # as its ranks said
     assert_nothing_left(workdir)
     assert not shm_left(run_id)
