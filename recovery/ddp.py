@@ -24,13 +24,17 @@ its gradients travel changes:
   gradient-ready order), so a replacement rank's first iteration has other buckets than the
   survivors'; a reduction in parameter order matches element for element on every rank and
   sums each element in the same order as the fault-free run, so losses stay bit-identical.
-- A peer failure inside the hook is not raised through autograd (that would leave DDP's reducer
-  half-finalized and unusable). The hook completes every bucket's future with the local
+- The reduction is the step's first collective, so a survivor caught in it by a peer's failure
+  recovers in place (`Job._collective`): it joins the next generation inside the hook and, its
+  state being the last committed step's, repeats only the allreduce with the replacements, which
+  restore that step and compute the step afresh ("continued": no survivor computes it twice).
+- Any other failure inside the hook is not raised through autograd (that would leave DDP's
+  reducer half-finalized and unusable). The hook completes every bucket's future with the local
   gradients, remembers the failure and lets `backward()` finish, so the reducer is ready for
   the next iteration. The optimizer's step pre-hook then raises it before any parameter moves
   (and a check after the step function catches a step that had no optimizer step): the step
-  unwinds to `Job.run`, which joins the next generation, restores the last committed step and
-  trains the interrupted step again.
+  unwinds to `Job.run`, which (once the next generation is joined and the last committed step
+  restored, if the hook has not done so) trains the interrupted step again.
 - Model, optimizer, scheduler and data position are registered as the job's state: the model and
   optimizer replicated (each rank snapshots a 1/W slice), the scheduler's counters with them, and
   the data position (`Batches`: epoch and batches taken) per rank, so a loop over a
@@ -56,7 +60,6 @@ PRIVATE_GROUP_TIMEOUT = datetime.timedelta(seconds=60)
 class Host(Protocol):
     """What this module needs of the `Job` it serves (`recovery.job` imports this module)."""
 
-    _collectives: int
     api: str
     _after_step: list[Callable[[float], float]]
     _on_fresh_start: list[Callable[[Generation], None]]
@@ -219,17 +222,18 @@ class Reduction:
         if flat is None or flat.numel() != total or flat.dtype != grads[0].dtype or flat.device != grads[0].device:
             flat = self._flat = torch.empty(total, dtype=grads[0].dtype, device=grads[0].device)
         torch.cat([g.reshape(-1) for g in grads], out=flat)
-        # This is the step's gradient collective: a later one of the same step (a loss averaged
-        # for logging) must not be taken for the step's first (`Job._collective`).
-        self.job._collectives += 1
+        flat.div_(self.job._group().world_size)  # DDP's default hook divides before it sums
         try:
-            # The optimizer update that follows must not race the previous step's snapshot copy.
-            self.job.fence()
-            group = self.job._group()
-            flat.div_(group.world_size)  # DDP's default hook divides before it sums
-            group.allreduce(flat)
+            # The job's allreduce: it fences the previous step's snapshot first (the optimizer
+            # update that follows must not race its copy), and as the step's first collective,
+            # a survivor caught in it by a peer's failure joins the next generation right here
+            # and, its state being the last committed step's, repeats only this allreduce with
+            # the replacements (`Job._collective`): its backward is not computed again.
+            self.job.allreduce(flat)
         except PeerFailure as exc:
-            # Not raised through autograd: remembered, and raised before the optimizer step.
+            # Any other case (StepRestart: the next generation is joined and the last committed
+            # step restored; or a failure with no recovery here) is not raised through autograd:
+            # remembered, and raised before the optimizer step, so the step runs again.
             self.failure = exc
             self._flat = None  # an aborted collective may still write into its buffer
             return

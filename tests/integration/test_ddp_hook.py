@@ -54,7 +54,6 @@ class _Holder:
 
     def __init__(self) -> None:
         self.group: Generation | None = None
-        self._collectives = 0
         self.api = "step-function"
         self._after_step: list[Callable[[float], float]] = []
         self._on_fresh_start: list[Callable[[Generation], None]] = []
