@@ -8,6 +8,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
+from ffctl.render import html as html_page
 from ffctl.render import make_console
 from ffctl.errors import BadInput
 from ffctl.render.report import (markdown_comparison, markdown_projection, markdown_report, markdown_run_list,
@@ -88,6 +89,14 @@ def parse_project(text: str) -> tuple[int, float]:
     return int(gpus_text), mtbf
 
 
+def _write(path: Path, page: str, console: Any) -> None:
+    try:
+        path.write_text(page, encoding="utf-8")
+    except OSError as exc:
+        raise BadInput(f"--html {str(path)!r}: {exc.strerror or exc}") from None
+    console.print(f"HTML report written to {path}", markup=False, highlight=False, soft_wrap=True)
+
+
 def register(app: typer.Typer) -> None:
     @app.command("report")
     def report(
@@ -96,7 +105,10 @@ def register(app: typer.Typer) -> None:
         as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
         markdown: Annotated[bool, typer.Option(
             "--markdown", help="Print GitHub-flavoured Markdown tables (for CI summaries).")] = False,
-        html: Annotated[Optional[Path], typer.Option("--html", help="Also write an HTML report to FILE.")] = None,
+        html: Annotated[Optional[Path], typer.Option(
+            "--html", metavar="FILE",
+            help="Also write one self-contained HTML page: the tables, a timeline and the loss curve "
+                 "(needs the html extra: pip install 'ffctl[html]').")] = None,
         runs_dir: Annotated[Path, typer.Option("--runs-dir", envvar="FFCTL_RUNS_DIR")] = Path("ffctl-runs"),
         project_to: Annotated[Optional[str], typer.Option(
             "--project", metavar="gpus=N,mtbf=T",
@@ -114,6 +126,10 @@ def register(app: typer.Typer) -> None:
         projection_of = parse_project(project_to) if project_to is not None else None
         if projection_of is not None and not runs:
             raise BadInput("--project needs the runs to project from: ffctl report RUN [RUN...] --project ...")
+        if html is not None:
+            html_page.require_matplotlib()
+            if not html.parent.is_dir() or html.is_dir():
+                raise BadInput(f"--html {str(html)!r}: not a file in an existing directory")
         if runs_dir.exists() and not runs_dir.is_dir():
             raise BadInput(f"--runs-dir {str(runs_dir)!r} is not a directory")
         records = []
@@ -122,7 +138,7 @@ def register(app: typer.Typer) -> None:
                 records.append(open_run(runs_dir, run_id))
             except RunStoreError as exc:
                 raise BadInput(str(exc)) from None
-        console = make_console(record=html is not None, quiet=as_json or markdown)
+        console = make_console(quiet=as_json or markdown)
         if not records:
             listed = [_run_report(record) for record in list_runs(runs_dir)]
             if as_json:
@@ -131,7 +147,7 @@ def register(app: typer.Typer) -> None:
                 typer.echo(markdown_run_list(listed), nl=False)
             render_run_list(listed, console, str(runs_dir))
             if html is not None:
-                console.save_html(str(html))
+                _write(html, html_page.run_list_html(listed, str(runs_dir)), console)
             return
         reports = [_run_report(record) for record in records]
         proj = project(reports, *projection_of) if projection_of is not None else None
@@ -149,6 +165,7 @@ def register(app: typer.Typer) -> None:
         if proj is not None:
             render_projection(proj, console)
         if html is not None:
-            console.save_html(str(html))
+            page = html_page.report_html(reports, {r.run_id: r.events() for r in records}, proj)
+            _write(html, page, console)
         if any(r["status"] == RunStatus.INCOMPLETE.value for r in reports):
             raise typer.Exit(1)

@@ -91,6 +91,22 @@ def run_row(report: dict[str, Any]) -> dict[str, str]:
     }
 
 
+FAULT_OVERVIEW = ["fault", "kind", "target", "step", "recover s", "lost s"]
+
+
+def fault_overview_rows(faults: list[dict[str, Any]]) -> list[list[str]]:
+    """The faults at a glance, a row per fault under FAULT_OVERVIEW."""
+    return [[f["fault_id"], f["kind"], f["target"], str(f["at_step"]),
+             _s(f.get("recovery_s")) if f.get("recovered") else "not recovered", _s(f.get("lost_s"))]
+            for f in faults]
+
+
+def breakdown_row(fault: dict[str, Any]) -> list[str]:
+    """A fault's recovery phases in seconds, under BREAKDOWN."""
+    b = fault.get("breakdown") or {}
+    return [_s(b.get(k)) for k in BREAKDOWN]
+
+
 def _kv(title: str | None, fields: list[tuple[str, str]]) -> Table:
     table = Table(show_header=False, box=None, padding=(0, 2, 0, 0), title=title, title_justify="left",
                   title_style="bold")
@@ -140,19 +156,12 @@ def render_report(report: dict[str, Any], console: Console) -> None:
     faults = report.get("faults") or []
     if faults:
         console.print()
-        _table_or_blocks(
-            console, "faults", ["fault", "kind", "target", "step", "recover s", "lost s"],
-            [[f["fault_id"], f["kind"], f["target"], str(f["at_step"]),
-              _s(f.get("recovery_s")) if f.get("recovered") else "not recovered", _s(f.get("lost_s"))]
-             for f in faults],
-            left=3,
-        )
+        _table_or_blocks(console, "faults", FAULT_OVERVIEW, fault_overview_rows(faults), left=3)
     for f in faults:
         console.print()
         console.print(_kv(f"fault {f['fault_id']}", fault_fields(f)))
-        b = f.get("breakdown") or {}
         _table_or_blocks(console, f"fault {f['fault_id']}: recovery breakdown (s)", list(BREAKDOWN),
-                         [[_s(b.get(k)) for k in BREAKDOWN]], left=0)
+                         [breakdown_row(f)], left=0)
     for line in status_notes(report):
         console.print(line, markup=False, highlight=False, soft_wrap=True)
 
@@ -284,9 +293,7 @@ def markdown_report(report: dict[str, Any]) -> str:
         parts += ["", "#### Faults", "",
                   md_table(headers, [[f["fault_id"]] + [v for _, v in fault_fields(f)] for f in faults], left=3)]
         parts += ["", "#### Recovery breakdown (s)", "",
-                  md_table(["fault"] + list(BREAKDOWN),
-                           [[f["fault_id"]] + [_s((f.get("breakdown") or {}).get(k)) for k in BREAKDOWN]
-                            for f in faults])]
+                  md_table(["fault"] + list(BREAKDOWN), [[f["fault_id"]] + breakdown_row(f) for f in faults])]
     notes = status_notes(report)
     if notes:
         parts += [""] + [f"> {line}" for line in notes]
