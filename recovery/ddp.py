@@ -35,10 +35,14 @@ its gradients travel changes:
   (and a check after the step function catches a step that had no optimizer step): the step
   unwinds to `Job.run`, which (once the next generation is joined and the last committed step
   restored, if the hook has not done so) trains the interrupted step again.
-- Model, optimizer, scheduler and data position are registered as the job's state: the model and
-  optimizer replicated (each rank snapshots a 1/W slice), the scheduler's counters with them, and
-  the data position (`Batches`: epoch and batches taken) per rank, so a loop over a
-  `DistributedSampler`'s `DataLoader` resumes at the same sample after a restore.
+- Model, optimizer, scheduler and data position are registered as the job's state: the model's
+  parameters and the optimizer replicated (each rank snapshots a 1/W slice), the scheduler's
+  counters with them; the model's buffers (DDP's per-forward broadcast of rank 0's is local on
+  the private group) and the data position (`Batches`: epoch and batches taken) per rank, so a
+  loop over a `DistributedSampler`'s `DataLoader` resumes at the same sample after a restore.
+- The step's loss that the run reports is the mean over the ranks: reduced with the gradients
+  when the step function hands it over before `backward()` (`StepContext.reduce_loss`), else by
+  a one-element allreduce after the step function.
 """
 from __future__ import annotations
 
@@ -61,6 +65,7 @@ class Host(Protocol):
     """What this module needs of the `Job` it serves (`recovery.job` imports this module)."""
 
     api: str
+    _ddp: Any
     _after_step: list[Callable[[float], float]]
     _on_fresh_start: list[Callable[[Generation], None]]
 
@@ -191,6 +196,8 @@ class Reduction:
         self.failure: PeerFailure | None = None
         self._pending: list[tuple[Any, torch.futures.Future[torch.Tensor]]] = []
         self._flat: torch.Tensor | None = None
+        self._loss: torch.Tensor | None = None  # the step's loss, given by `StepContext.reduce_loss`
+        self._mean_loss: float | None = None  # ...and its mean over the ranks, from the reduction
         self.reductions = 0  # completed reductions (for tests and logs)
 
     def hook(self, state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -217,11 +224,14 @@ class Reduction:
             views += [(self.order[id(p)], g) for p, g in zip(b.parameters(), b.gradients())]
         views.sort(key=lambda v: v[0])
         grads = [g for _, g in views]
-        total = sum(g.numel() for g in grads)
+        parts = [g.reshape(-1) for g in grads]
+        if self._loss is not None:  # the loss travels as one more element: no collective of its own
+            parts.append(self._loss.to(grads[0].dtype))
+        total = sum(p.numel() for p in parts)
         flat = self._flat
         if flat is None or flat.numel() != total or flat.dtype != grads[0].dtype or flat.device != grads[0].device:
             flat = self._flat = torch.empty(total, dtype=grads[0].dtype, device=grads[0].device)
-        torch.cat([g.reshape(-1) for g in grads], out=flat)
+        torch.cat(parts, out=flat)
         flat.div_(self.job._group().world_size)  # DDP's default hook divides before it sums
         try:
             # The job's allreduce: it fences the previous step's snapshot first (the optimizer
@@ -241,12 +251,21 @@ class Reduction:
         for g in grads:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
+        if self._loss is not None:
+            self._mean_loss = float(flat[-1])
         self.reductions += 1
+
+    def take_loss(self, loss: torch.Tensor) -> None:
+        """`StepContext.reduce_loss`: reduce this step's loss with its gradients."""
+        if loss.numel() != 1:
+            raise ValueError(f"reduce_loss takes the step's scalar loss, not a tensor of shape {tuple(loss.shape)}")
+        self._loss, self._mean_loss = loss.detach().reshape(1), None
 
     def raise_failure(self) -> None:
         """Unwind the step if its reduction failed: the gradients are local ones, dropped."""
         exc, self.failure = self.failure, None
         if exc is not None:
+            self._loss = self._mean_loss = None
             self.optimizer.zero_grad(set_to_none=True)
             raise exc
 
@@ -255,6 +274,9 @@ class Reduction:
         step would otherwise commit it), and make the step's loss the mean over the ranks, as the
         loss of a data-parallel step is (each rank returns the loss of its own batch)."""
         self.raise_failure()
+        mean, self._mean_loss, self._loss = self._mean_loss, None, None
+        if mean is not None:
+            return mean  # reduced with the gradients
         total = torch.tensor([loss], dtype=torch.float64)
         self.job.allreduce(total)
         return float(total.item()) / self.job._group().world_size
@@ -287,6 +309,13 @@ def _broadcast_from_rank0(group: Generation, module: torch.nn.Module) -> None:
                 offset += t.numel()
 
 
+def _load(module: torch.nn.Module, state: dict[str, Any]) -> None:
+    """Load part of `module`'s state (its parameters, or its buffers)."""
+    unexpected = module.load_state_dict(state, strict=False).unexpected_keys
+    if unexpected:
+        raise RuntimeError(f"snapshot holds state the model does not have: {sorted(unexpected)[:5]}")
+
+
 def attach(job: Host, model: DistributedDataParallel, optimizer: torch.optim.Optimizer,
            scheduler: Any | None, loader: Iterable | None) -> Batches | None:
     """`Job.register_ddp`: see the module's docstring."""
@@ -298,11 +327,22 @@ def attach(job: Host, model: DistributedDataParallel, optimizer: torch.optim.Opt
                          "build it with DistributedDataParallel(..., process_group=job.ddp_group())")
     reduction = Reduction(job, model, optimizer)
     job.api = "ddp"
+    job._ddp = reduction
     model.register_comm_hook(state=None, hook=reduction.hook)
     optimizer.register_step_pre_hook(reduction.before_update)
     job._after_step.append(reduction.after_step)
     job._on_fresh_start.append(lambda group: _broadcast_from_rank0(group, model.module))
-    job.register("model", model.module.state_dict, model.module.load_state_dict, replicated=True)
+    module = model.module
+    # Parameters are the same on every rank (the reduction sees to it): replicated. Buffers are
+    # each rank's own: DDP broadcasts rank 0's before every forward over its group, which is
+    # this rank alone here, so a buffer that training changes (BatchNorm's running statistics)
+    # stays the rank's and is snapshotted whole by it.
+    names = {n for n, _ in module.named_parameters(remove_duplicate=False)}
+    job.register("model", lambda: {k: v for k, v in module.state_dict().items() if k in names},
+                 lambda state: _load(module, state), replicated=True)
+    if any(k not in names for k in module.state_dict()):
+        job.register("buffers", lambda: {k: v for k, v in module.state_dict().items() if k not in names},
+                     lambda state: _load(module, state), replicated=False)
     job.register("optimizer", optimizer.state_dict, optimizer.load_state_dict, replicated=True)
     if scheduler is not None:
         job.register("scheduler", scheduler.state_dict, scheduler.load_state_dict, replicated=True)

@@ -66,6 +66,13 @@ class StepContext:
         """Every rank's `tensor` (same shape on all ranks), in rank order."""
         return self.job.allgather(tensor)
 
+    def reduce_loss(self, loss: torch.Tensor) -> None:
+        """On the DDP path, before `backward()`: the step's loss travels with the gradients, so
+        the mean over the ranks that the run reports costs no collective of its own."""
+        if self.job._ddp is None:
+            raise RuntimeError("reduce_loss is for a job with register_ddp")
+        self.job._ddp.take_loss(loss)
+
 
 def _exit_on_term(signum: int, frame: Any) -> None:
     # SIGTERM from the agent is an orderly shutdown: unwind so the slots are fenced and closed.
@@ -107,6 +114,7 @@ class Job:
         self._after_step: list[Callable[[float], float]] = []
         self._on_fresh_start: list[Callable[[Generation], None]] = []
         self.api = "step-function"  # how the script trains, told to the controller (`register_ddp`: "ddp")
+        self._ddp: ddp.Reduction | None = None  # set by `register_ddp`
         signal.signal(signal.SIGTERM, _exit_on_term)
         self._send(messages.Started, gen=env.gen, pid=os.getpid())
 

@@ -55,6 +55,7 @@ class _Holder:
     def __init__(self) -> None:
         self.group: Generation | None = None
         self.api = "step-function"
+        self._ddp: Any = None
         self._after_step: list[Callable[[float], float]] = []
         self._on_fresh_start: list[Callable[[Generation], None]] = []
         self.registered: list[str] = []
