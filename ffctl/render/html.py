@@ -48,7 +48,7 @@ PHASE_COLOURS: dict[str, str] = {
 # steps gained over a window centred on it of WINDOW_GAPS median step intervals (commits are
 # reported in bursts, so a single interval is no rate), at least 1/SAMPLES of the training.
 TIMELINE_SAMPLES = 400
-WINDOW_GAPS = 4.0
+WINDOW_GAPS = 2.0
 INSTALL_HINT = "pip install 'ffctl[html]'"
 
 # Okabe-Ito colours (distinguishable with the common colour-vision deficiencies), one per phase.
