@@ -76,7 +76,14 @@ def threads_now() -> int:
 
 def warm_up() -> None:
     """Pay torch's start-up costs: the import, and the ~800 modules the first optimizer step
-    imports lazily (about two seconds on a CPU host). One element: no parallel region runs."""
+    imports lazily (about two seconds on a CPU host). One element: no parallel region runs.
+
+    torch imports numpy when it is installed, and numpy's OpenBLAS starts its thread pool as it
+    loads (one thread per core), which would make the template unsafe to fork. The pool is sized
+    to one thread, as torchrun's OMP_NUM_THREADS=1 sizes it whenever a node runs more than one
+    process; a forked worker inherits that pool (a fresh interpreter would size it from its own
+    environment)."""
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     import torch
 
     import recovery.job  # noqa: F401
