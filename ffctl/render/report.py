@@ -384,13 +384,3 @@ def render_plan(lines: list[str], console: Console) -> None:
     for line in lines:
         # Never wrapped: these are commands a user copies, word for word.
         console.print(line, markup=False, highlight=False, soft_wrap=True)
-
-
-def render_checks(checks: list[tuple[str, bool, str]], console: Console) -> None:
-    table = Table(title="expectations", title_justify="left")
-    table.add_column("check")
-    table.add_column("result")
-    table.add_column("detail")
-    for name, passed, detail in checks:
-        table.add_row(name, "[green]ok[/green]" if passed else "[red]missed[/red]", detail)
-    console.print(table)
