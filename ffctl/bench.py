@@ -3,21 +3,34 @@
 Each benchmark launches real jobs (`python -m ffctl launch`) into a scratch runs directory and
 reads their records, so what it measures is what users get. Ratios, not absolute times, are the
 result: both sides run on the same machine within minutes of each other.
+
+`compare_strategies` is what `ffctl bench` runs: the same job and the same seeded fault schedule
+under `peer`, `restart-memory` and `restart-disk`, each figure as a ratio to `restart-disk`, whose
+checkpoint interval is Young's (sqrt(2 x MTBF x save time), the save time measured first) so that
+the baseline is the best it can be. `BENCHMARKS` are the narrower measurements behind the README's
+goals (`ffctl bench --only NAME`, `python benchmarks/NAME.py`).
 """
 from __future__ import annotations
 
 import json
+import math
 import os
+import random
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
-from runs.events import EventKind
+from ffctl.errors import BadInput, InfraError
+from ffctl.workload.sizes import MODELS
+from fault_injectors.schedule import fault_seed, iter_mtbf
+from fault_injectors.spec import FaultKind
+from runs.events import Event, EventKind
 from runs.store import iter_events
 
 BENCH_MODEL = "medium"  # a step of at least 50 ms on a CPU host
@@ -53,16 +66,58 @@ class BenchResult:
                 "ratios": [{**asdict(r), "value": r.value, "met": r.met} for r in self.ratios]}
 
 
-def launch(runs_dir: Path, *args: str, timeout: float = 1800.0) -> tuple[dict[str, Any], list[Any]]:
+def _newest_step(path: Path, offset: int, newest: int) -> tuple[int, int]:
+    """The highest step committed in the events file past byte `offset` (whole lines only)."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(offset)
+            chunk = fh.read()
+    except FileNotFoundError:
+        return offset, newest
+    end = chunk.rfind(b"\n") + 1
+    for line in chunk[:end].splitlines():
+        try:
+            ev = Event.from_json(line.decode())
+        except ValueError:
+            continue
+        if ev.kind is EventKind.STEP:
+            newest = max(newest, int(ev.get("step")))
+    return offset + end, newest
+
+
+def launch(runs_dir: Path, *args: str, timeout: float = 1800.0,
+           on_step: Callable[[int], None] | None = None) -> tuple[dict[str, Any], list[Any]]:
+    """Run one job to its end; its report and events. `on_step` hears the highest step committed
+    so far, about twice a second, from the record the job writes."""
     run_id = f"bench-{uuid.uuid4().hex[:8]}"
-    proc = subprocess.run(
-        [sys.executable, "-m", "ffctl", "launch", "--run-id", run_id, "--runs-dir", str(runs_dir), *args],
-        capture_output=True, text=True, timeout=timeout,
-    )
+    argv = [sys.executable, "-m", "ffctl", "launch", "--run-id", run_id, "--runs-dir", str(runs_dir), *args]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+    deadline = time.monotonic() + timeout
+    events_path, offset, newest = runs_dir / run_id / "events.jsonl", 0, 0
+    while True:
+        try:
+            _, err = proc.communicate(timeout=0.5)  # retried: no output is lost meanwhile
+            break
+        except subprocess.TimeoutExpired:
+            if time.monotonic() > deadline:
+                proc.terminate()  # the controller tears its job down on SIGTERM
+                try:
+                    proc.communicate(timeout=60)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.communicate(timeout=10)
+                raise InfraError(f"benchmark run {run_id} ({' '.join(args)}) did not end within {timeout:g} s") from None
+        if on_step is not None:
+            offset, newest = _newest_step(events_path, offset, newest)
+            on_step(newest)
     if proc.returncode != 0:
-        raise RuntimeError(f"benchmark run {' '.join(args)} failed ({proc.returncode}): {proc.stderr.strip()[-500:]}")
+        raise InfraError(f"benchmark run {run_id} ({' '.join(args)}) failed ({proc.returncode}): "
+                         f"{' '.join(err.strip().splitlines()[-3:])[-500:]}")
     report = json.loads((runs_dir / run_id / "report.json").read_text())
-    return report, list(iter_events(runs_dir / run_id / "events.jsonl"))
+    events = list(iter_events(events_path))
+    if on_step is not None:
+        on_step(max((int(e.get("step")) for e in events if e.kind is EventKind.STEP), default=0))
+    return report, events
 
 
 def median_step_time(events: list[Any], skip: int = 5) -> float:
@@ -239,7 +294,338 @@ BENCHMARKS: dict[str, Callable[[Path], BenchResult]] = {
 }
 
 
-def run(names: list[str] | None = None, runs_dir: Path | None = None) -> list[BenchResult]:
+def run_named(names: list[str] | None = None, runs_dir: Path | None = None) -> list[BenchResult]:
+    """The narrow benchmarks `names` (all of them by default), in a scratch runs directory unless
+    `runs_dir` is given."""
     with tempfile.TemporaryDirectory(prefix="ffctl-bench-") as tmp:
         where = runs_dir or Path(tmp)
         return [BENCHMARKS[n](where) for n in (names or list(BENCHMARKS))]
+
+
+# --- `ffctl bench`: the strategies side by side under one seeded fault schedule -----------------
+
+STRATEGIES = ("peer", "restart-memory", "restart-disk")
+BASELINE = "restart-disk"
+# Kinds a schedule may draw: each needs no option a schedule cannot give, and ends on its own
+# (a hang or a network fault needs a duration and, for the network, a sandbox).
+BENCH_KINDS = (FaultKind.KILL_RANK, FaultKind.TERM_RANK, FaultKind.CRASH_RANK, FaultKind.KILL_NODE)
+FIGURES = ("recovery_s", "lost_s", "lost_steps", "lost_gpu_hours", "goodput", "snapshot_overhead")
+HIGHER_IS_BETTER = frozenset({"goodput"})
+WARMUP_STEPS = 10  # no fault before: the pace before a fault needs steps, a peer a snapshot
+FAULT_GAP_STEPS = 10  # faults at least this many steps apart, each seen on its own
+TAIL_STEPS = 20  # no fault this close to the end: the job must be seen back at its pace
+SKIP_STEPS = 5  # first steps left out of any pace (imports, allocator warm-up)
+CALIBRATION_STEPS = 30
+CALIBRATION_CKPT_EVERY = 2  # every other step saved: the other intervals are the clean pace
+SCALE_GLOBAL_BATCH_SEQS = 16  # --scale: sequences per step over all ranks, at every world size
+SCALE_STEPS = 40
+SCALE_FAULT_STEP = 20
+MAX_SCALE_WORLD = 16
+MIN_STEPS = WARMUP_STEPS + TAIL_STEPS + 10
+
+
+def young_interval(mtbf_s: float, save_s: float) -> float:
+    """Young's optimal checkpoint interval in seconds: sqrt(2 x MTBF x save time)."""
+    if mtbf_s <= 0 or save_s < 0:
+        raise ValueError(f"Young's interval needs mtbf_s > 0 and save_s >= 0 (got {mtbf_s!r}, {save_s!r})")
+    return math.sqrt(2.0 * mtbf_s * save_s)
+
+
+def interval_steps(interval_s: float, pace_s: float) -> int:
+    """An interval in seconds as a whole number of steps at `pace_s` seconds per step, at least 1."""
+    return max(1, round(interval_s / pace_s)) if pace_s > 0 else 1
+
+
+def parse_scale(text: str) -> tuple[int, ...]:
+    """`--scale 2,4,8`: world sizes, each even (nodes of 2 ranks) and from 2 to MAX_SCALE_WORLD."""
+    sizes: list[int] = []
+    for part in text.split(","):
+        word = part.strip()
+        if not word.isascii() or not word.isdigit():
+            raise BadInput(f"--scale {text!r}: {word!r} is not a world size (a whole number, e.g. --scale 2,4,8)")
+        n = int(word)
+        if n < 2 or n > MAX_SCALE_WORLD or n % 2:
+            raise BadInput(f"--scale {text!r}: world size {n} must be even and from 2 to {MAX_SCALE_WORLD} "
+                           "(nodes of 2 ranks; a peer needs another rank)")
+        if n in sizes:
+            raise BadInput(f"--scale {text!r}: world size {n} given twice")
+        sizes.append(n)
+    return tuple(sizes)
+
+
+@dataclass(frozen=True)
+class ScheduledFault:
+    """One fault of the bench's schedule: drawn at `t_s` seconds of training, fired at `step`."""
+
+    index: int
+    t_s: float
+    kind: FaultKind
+    step: int
+    target: str  # rank=N or node=N
+
+    @property
+    def inject(self) -> str:
+        return f"{self.kind.value}:{self.target},step={self.step}"
+
+
+@dataclass(frozen=True)
+class BenchSpec:
+    """What `ffctl bench` runs; `validate` refuses a bad value before anything starts."""
+
+    model: str = "small"
+    steps: int = 160
+    mtbf_s: float = 12.0
+    seed: int = 0
+    kinds: tuple[FaultKind, ...] = (FaultKind.KILL_RANK, FaultKind.KILL_NODE)
+    nnodes: int = 2
+    nproc_per_node: int = 2
+    spares: int = 1
+    scale: tuple[int, ...] = ()
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+    def validate(self) -> None:
+        if self.model not in MODELS:
+            raise BadInput(f"--model {self.model!r}: use one of {', '.join(MODELS)}")
+        if self.steps < MIN_STEPS:
+            raise BadInput(f"--steps {self.steps}: at least {MIN_STEPS} (a warm-up of {WARMUP_STEPS} before the first "
+                           f"fault, {TAIL_STEPS} after the last)")
+        if not math.isfinite(self.mtbf_s) or self.mtbf_s < 1.0:
+            raise BadInput(f"--mtbf {self.mtbf_s!r}: at least 1 second")
+        if self.seed < 0:
+            raise BadInput(f"--seed {self.seed}: a non-negative integer")
+        if not self.kinds:
+            raise BadInput("--kinds: give at least one fault kind")
+        for kind in self.kinds:
+            if kind not in BENCH_KINDS:
+                raise BadInput(f"--kinds {kind.value!r}: use {', '.join(k.value for k in BENCH_KINDS)}")
+        if self.nnodes < 2 or self.nproc_per_node < 1:
+            raise BadInput(f"{self.nnodes} nodes x {self.nproc_per_node} ranks: at least 2 nodes of 1 rank")
+        if self.spares < 0:
+            raise BadInput(f"--spares {self.spares}: a non-negative integer")
+
+
+def parse_kinds(text: str) -> tuple[FaultKind, ...]:
+    """`--kinds kill-rank,kill-node` (`|` separates as well, as in a chaos spec)."""
+    from fault_injectors.spec import FaultSpecError, parse_kind
+
+    names = [w.strip() for w in text.replace("|", ",").split(",")]
+    kinds: list[FaultKind] = []
+    for name in names:
+        try:
+            kind = parse_kind(name)
+        except FaultSpecError as exc:
+            raise BadInput(f"--kinds {text!r}: {exc}") from None
+        if kind not in BENCH_KINDS:
+            raise BadInput(f"--kinds {text!r}: {kind.value} cannot be scheduled here "
+                           f"(use {', '.join(k.value for k in BENCH_KINDS)})")
+        if kind not in kinds:
+            kinds.append(kind)
+    return tuple(kinds)
+
+
+def fault_schedule(spec: BenchSpec, pace_s: float) -> list[ScheduledFault]:
+    """The seeded schedule every strategy gets: arrivals of a Poisson process of mean `mtbf_s`
+    (`iter_mtbf`, as `--chaos` draws them), each turned into a step at the fault-free pace so that
+    every strategy is hit at the same steps (a time trigger would drift with each one's own
+    recovery times). The first fault is after a warm-up, faults are at least FAULT_GAP_STEPS
+    apart (a later one is pushed back), and none lands in the last TAIL_STEPS. Targets are drawn
+    with each fault's own seed (`fault_seed`), as a chaos schedule draws them."""
+    out: list[ScheduledFault] = []
+    last = WARMUP_STEPS - FAULT_GAP_STEPS
+    for index, (t, drawn) in enumerate(iter_mtbf(spec.mtbf_s, spec.seed, spec.kinds)):
+        step = max(WARMUP_STEPS + round(t / pace_s), last + FAULT_GAP_STEPS)
+        if step > spec.steps - TAIL_STEPS:
+            break
+        pick = random.Random(fault_seed(spec.seed, index))
+        node_kind = drawn.kind in (FaultKind.KILL_NODE, FaultKind.REBOOT_NODE)
+        target = f"node={pick.randrange(spec.nnodes)}" if node_kind else f"rank={pick.randrange(spec.world_size)}"
+        out.append(ScheduledFault(index, t, drawn.kind, step, target))
+        last = step
+    return out
+
+
+def _commits(events: Iterable[Any]) -> list[tuple[float, int, int]]:
+    """Each step commit as (controller time, step, generation), in record order."""
+    return [(float(e.t), int(e.get("step")), int(e.get("gen") or 0)) for e in events if e.kind is EventKind.STEP]
+
+
+def clean_intervals(events: Iterable[Any], windows: Iterable[tuple[float, float | None]] = (),
+                    skip_after: Iterable[int] = (), skip: int = SKIP_STEPS) -> list[float]:
+    """Wall time between consecutive commits (step s to s+1 of one generation) past the first
+    `skip` steps, leaving out any interval that overlaps a window (start, end; None: to the end)
+    and any that follows a step in `skip_after`."""
+    after = set(skip_after)
+    spans = [(a, math.inf if b is None else b) for a, b in windows]
+    out = []
+    commits = _commits(events)
+    for (t0, s0, g0), (t1, s1, g1) in zip(commits, commits[1:]):
+        if s1 != s0 + 1 or g1 != g0 or s0 < skip or s0 in after:
+            continue
+        if any(t1 > a and t0 < b for a, b in spans):
+            continue
+        out.append(t1 - t0)
+    return out
+
+
+def save_time(events: Iterable[Any]) -> float:
+    """Median seconds from a step's commit to its disk checkpoint being complete on every rank."""
+    events = list(events)
+    commit = {s: t for t, s, _ in _commits(events)}
+    took = [float(e.t) - commit[int(e.get("step"))] for e in events
+            if e.kind is EventKind.SNAPSHOT_TAKEN and e.get("kind") == "disk" and int(e.get("step")) in commit]
+    if not took:
+        raise InfraError("the calibration run wrote no disk checkpoint: no save time to measure")
+    return max(0.0, statistics.median(took))
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """The fault-free job under `restart-disk` with a checkpoint every other step: its pace
+    without snapshots (mean interval between commits not following a save) and its save time."""
+
+    run_id: str
+    pace_s: float
+    save_s: float
+    steps: int
+
+    @classmethod
+    def from_events(cls, run_id: str, events: list[Any], ckpt_every: int) -> Calibration:
+        saved = [s for _, s, _ in _commits(events) if s % ckpt_every == 0]
+        clean = clean_intervals(events, skip_after=saved)
+        if not clean:
+            raise InfraError(f"calibration run {run_id} committed too few steps to measure a pace")
+        return cls(run_id, statistics.fmean(clean), save_time(events), len(_commits(events)))
+
+
+def strategy_figures(report: dict[str, Any], events: list[Any], pace_s: float) -> dict[str, Any]:
+    """One strategy's figures from its run: sums over the schedule's faults, the run's goodput,
+    and its snapshot overhead (mean interval between commits away from every fault, its saves
+    and snapshots included, over the calibrated pace without any)."""
+    faults = report.get("faults") or []
+    windows = [(float(f["injected_at"]), f.get("back_at_pace_at")) for f in faults]
+    steady = clean_intervals(events, windows)
+    recovered = [f for f in faults if f.get("recovered")]
+    return {
+        "run_id": report["run_id"],
+        "status": report.get("status"),
+        "faults": len(faults),
+        "recovered": len(recovered),
+        "recovery_s": sum(float(f["recovery_s"]) for f in recovered if f.get("recovery_s") is not None),
+        "lost_s": sum(float(f.get("lost_s") or 0.0) for f in faults),
+        "lost_steps": sum(int(f.get("lost_steps") or 0) for f in faults),
+        "lost_gpu_hours": float(report.get("lost_gpu_hours_total") or 0.0),
+        "goodput": report.get("goodput"),
+        "snapshot_overhead": statistics.fmean(steady) / pace_s if steady and pace_s > 0 else None,
+        "spare_gpu_hours": float(report.get("spare_gpu_hours") or 0.0),
+        "wall_s": report.get("wall_s"),
+        "per_fault": [{k: f.get(k) for k in ("kind", "target", "at_step", "recovery_s", "lost_s", "lost_steps",
+                                              "restore_step", "restore_source", "recovered")} for f in faults],
+    }
+
+
+def ratio(value: float | None, baseline: float | None) -> float | None:
+    """value / baseline; None where either is unknown or the baseline is zero."""
+    if value is None or baseline is None or baseline == 0:
+        return None
+    return float(value) / float(baseline)
+
+
+def add_ratios(rows: dict[str, dict[str, Any]], baseline: str = BASELINE) -> None:
+    """Each row's FIGURES as ratios to the baseline's, under `ratios` (the baseline's are 1)."""
+    base = rows[baseline]
+    for row in rows.values():
+        row["ratios"] = {fig: ratio(row.get(fig), base.get(fig)) for fig in FIGURES}
+
+
+class _Steps:
+    """Progress over every run of a bench: steps committed so far against those planned."""
+
+    def __init__(self, total: int, report: Callable[[str, int, int], None] | None) -> None:
+        self.total, self.done, self.report = total, 0, report
+
+    def run(self, label: str, runs_dir: Path, steps: int, *args: str) -> tuple[dict[str, Any], list[Any]]:
+        base = self.done
+        hear = None
+        if self.report is not None:
+            report = self.report
+            hear = lambda newest: report(label, base + min(newest, steps), self.total)  # noqa: E731
+            report(label, base, self.total)
+        try:
+            return launch(runs_dir, *args, "--steps", str(steps), on_step=hear)
+        finally:
+            self.done = base + steps
+
+
+def compare_strategies(spec: BenchSpec, runs_dir: Path | None = None,
+                       progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
+    """`ffctl bench`: calibrate, then run the job once per strategy under one fault schedule
+    (and, with `spec.scale`, one kill-rank per strategy at each world size). `progress` hears
+    (what runs now, steps done, steps planned) as the runs go. JSON-ready."""
+    spec.validate()
+    started = time.monotonic()
+    planned = CALIBRATION_STEPS + len(STRATEGIES) * spec.steps + len(spec.scale) * len(STRATEGIES) * SCALE_STEPS
+    steps = _Steps(planned, progress)
+    layout = ("--nnodes", str(spec.nnodes), "--nproc-per-node", str(spec.nproc_per_node), "--model", spec.model,
+              "--seed", str(spec.seed))
+    with tempfile.TemporaryDirectory(prefix="ffctl-bench-") as tmp:
+        where = runs_dir or Path(tmp)
+        where.mkdir(parents=True, exist_ok=True)
+        report, events = steps.run("calibration: pace and save time", where, CALIBRATION_STEPS, *layout,
+                                   "--recovery", "restart-disk", "--ckpt-every", str(CALIBRATION_CKPT_EVERY))
+        cal = Calibration.from_events(report["run_id"], events, CALIBRATION_CKPT_EVERY)
+        tau = young_interval(spec.mtbf_s, cal.save_s)
+        every = interval_steps(tau, cal.pace_s)
+        schedule = fault_schedule(spec, cal.pace_s)
+        injects = [a for f in schedule for a in ("--inject", f.inject)]
+        ckpt = {"peer": 0, "restart-memory": 0, "restart-disk": every}
+        rows: dict[str, dict[str, Any]] = {}
+        for strategy in STRATEGIES:
+            report, events = steps.run(strategy, where, spec.steps, *layout, "--recovery", strategy,
+                                       "--ckpt-every", str(ckpt[strategy]), "--spares", str(spec.spares), *injects)
+            rows[strategy] = {"strategy": strategy, "ckpt_every": ckpt[strategy],
+                              **strategy_figures(report, events, cal.pace_s)}
+        add_ratios(rows)
+        scale_rows = _scale(spec, where, steps, every) if spec.scale else []
+    return {
+        "model": spec.model, "nnodes": spec.nnodes, "nproc_per_node": spec.nproc_per_node,
+        "world_size": spec.world_size, "steps": spec.steps, "seed": spec.seed, "spares": spec.spares,
+        "mtbf_s": spec.mtbf_s, "kinds": [k.value for k in spec.kinds], "cores": os.cpu_count(),
+        "calibration": asdict(cal),
+        "young": {"formula": "sqrt(2 x MTBF x save time)", "mtbf_s": spec.mtbf_s, "save_s": cal.save_s,
+                  "interval_s": tau, "interval_steps": every},
+        "schedule": [{"index": f.index, "t_s": f.t_s, "kind": f.kind.value, "target": f.target, "step": f.step,
+                      "inject": f.inject} for f in schedule],
+        "baseline": BASELINE,
+        "strategies": [rows[s] for s in STRATEGIES],
+        "scale": scale_rows,
+        "bench_wall_s": time.monotonic() - started,
+    }
+
+
+def _scale(spec: BenchSpec, where: Path, steps: _Steps, every: int) -> list[dict[str, Any]]:
+    """One kill-rank at step SCALE_FAULT_STEP per strategy and world size, at a fixed global batch
+    (the host's work per step stays the same at every size, as on a cluster with a device per
+    rank; see `scale`). restart-disk keeps the Young interval of the main comparison."""
+    out = []
+    for world in spec.scale:
+        nnodes, nproc = max(1, world // 2), min(2, world)
+        per_rank = max(1, SCALE_GLOBAL_BATCH_SEQS // world)
+        by: dict[str, dict[str, Any]] = {}
+        for strategy in STRATEGIES:
+            ckpt = every if strategy == "restart-disk" else 0
+            report, _ = steps.run(f"{strategy} at {world} ranks", where, SCALE_STEPS, "--nnodes", str(nnodes),
+                                  "--nproc-per-node", str(nproc), "--model", spec.model, "--seed", str(spec.seed),
+                                  "--batch", str(per_rank), "--recovery", strategy, "--ckpt-every", str(ckpt),
+                                  "--spares", str(spec.spares),
+                                  "--inject", f"kill-rank:rank={world - 1},step={SCALE_FAULT_STEP}")
+            (fault,) = report["faults"] or [{}]
+            by[strategy] = {"world_size": world, "strategy": strategy, "batch_per_rank": per_rank,
+                            "run_id": report["run_id"], "recovery_s": fault.get("recovery_s"),
+                            "lost_s": fault.get("lost_s"), "lost_steps": fault.get("lost_steps")}
+        for row in by.values():
+            row["recovery_ratio"] = ratio(row["recovery_s"], by[BASELINE]["recovery_s"])
+            out.append(row)
+    return out

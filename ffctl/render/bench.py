@@ -1,13 +1,96 @@
-"""`ffctl bench` rendering: one row per ratio, with its goal."""
+"""`ffctl bench` rendering: the strategies side by side (each figure with its ratio to the
+baseline), the narrow benchmarks' ratios with their goals, and the progress bar of a bench run.
+
+The comparison fits 80 columns, what a pipe gets; the progress bar is drawn on stderr and only
+when stderr is a terminal, so output piped to a file holds the results alone.
+"""
 from __future__ import annotations
 
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
+from rich import box
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+
+# Figure key, label, format of a value.
+FIGURE_ROWS: list[tuple[str, str, Callable[[Any], str]]] = [
+    ("recovery_s", "recovery s", lambda v: f"{v:.2f}"),
+    ("lost_s", "lost s", lambda v: f"{v:.2f}"),
+    ("lost_steps", "lost steps", lambda v: f"{int(v)}"),
+    ("lost_gpu_hours", "lost GPU-h", lambda v: f"{v:.5f}"),
+    ("goodput", "goodput", lambda v: f"{v:.3f}"),
+    ("snapshot_overhead", "snapshot overhead", lambda v: f"{v:.3f}"),
+]
+
+
+def _cell(row: dict[str, Any], key: str, fmt: Callable[[Any], str], baseline: bool) -> str:
+    value = row.get(key)
+    if value is None:
+        return "-"
+    r = (row.get("ratios") or {}).get(key)
+    return fmt(value) if baseline else f"{fmt(value)} ({'-' if r is None else f'{r:.2f}x'})"
+
+
+def faults_text(result: dict[str, Any]) -> str:
+    """The schedule in words: `kill-rank rank=1 @ 22, kill-node node=1 @ 43`."""
+    return ", ".join(f"{f['kind']} {f['target']} @ {f['step']}" for f in result["schedule"]) or "none"
+
+
+def young_lines(result: dict[str, Any]) -> list[str]:
+    """Which interval restart-disk used and how it was reached, in lines that fit 80 columns."""
+    y, cal = result["young"], result["calibration"]
+    return [f"{result['baseline']}: a checkpoint every {y['interval_steps']} steps, Young's interval at "
+            f"{cal['pace_s']:.3f} s a step:",
+            f"  {y['formula']} = sqrt(2 x {y['mtbf_s']:g} s x {y['save_s']:.3f} s) = {y['interval_s']:.2f} s"]
+
+
+def render_strategies(result: dict[str, Any], console: Console) -> None:
+    """The comparison: its setting, then a figure per row and a strategy per column."""
+    base = result["baseline"]
+    rows = result["strategies"]
+    console.print(f"[bold]ffctl bench[/bold]: --model {result['model']}, {result['nnodes']} nodes x "
+                  f"{result['nproc_per_node']} ranks, {result['steps']} steps, --spares {result['spares']}, "
+                  f"{result['cores']} cores", soft_wrap=False)
+    console.print(f"faults (seed {result['seed']}, MTBF {result['mtbf_s']:g} s): {faults_text(result)}")
+    for line in young_lines(result):
+        console.print(line)
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1), collapse_padding=True,
+                  title=f"sums over the faults (ratio to {base})", title_justify="left")
+    table.add_column("figure", no_wrap=True)
+    for row in rows:
+        table.add_column(row["strategy"], justify="right", no_wrap=True)
+    table.add_row("recovered", *(f"{r['recovered']}/{r['faults']}" for r in rows))
+    for key, label, fmt in FIGURE_ROWS:
+        table.add_row(label, *(_cell(r, key, fmt, r["strategy"] == base) for r in rows))
+    table.add_row("checkpoint every", *(str(r["ckpt_every"]) if r["ckpt_every"] else "-" for r in rows))
+    console.print(table)
+    console.print("goodput: higher is better; every other figure: lower is better")
+    if result.get("scale"):
+        scale = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1), collapse_padding=True,
+                      title="kill-rank recovery s against world size (ratio to " + base + ")", title_justify="left")
+        scale.add_column("ranks", justify="right", no_wrap=True)
+        scale.add_column("batch/rank", justify="right", no_wrap=True)
+        strategies = [r["strategy"] for r in rows]
+        for s in strategies:
+            scale.add_column(s, justify="right", no_wrap=True)
+        worlds = sorted({r["world_size"] for r in result["scale"]})
+        for world in worlds:
+            at = {r["strategy"]: r for r in result["scale"] if r["world_size"] == world}
+            cells = []
+            for s in strategies:
+                r = at.get(s, {})
+                v, q = r.get("recovery_s"), r.get("recovery_ratio")
+                cells.append("-" if v is None else f"{v:.2f}" if s == base else
+                             f"{v:.2f} ({'-' if q is None else f'{q:.2f}x'})")
+            scale.add_row(str(world), str(next(iter(at.values()))["batch_per_rank"]), *cells)
+        console.print(scale)
+    console.print(f"bench wall time {result['bench_wall_s']:.0f} s")
 
 
 def render_bench(results: list[dict[str, Any]], console: Console) -> None:
+    """The narrow benchmarks (`--only NAME`): one row per ratio, with its goal."""
     table = Table(title="ffctl bench (ratios measured side by side in this run)", title_justify="left")
     for col in ("benchmark", "ratio", "numerator", "denominator", "value", "goal", "met"):
         table.add_column(col, justify="left" if col in ("benchmark", "ratio") else "right")
@@ -16,3 +99,21 @@ def render_bench(results: list[dict[str, Any]], console: Console) -> None:
             table.add_row(res["name"], r["name"], f"{r['numerator']:.4g}", f"{r['denominator']:.4g}",
                           f"{r['value']:.3f}", f"<= {r['goal']}", "yes" if r["met"] else "[red]no[/red]")
     console.print(table)
+
+
+@contextmanager
+def bench_progress(console: Console | None = None) -> Iterator[Callable[[str, int, int], None] | None]:
+    """A progress bar over every step the bench plans, on stderr; None where stderr is not a
+    terminal (nothing is drawn, so a log or a pipe stays clean)."""
+    console = console or Console(stderr=True)
+    if not console.is_terminal:
+        yield None
+        return
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("steps"),
+                  TimeElapsedColumn(), console=console, transient=True) as bar:
+        task = bar.add_task("starting", total=None)
+
+        def hear(label: str, done: int, total: int) -> None:
+            bar.update(task, description=label, completed=done, total=total)
+
+        yield hear
