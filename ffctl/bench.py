@@ -317,6 +317,10 @@ TAIL_STEPS = 20  # no fault this close to the end: the job must be seen back at 
 SKIP_STEPS = 5  # first steps left out of any pace (imports, allocator warm-up)
 CALIBRATION_STEPS = 30
 CALIBRATION_CKPT_EVERY = 2  # every other step saved: the other intervals are the clean pace
+# A fault-free run without snapshots right before each strategy's run (the calibration is the
+# one before the first): its pace is what that strategy's overhead is measured against. On a
+# shared host the load drifts over minutes; a reference taken next to the run follows it.
+REFERENCE_STEPS = 25
 SCALE_GLOBAL_BATCH_SEQS = 16  # --scale: sequences per step over all ranks, at every world size
 SCALE_STEPS = 40
 SCALE_FAULT_STEP = 20
@@ -373,7 +377,7 @@ class BenchSpec:
     """What `ffctl bench` runs; `validate` refuses a bad value before anything starts."""
 
     model: str = "small"
-    steps: int = 160
+    steps: int = 140
     mtbf_s: float = 12.0
     seed: int = 0
     kinds: tuple[FaultKind, ...] = (FaultKind.KILL_RANK, FaultKind.KILL_NODE)
@@ -503,7 +507,7 @@ class Calibration:
 def strategy_figures(report: dict[str, Any], events: list[Any], pace_s: float) -> dict[str, Any]:
     """One strategy's figures from its run: sums over the schedule's faults, the run's goodput,
     and its snapshot overhead (mean interval between commits away from every fault, its saves
-    and snapshots included, over the calibrated pace without any)."""
+    and snapshots included, over `pace_s`, the reference pace without any)."""
     faults = report.get("faults") or []
     windows = [(float(f["injected_at"]), f.get("back_at_pace_at")) for f in faults]
     steady = clean_intervals(events, windows)
@@ -566,7 +570,8 @@ def compare_strategies(spec: BenchSpec, runs_dir: Path | None = None,
     (what runs now, steps done, steps planned) as the runs go. JSON-ready."""
     spec.validate()
     started = time.monotonic()
-    planned = CALIBRATION_STEPS + len(STRATEGIES) * spec.steps + len(spec.scale) * len(STRATEGIES) * SCALE_STEPS
+    planned = (CALIBRATION_STEPS + (len(STRATEGIES) - 1) * REFERENCE_STEPS + len(STRATEGIES) * spec.steps
+               + len(spec.scale) * len(STRATEGIES) * SCALE_STEPS)
     steps = _Steps(planned, progress)
     layout = ("--nnodes", str(spec.nnodes), "--nproc-per-node", str(spec.nproc_per_node), "--model", spec.model,
               "--seed", str(spec.seed))
@@ -582,11 +587,15 @@ def compare_strategies(spec: BenchSpec, runs_dir: Path | None = None,
         injects = [a for f in schedule for a in ("--inject", f.inject)]
         ckpt = {"peer": 0, "restart-memory": 0, "restart-disk": every}
         rows: dict[str, dict[str, Any]] = {}
-        for strategy in STRATEGIES:
+        reference = (cal.run_id, cal.pace_s)
+        for i, strategy in enumerate(STRATEGIES):
+            if i:
+                reference = _reference(steps, where, layout, f"{strategy}: reference pace")
             report, events = steps.run(strategy, where, spec.steps, *layout, "--recovery", strategy,
                                        "--ckpt-every", str(ckpt[strategy]), "--spares", str(spec.spares), *injects)
             rows[strategy] = {"strategy": strategy, "ckpt_every": ckpt[strategy],
-                              **strategy_figures(report, events, cal.pace_s)}
+                              **strategy_figures(report, events, reference[1]),
+                              "reference_run_id": reference[0], "reference_pace_s": reference[1]}
         add_ratios(rows)
         scale_rows = _scale(spec, where, steps, every) if spec.scale else []
     return {
@@ -603,6 +612,15 @@ def compare_strategies(spec: BenchSpec, runs_dir: Path | None = None,
         "scale": scale_rows,
         "bench_wall_s": time.monotonic() - started,
     }
+
+
+def _reference(steps: _Steps, where: Path, layout: tuple[str, ...], label: str) -> tuple[str, float]:
+    """A fault-free run without snapshots or checkpoints: its run id and its pace."""
+    report, events = steps.run(label, where, REFERENCE_STEPS, *layout, "--recovery", "none")
+    clean = clean_intervals(events)
+    if not clean:
+        raise InfraError(f"reference run {report['run_id']} committed too few steps to measure a pace")
+    return report["run_id"], statistics.fmean(clean)
 
 
 def _scale(spec: BenchSpec, where: Path, steps: _Steps, every: int) -> list[dict[str, Any]]:

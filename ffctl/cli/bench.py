@@ -16,7 +16,7 @@ def register(app: typer.Typer) -> None:
     @app.command("bench")
     def bench(
         model: Annotated[str, typer.Option("--model", help="Built-in GPT size: tiny, small, medium or base.")] = "small",
-        steps: Annotated[int, typer.Option("--steps", help="Training steps of each strategy's run.")] = 160,
+        steps: Annotated[int, typer.Option("--steps", help="Training steps of each strategy's run.")] = 140,
         mtbf: Annotated[float, typer.Option("--mtbf", help="Mean seconds of training between faults (the schedule's, and Young's MTBF).")] = 12.0,
         seed: Annotated[int, typer.Option("--seed", help="Seed of the fault schedule and of the job.")] = 3,
         kinds: Annotated[str, typer.Option("--kinds", help="Fault kinds drawn: kill-rank, term-rank, crash-rank, kill-node.")] = "kill-rank,kill-node",

@@ -66,7 +66,8 @@ def render_strategies(result: dict[str, Any], console: Console) -> None:
         table.add_row(label, *(_cell(r, key, fmt, r["strategy"] == base) for r in rows))
     table.add_row("checkpoint every", *(str(r["ckpt_every"]) if r["ckpt_every"] else "-" for r in rows))
     console.print(table)
-    console.print("goodput: higher is better; every other figure: lower is better")
+    console.print("goodput: higher is better; every other figure: lower is better. Snapshot overhead:")
+    console.print("time per step away from faults / that of a fault-free run without snapshots just before")
     if result.get("scale"):
         scale = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1), collapse_padding=True,
                       title="kill-rank recovery s against world size (ratio to " + base + ")", title_justify="left")

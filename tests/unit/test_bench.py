@@ -54,7 +54,8 @@ def fake_launch(calls: list[list[str]]) -> Callable[..., tuple[dict[str, Any], l
         argv = list(args)
         calls.append(argv)
         opt = lambda key: argv[argv.index(key) + 1]  # noqa: E731
-        steps, strategy, every = int(opt("--steps")), opt("--recovery"), int(opt("--ckpt-every"))
+        steps, strategy = int(opt("--steps")), opt("--recovery")
+        every = int(opt("--ckpt-every")) if "--ckpt-every" in argv else 0
         faults = {int(a.split("step=")[1]): a for a, b in zip(argv[1:], argv) if b == "--inject"}
         b = StreamBuilder(start=1000.0 * len(calls))
         b.run_started(world_size=4, strategy=strategy, steps=steps)
@@ -155,8 +156,12 @@ def test_compare_strategies_runs_one_schedule_and_young_for_restart_disk(fake: l
     spec = bench.BenchSpec(steps=80, mtbf_s=12.0, seed=3)
     heard: list[tuple[str, int, int]] = []
     result = bench.compare_strategies(spec, progress=lambda *a: heard.append(a))
-    calibration, *runs = fake
+    calibration, peer_run, ref_memory, memory_run, ref_disk, disk_run = fake
+    runs = [peer_run, memory_run, disk_run]
     assert calibration[calibration.index("--ckpt-every") + 1] == "2"
+    # A fault-free reference without snapshots right before each strategy (the calibration first).
+    for ref in (ref_memory, ref_disk):
+        assert ref[ref.index("--recovery") + 1] == "none" and "--inject" not in ref
     assert result["calibration"]["pace_s"] == pytest.approx(PACE)
     assert result["young"]["interval_steps"] == 7  # sqrt(2 x 12 x 0.125) = 1.73 s at 0.25 s a step
     schedule = bench.fault_schedule(spec, PACE)
@@ -175,7 +180,9 @@ def test_compare_strategies_runs_one_schedule_and_young_for_restart_disk(fake: l
     assert disk["snapshot_overhead"] > 1.02  # one save of half a step every 7 steps
     assert peer["ratios"]["goodput"] > 1.0
     done = [d for _, d, _ in heard]
-    assert done == sorted(done) and heard[-1][1:] == (heard[-1][2], bench.CALIBRATION_STEPS + 3 * 80)
+    planned = bench.CALIBRATION_STEPS + 2 * bench.REFERENCE_STEPS + 3 * 80
+    assert done == sorted(done) and heard[-1][1:] == (planned, planned)
+    assert [r["reference_pace_s"] for r in result["strategies"]] == pytest.approx([PACE] * 3)
 
 
 def test_the_comparison_fits_80_columns_without_cutting_a_value(fake: list[list[str]]) -> None:
