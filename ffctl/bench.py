@@ -614,6 +614,29 @@ def compare_strategies(spec: BenchSpec, runs_dir: Path | None = None,
     }
 
 
+def plan(spec: BenchSpec) -> list[str]:
+    """The runs `compare_strategies` starts, in order, as `ffctl launch` arguments (`--dry-run`).
+    The fault schedule and restart-disk's interval are known only once the calibration ran."""
+    layout = (f"--nnodes {spec.nnodes} --nproc-per-node {spec.nproc_per_node} --model {spec.model} "
+              f"--seed {spec.seed}")
+    faults = (f"--inject ... (seed {spec.seed}, MTBF {spec.mtbf_s:g} s, "
+              f"{'|'.join(k.value for k in spec.kinds)}; steps from the calibrated pace)")
+    out = [f"calibration: {layout} --steps {CALIBRATION_STEPS} --recovery restart-disk "
+           f"--ckpt-every {CALIBRATION_CKPT_EVERY}"]
+    for i, strategy in enumerate(STRATEGIES):
+        if i:
+            out.append(f"{strategy} reference: {layout} --steps {REFERENCE_STEPS} --recovery none")
+        every = "Young's interval in steps" if strategy == BASELINE else "0"
+        out.append(f"{strategy}: {layout} --steps {spec.steps} --recovery {strategy} --ckpt-every {every} "
+                   f"--spares {spec.spares} {faults}")
+    for world in spec.scale:
+        for strategy in STRATEGIES:
+            out.append(f"{strategy} at {world} ranks: --nnodes {max(1, world // 2)} --nproc-per-node {min(2, world)} "
+                       f"--model {spec.model} --batch {max(1, SCALE_GLOBAL_BATCH_SEQS // world)} --steps {SCALE_STEPS} "
+                       f"--recovery {strategy} --inject kill-rank:rank={world - 1},step={SCALE_FAULT_STEP}")
+    return out
+
+
 def _reference(steps: _Steps, where: Path, layout: tuple[str, ...], label: str) -> tuple[str, float]:
     """A fault-free run without snapshots or checkpoints: its run id and its pace."""
     report, events = steps.run(label, where, REFERENCE_STEPS, *layout, "--recovery", "none")

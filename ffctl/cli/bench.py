@@ -25,6 +25,7 @@ def register(app: typer.Typer) -> None:
         only: Annotated[Optional[list[str]], typer.Option("--only", help="A narrow benchmark instead: snapshot-overhead, recovery-vs-disk, scale, replacement-start, without-spares.")] = None,
         as_json: Annotated[bool, typer.Option("--json", help="Print the results as JSON.")] = False,
         runs_dir: Annotated[Optional[Path], typer.Option("--runs-dir", help="Keep the benchmark runs' records here.")] = None,
+        dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the runs it would start and start nothing.")] = False,
     ) -> int:
         """Compare peer, restart-memory and restart-disk (Young's interval) under one fault schedule."""
         from ffctl import bench as lib
@@ -36,12 +37,18 @@ def register(app: typer.Typer) -> None:
                     raise BadInput(f"--only {name!r}: use one of {', '.join(lib.BENCHMARKS)}")
             if scale is not None:
                 raise BadInput(f"--scale {scale!r}: not with --only (the narrow benchmark `scale` has its own sizes)")
+            if dry_run:
+                typer.echo("\n".join(f"would run {name} (as python benchmarks/{name.replace('-', '_')}.py does)" for name in only))
+                return EXIT_OK
             results = [r.to_dict() for r in lib.run_named(list(only), runs_dir)]
             typer.echo(json.dumps(results, indent=2)) if as_json else render_bench(results, make_console())
             return EXIT_OK if all(r["met"] for res in results for r in res["ratios"]) else EXIT_EXPECTATION
         spec = lib.BenchSpec(model=model, steps=steps, mtbf_s=mtbf, seed=seed, kinds=lib.parse_kinds(kinds),
                              spares=spares, scale=lib.parse_scale(scale) if scale is not None else ())
         spec.validate()
+        if dry_run:
+            typer.echo("\n".join(lib.plan(spec)))
+            return EXIT_OK
         with bench_progress() as hear:
             result = lib.compare_strategies(spec, runs_dir, progress=hear)
         typer.echo(json.dumps(result, indent=2)) if as_json else render_strategies(result, make_console())

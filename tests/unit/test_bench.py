@@ -246,3 +246,16 @@ def test_parse_scale_keeps_the_order_given() -> None:
     assert bench.parse_scale("8, 2,4") == (8, 2, 4)
     with pytest.raises(BadInput):
         bench.parse_scale("")
+
+
+def test_dry_run_prints_the_runs_in_order_and_starts_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_launch(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a job was started")
+    monkeypatch.setattr(bench, "launch", no_launch)
+    code, out, err = run_cli(["bench", "--dry-run", "--scale", "2,4"])
+    assert code == 0, err
+    labels = [line.split(":")[0] for line in out.splitlines()]
+    assert labels == ["calibration", "peer", "restart-memory reference", "restart-memory",
+                      "restart-disk reference", "restart-disk",
+                      *(f"{s} at {w} ranks" for w in (2, 4) for s in bench.STRATEGIES)]
+    assert "--recovery none" in out.splitlines()[2] and "--inject kill-rank:rank=3,step=20" in out
