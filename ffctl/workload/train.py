@@ -1,15 +1,21 @@
 """Entry point of the built-in workload: `python -m ffctl.workload.train --model tiny --steps N`.
 
-Data parallel over the recovery library's process group: gradients and the loss travel in one
-flat buffer through `ctx.allreduce`, which the controller can abort when a peer dies (a DDP
-reducer blocks inside C++ and cannot be interrupted on gloo). The arithmetic is DDP's: the sum
-divided by the world size, so losses are bit-identical run to run with the same seed.
+With AdamW (the default) the GPT trains on the recovery library's public DDP path, as a user's
+script does (docs/ddp.md): torch's `DistributedDataParallel` over `job.ddp_group()`, its
+gradients reduced by the library's communication hook, the model and optimizer handed over with
+`job.register_ddp`, the loss reduced with the gradients (`ctx.reduce_loss`). The sharded
+optimizer (ZeRO-1) keeps the step-function path: each rank's optimizer state is its own
+(`register_ddp` takes a replicated optimizer), and the gradients and the loss travel in one flat
+buffer through `ctx.allreduce`. Either way the gradients are averaged over the ranks in one flat
+buffer in parameter order, so with the same seed the losses are bit-identical run to run, with
+faults or without.
 """
 from __future__ import annotations
 
 import argparse
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
 from ffctl.workload.data import batch
 from ffctl.workload.gpt import GPT
@@ -74,15 +80,27 @@ def main(argv: list[str] | None = None) -> None:
     job = Job.from_env()
     model = build(args.model, args.seed)
     params = [p for p in model.parameters()]
-    sizes = [p.numel() for p in params]
     cfg = model.cfg
-    job.register("model", model.state_dict, model.load_state_dict, replicated=True)
-    if args.optimizer == "sharded":
-        sharded = ShardedAdamW(params, job.env.rank, job.env.world_size)
-        job.register("optim", sharded.state_dict, sharded.load_state_dict, replicated=False)
-    else:
+    if args.optimizer != "sharded":
+        ddp = DistributedDataParallel(model, process_group=job.ddp_group())
         opt = torch.optim.AdamW(params, lr=LR, weight_decay=0.0, foreach=False)
-        job.register("optim", opt.state_dict, opt.load_state_dict, replicated=True)
+        job.register_ddp(model=ddp, optimizer=opt)
+
+        def ddp_step(ctx: StepContext) -> float:
+            x, y = batch(ctx.step, ctx.rank, args.seed, args.batch or cfg.batch, cfg.block)
+            opt.zero_grad()
+            loss = ddp(x, y)
+            ctx.reduce_loss(loss)  # the mean over the ranks, reduced with the gradients
+            loss.backward()
+            opt.step()
+            return loss.item()  # this rank's; the run reports the mean, reduced with the gradients
+
+        job.run(ddp_step, args.steps)
+        return
+
+    job.register("model", model.state_dict, model.load_state_dict, replicated=True)
+    sharded = ShardedAdamW(params, job.env.rank, job.env.world_size)
+    job.register("optim", sharded.state_dict, sharded.load_state_dict, replicated=False)
 
     def step_fn(ctx: StepContext) -> float:
         x, y = batch(ctx.step, ctx.rank, args.seed, args.batch or cfg.batch, cfg.block)
@@ -92,12 +110,7 @@ def main(argv: list[str] | None = None) -> None:
         flat = torch.cat([p.grad.reshape(-1) for p in params] + [loss.detach().reshape(1)])
         ctx.allreduce(flat)
         flat /= ctx.world_size
-        if args.optimizer == "sharded":
-            sharded.step(flat[:-1], ctx)
-        else:
-            for p, g in zip(params, flat[:-1].split(sizes)):
-                p.grad.copy_(g.view_as(p))
-            opt.step()
+        sharded.step(flat[:-1], ctx)
         return float(flat[-1])
 
     job.run(step_fn, args.steps)
