@@ -153,8 +153,9 @@ def test_allreduce_prints_what_torchrun_prints(workdir: Path, layout: str) -> No
     assert _ffctl(workdir, argv) == expected
 
 
-def test_ddp_job_prints_what_torchrun_prints(workdir: Path) -> None:
-    argv = [*ARGVS["nnodes"], "ddp.py"]
+@pytest.mark.parametrize("layout", sorted(ARGVS))
+def test_ddp_job_prints_what_torchrun_prints(workdir: Path, layout: str) -> None:
+    argv = [*ARGVS[layout], "ddp.py"]
     expected = _torchrun(workdir, argv)
     assert len(expected) == 2, expected
     assert _ffctl(workdir, argv) == expected
