@@ -53,7 +53,8 @@ def render_strategies(result: dict[str, Any], console: Console) -> None:
     console.print(f"[bold]ffctl bench[/bold]: --model {result['model']}, {result['nnodes']} nodes x "
                   f"{result['nproc_per_node']} ranks, {result['steps']} steps, --spares {result['spares']}, "
                   f"{result['cores']} cores", soft_wrap=False)
-    console.print(f"faults (seed {result['seed']}, MTBF {result['mtbf_s']:g} s): {faults_text(result)}")
+    console.print(f"faults (seed {result['seed']}, MTBF {result['mtbf_s']:g} s, the same steps for every strategy):")
+    console.print(f"  {faults_text(result)}")
     for line in young_lines(result):
         console.print(line)
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1), collapse_padding=True,
@@ -66,8 +67,9 @@ def render_strategies(result: dict[str, Any], console: Console) -> None:
         table.add_row(label, *(_cell(r, key, fmt, r["strategy"] == base) for r in rows))
     table.add_row("checkpoint every", *(str(r["ckpt_every"]) if r["ckpt_every"] else "-" for r in rows))
     console.print(table)
-    console.print("goodput: higher is better; every other figure: lower is better. Snapshot overhead:")
-    console.print("time per step away from faults / that of a fault-free run without snapshots just before")
+    console.print("goodput: higher is better; every other figure: lower is better.")
+    console.print("snapshot overhead: time per step away from faults / that of a fault-free run")
+    console.print("without snapshots just before it.")
     if result.get("scale"):
         scale = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1), collapse_padding=True,
                       title="kill-rank recovery s against world size (ratio to " + base + ")", title_justify="left")
