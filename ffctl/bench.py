@@ -573,8 +573,10 @@ def compare_strategies(spec: BenchSpec, runs_dir: Path | None = None,
     planned = (CALIBRATION_STEPS + (len(STRATEGIES) - 1) * REFERENCE_STEPS + len(STRATEGIES) * spec.steps
                + len(spec.scale) * len(STRATEGIES) * SCALE_STEPS)
     steps = _Steps(planned, progress)
+    # Every run holds the same spares, references included: on a host this small, idle spare
+    # processes are part of the pace a strategy's overhead is measured against.
     layout = ("--nnodes", str(spec.nnodes), "--nproc-per-node", str(spec.nproc_per_node), "--model", spec.model,
-              "--seed", str(spec.seed))
+              "--seed", str(spec.seed), "--spares", str(spec.spares))
     with tempfile.TemporaryDirectory(prefix="ffctl-bench-") as tmp:
         where = runs_dir or Path(tmp)
         where.mkdir(parents=True, exist_ok=True)
@@ -592,7 +594,7 @@ def compare_strategies(spec: BenchSpec, runs_dir: Path | None = None,
             if i:
                 reference = _reference(steps, where, layout, f"{strategy}: reference pace")
             report, events = steps.run(strategy, where, spec.steps, *layout, "--recovery", strategy,
-                                       "--ckpt-every", str(ckpt[strategy]), "--spares", str(spec.spares), *injects)
+                                       "--ckpt-every", str(ckpt[strategy]), *injects)
             rows[strategy] = {"strategy": strategy, "ckpt_every": ckpt[strategy],
                               **strategy_figures(report, events, reference[1]),
                               "reference_run_id": reference[0], "reference_pace_s": reference[1]}
@@ -618,7 +620,7 @@ def plan(spec: BenchSpec) -> list[str]:
     """The runs `compare_strategies` starts, in order, as `ffctl launch` arguments (`--dry-run`).
     The fault schedule and restart-disk's interval are known only once the calibration ran."""
     layout = (f"--nnodes {spec.nnodes} --nproc-per-node {spec.nproc_per_node} --model {spec.model} "
-              f"--seed {spec.seed}")
+              f"--seed {spec.seed} --spares {spec.spares}")
     faults = (f"--inject ... (seed {spec.seed}, MTBF {spec.mtbf_s:g} s, "
               f"{'|'.join(k.value for k in spec.kinds)}; steps from the calibrated pace)")
     out = [f"calibration: {layout} --steps {CALIBRATION_STEPS} --recovery restart-disk "
@@ -627,8 +629,7 @@ def plan(spec: BenchSpec) -> list[str]:
         if i:
             out.append(f"{strategy} reference: {layout} --steps {REFERENCE_STEPS} --recovery none")
         every = "Young's interval in steps" if strategy == BASELINE else "0"
-        out.append(f"{strategy}: {layout} --steps {spec.steps} --recovery {strategy} --ckpt-every {every} "
-                   f"--spares {spec.spares} {faults}")
+        out.append(f"{strategy}: {layout} --steps {spec.steps} --recovery {strategy} --ckpt-every {every} {faults}")
     for world in spec.scale:
         for strategy in STRATEGIES:
             out.append(f"{strategy} at {world} ranks: --nnodes {max(1, world // 2)} --nproc-per-node {min(2, world)} "

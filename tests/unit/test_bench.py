@@ -162,6 +162,8 @@ def test_compare_strategies_runs_one_schedule_and_young_for_restart_disk(fake: l
     # A fault-free reference without snapshots right before each strategy (the calibration first).
     for ref in (ref_memory, ref_disk):
         assert ref[ref.index("--recovery") + 1] == "none" and "--inject" not in ref
+    # The same spares everywhere: idle spare processes are part of the pace on a small host.
+    assert all(argv[argv.index("--spares") + 1] == "1" for argv in fake)
     assert result["calibration"]["pace_s"] == pytest.approx(PACE)
     assert result["young"]["interval_steps"] == 7  # sqrt(2 x 12 x 0.125) = 1.73 s at 0.25 s a step
     schedule = bench.fault_schedule(spec, PACE)
