@@ -506,11 +506,13 @@ class Calibration:
 
 def strategy_figures(report: dict[str, Any], events: list[Any], pace_s: float) -> dict[str, Any]:
     """One strategy's figures from its run: sums over the schedule's faults, the run's goodput,
-    and its snapshot overhead (mean interval between commits away from every fault, its saves
-    and snapshots included, over `pace_s`, the reference pace without any)."""
+    and its snapshot overhead: the mean interval between commits before the first fault, its
+    saves and snapshots included, over `pace_s`, the reference pace without any. Only steps
+    before the first fault: a recovery can leave the job slower for a while (replacements still
+    warming up, ranks moved onto the surviving node), which is lost time, not snapshot cost."""
     faults = report.get("faults") or []
-    windows = [(float(f["injected_at"]), f.get("back_at_pace_at")) for f in faults]
-    steady = clean_intervals(events, windows)
+    first = min((float(f["injected_at"]) for f in faults), default=None)
+    steady = clean_intervals(events, [(first, None)] if first is not None else [])
     recovered = [f for f in faults if f.get("recovered")]
     return {
         "run_id": report["run_id"],

@@ -68,8 +68,8 @@ def render_strategies(result: dict[str, Any], console: Console) -> None:
     table.add_row("checkpoint every", *(str(r["ckpt_every"]) if r["ckpt_every"] else "-" for r in rows))
     console.print(table)
     console.print("goodput: higher is better; every other figure: lower is better.")
-    console.print("snapshot overhead: time per step away from faults / that of a fault-free run")
-    console.print("without snapshots just before it.")
+    console.print("snapshot overhead: time per step before the first fault / that of a fault-free")
+    console.print("run without snapshots just before it.")
     if result.get("scale"):
         scale = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1), collapse_padding=True,
                       title="kill-rank recovery s against world size (ratio to " + base + ")", title_justify="left")
