@@ -30,6 +30,7 @@ import socketserver
 import struct
 import sys
 import threading
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -135,6 +136,7 @@ class PeerStore:
         self.replicas: dict[tuple[int, int], _Replica] = {}  # (rank, slot) -> committed copy
         self._buffers: dict[tuple[int, int], bytearray] = {}  # reused from step to step
         self._pending: dict[tuple[int, int], _Replica] = {}  # received, not yet committed
+        self._receiving: set[tuple[int, int]] = set()  # slots whose buffer a put is filling
         self.lock = threading.Lock()
         store = self
 
@@ -191,9 +193,14 @@ class PeerStore:
                                  f"{held + length}, over the cap of {self.max_total_bytes}")
             self.replicas.pop(key, None)  # the old copy of this slot is being overwritten
             self._pending.pop(key, None)
+            self._receiving.add(key)
             if buf is None or len(buf) < length:
                 buf = self._buffers[key] = bytearray(length)
-        _recv_into(sock, memoryview(buf)[:length])
+        try:
+            _recv_into(sock, memoryview(buf)[:length])
+        finally:
+            with self.lock:
+                self._receiving.discard(key)
         with self.lock:
             self._pending[key] = _Replica(step, crc, meta_len, length, buf)
         return {"ok": True}
@@ -208,9 +215,21 @@ class PeerStore:
         rank, step = int(header["rank"]), int(header["step"])
         with self.lock:
             pending = self._pending.pop((rank, step % 2), None)
-            if pending is None or pending.step != step:
-                return {"ok": False, "error": f"no pending copy of rank {rank} step {step}"}
-            if header["op"] == "commit":
+        if pending is None or pending.step != step:
+            return {"ok": False, "error": f"no pending copy of rank {rank} step {step}"}
+        if header["op"] != "commit":
+            return {"ok": True}
+        # The copy is checked before it is kept: a slot corrupted in the sender's memory (or a
+        # sender that lies) must not become the replica a replacement later restores from; the
+        # neighbour keeps the other slot's step, which the controller can still choose.
+        if zlib.crc32(memoryview(pending.buf)[: pending.length]) != pending.crc:
+            try:
+                self._refuse(f"put of rank {rank} step {step}: checksum mismatch, not kept")
+            except ChannelError as exc:
+                return {"ok": False, "error": str(exc)}
+        with self.lock:
+            # Kept only if no newer put of this slot began meanwhile (it reuses the buffer).
+            if (rank, step % 2) not in self._pending and (rank, step % 2) not in self._receiving:
                 self.replicas[(rank, step % 2)] = pending
         return {"ok": True}
 

@@ -90,12 +90,14 @@ def test_channel_round_trip_and_checksum(tmp_path: Path) -> None:
         got = client.get(2, 7, "replica")
         assert got == seven and got.verify()
         assert client.get(2, 9, "replica") is None
-        # The receiver keeps what it was sent with the sender's checksum: a copy damaged on the
-        # way is held, and whoever restores from it finds the checksum wrong before using it.
-        client.put(2, SlotContent(9, b"meta", b"tampered", seven.crc))
-        damaged = client.get(2, 9, "replica")
-        assert damaged is not None and damaged.shard == b"tampered" and not damaged.verify()
-        assert store.inventory()["replica"] == {"2": [8, 9]}
+        # A copy whose bytes do not match the sender's checksum (corrupted in the sender's memory
+        # or on the way) is refused, never kept: a replacement must not restore from it. The
+        # other slot's step stays, so the controller can still restore that one.
+        with pytest.raises(ChannelError, match="refused replica of rank 2 step 9"):
+            client.put(2, SlotContent(9, b"meta", b"tampered", seven.crc))
+        assert client.get(2, 9, "replica") is None
+        assert store.inventory()["replica"] == {"2": [8]}
+        assert any("checksum mismatch" in why for why in store.refused)
         assert client.get(2, 8, "replica") == eight
         client.close()
     finally:
