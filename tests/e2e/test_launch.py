@@ -11,7 +11,8 @@ import pytest
 
 from runs.events import EventKind
 from tests.helpers.launch import (
-    TIMEOUT, assert_nothing_left, ffctl_argv, launch, rid, run_ffctl, shm_left, start_launch, wait_step,
+    TIMEOUT, assert_nothing_left, ffctl_argv, launch, rid, run_ffctl, shm_left, start_launch, wait_event,
+    wait_step,
 )
 
 pytestmark = pytest.mark.slow
@@ -139,7 +140,7 @@ def test_ctrl_c_leaves_a_complete_interrupted_record(workdir: Path) -> None:
 
 def test_adhoc_inject_from_another_terminal(workdir: Path) -> None:
     run_id = rid("adhoc")
-    proc = start_launch(workdir, run_id, "--steps", "400", "--spares", "1")
+    proc = start_launch(workdir, run_id, "--steps", "100000", "--spares", "1")
     try:
         wait_step(workdir / "runs", run_id, 10)
         dry = run_ffctl(workdir, "inject", "kill-node", "--run", run_id, "--node", "1", "--dry-run", timeout=60)
@@ -148,13 +149,18 @@ def test_adhoc_inject_from_another_terminal(workdir: Path) -> None:
         assert bad.returncode == 2 and "rank 7" in bad.stderr
         out = run_ffctl(workdir, "inject", "kill-node", "--run", run_id, "--node", "1", timeout=60)
         assert out.returncode == 0, out.stderr
-        proc.wait(timeout=400)
+        # Trained again past the restore: the fault has all its figures; Ctrl-C ends the job.
+        restored = wait_event(workdir / "runs" / run_id / "events.jsonl",
+                              lambda ev: ev.kind is EventKind.RESTORE_DONE, 240)
+        wait_step(workdir / "runs", run_id, int(restored.get("step")) + 5)
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 0, proc.stderr.read() if proc.stderr else ""
+    assert proc.returncode == 130, proc.stderr.read() if proc.stderr else ""
     rep = json.loads((workdir / "runs" / run_id / "report.json").read_text())
-    assert rep["status"] == "completed"
+    assert rep["status"] == "interrupted"
     (f,) = rep["faults"]  # the dry run and the refused one injected nothing
     assert f["kind"] == "kill-node" and f["target"] == "node:1" and f["recovered"]
     assert_nothing_left(workdir)
