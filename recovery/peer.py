@@ -10,14 +10,21 @@ Streaming a slot happens every step, beside training, so it costs as little CPU 
 sender hands the slot file to the kernel (`sendfile`) and the receiver reads straight into a
 buffer it keeps per (rank, slot). A put is two-phase. The receiver holds the bytes as pending and
 says so; the sender then looks at the slot's seqlock and commits the copy only if the writer did
-not touch the slot meanwhile, so a torn copy is never kept. The receiver does not checksum what it
-got: the slot's checksum travels with the copy and whoever restores from it verifies it before
-use (a checksum per step on every receiver would cost a full pass over the state each step).
+not touch the slot meanwhile, so a torn copy is never kept. The receiver verifies the slot's
+checksum (it travels with the copy) before it keeps a committed copy, so a slot corrupted in the
+sender's memory never becomes the replica a replacement restores from; whoever restores verifies
+it again.
 
 A put names its own length, so the receiver caps it before allocating anything: at most
 `max_slot_bytes` for one (rank, slot) and `max_total_bytes` over every buffer it holds (by
 default a quarter and a half of the host's memory). A put over either is refused, logged, and its
 connection closed; nothing of it is allocated or read.
+
+Whatever the store refuses (a client that fails the token handshake, a malformed frame, a put over
+a cap, a copy whose checksum does not match) is logged and handed to `on_refused`, which the agent
+turns into a `message_rejected` event in the run record; a few a second at most, the rest counted,
+so a client that hammers the port cannot flood the record. A refusal closes that one connection
+and nothing else.
 """
 from __future__ import annotations
 
@@ -30,6 +37,7 @@ import socketserver
 import struct
 import sys
 import threading
+import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +46,8 @@ from typing import Any, Callable
 from recovery.slots import DATA_OFFSET, SlotContent, read_header, read_slot
 
 _LEN = struct.Struct(">I")
+# Requests other than a put carry no payload worth more than this; a bigger one is malformed.
+_MAX_REQUEST_PAYLOAD = 1 << 20
 
 
 class ChannelError(Exception):
@@ -70,7 +80,9 @@ def recv_header(sock: socket.socket) -> dict[str, Any]:
     (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
     if n > 1 << 20:
         raise ChannelError("frame header too large")
-    header: dict[str, Any] = json.loads(_recv_exact(sock, n))
+    header = json.loads(_recv_exact(sock, n))
+    if not isinstance(header, dict):
+        raise ValueError(f"frame header is a JSON {type(header).__name__}, not an object")
     return header
 
 
@@ -125,9 +137,17 @@ def _physical_memory() -> int:
 class PeerStore:
     """An agent's snapshot server: local slots from shared memory, neighbour replicas in memory."""
 
+    # How many refusals a second reach `on_refused`; beyond that they are counted and the count
+    # goes with the next one reported.
+    REPORTS_PER_S = 5
+
     def __init__(self, address: str, token: str, local_slot: Callable[[int, int], Path],
-                 max_slot_bytes: int | None = None, max_total_bytes: int | None = None) -> None:
+                 max_slot_bytes: int | None = None, max_total_bytes: int | None = None,
+                 on_refused: Callable[[str], None] | None = None) -> None:
         self.token = token
+        self.on_refused = on_refused
+        self._reports = (0.0, 0, 0)  # (window start, reported in it, not reported since)
+        self._reports_lock = threading.Lock()  # its own: a refusal may be noted under `lock`
         memory = _physical_memory()
         self.max_slot_bytes = max_slot_bytes if max_slot_bytes is not None else memory // 4
         self.max_total_bytes = max_total_bytes if max_total_bytes is not None else memory // 2
@@ -143,8 +163,10 @@ class PeerStore:
         class Handler(socketserver.BaseRequestHandler):
             def handle(self) -> None:
                 self.request.settimeout(30.0)
+                peer = "{}:{}".format(*self.client_address[:2])
                 try:
                     if not _server_handshake(self.request, store.token):
+                        store.note_refusal(f"a client at {peer} failed the job-token handshake")
                         return
                     while True:
                         header = recv_header(self.request)
@@ -154,11 +176,16 @@ class PeerStore:
                             reply, body = store.settle(header), b""
                         else:
                             length = int(header.get("len", 0))
+                            if not 0 <= length <= _MAX_REQUEST_PAYLOAD:
+                                raise ValueError(f"a {header.get('op')!r} request with a payload of {length} bytes")
                             payload = _recv_exact(self.request, length) if length else b""
                             reply, body = store.serve(header, payload)
                         send_frame(self.request, reply, body)
-                except (ChannelError, OSError, ValueError, KeyError, TypeError):
-                    return  # the connection closes; a refused put was logged where it was refused
+                except (ValueError, KeyError, TypeError, AttributeError) as exc:
+                    # A frame that does not parse, from a client that knew the token.
+                    store.note_refusal(f"a malformed frame from {peer}: {type(exc).__name__}: {exc}"[:300])
+                except (ChannelError, OSError):
+                    return  # the connection closes; a refused put was noted where it was refused
 
         socketserver.ThreadingTCPServer.allow_reuse_address = True
         self.server = socketserver.ThreadingTCPServer((address, 0), Handler, bind_and_activate=True)
@@ -206,9 +233,30 @@ class PeerStore:
         return {"ok": True}
 
     def _refuse(self, why: str) -> None:
-        self.refused = [*self.refused[-15:], why]
-        print(f"ffctl snapshot channel: refused {why}", file=sys.stderr, flush=True)
+        self.note_refusal(why)
         raise ChannelError(why)
+
+    def note_refusal(self, why: str) -> None:
+        """Log a refusal and hand it to `on_refused` (rate-limited; never raises)."""
+        print(f"ffctl snapshot channel: refused {why}", file=sys.stderr, flush=True)
+        with self._reports_lock:
+            self.refused = [*self.refused[-15:], why]
+            now = time.monotonic()
+            start, reported, unreported = self._reports
+            if now - start >= 1.0:
+                start, reported = now, 0
+            if reported >= self.REPORTS_PER_S:
+                self._reports = (start, reported, unreported + 1)
+                return
+            self._reports = (start, reported + 1, 0)
+        if self.on_refused is None:
+            return
+        if unreported:
+            why = f"{why} ({unreported} more refused before this, not reported one by one)"
+        try:
+            self.on_refused(why)
+        except Exception:  # noqa: BLE001 - whoever listens is gone: the log line stays
+            pass
 
     def settle(self, header: dict[str, Any]) -> dict[str, Any]:
         """The second phase of a put: keep the pending copy ("commit") or forget it ("drop")."""

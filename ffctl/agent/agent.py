@@ -160,7 +160,7 @@ class Agent:
             self._report(messages.AgentFailed, reason=str(exc))
             raise
         self._wipe_slots()  # a (re)started node is an empty node
-        self.peer = PeerStore(cfg.address, cfg.token, self.slot).start()
+        self.peer = PeerStore(cfg.address, cfg.token, self.slot, on_refused=self._peer_refused).start()
         self.replicator = Replicator(cfg.run_id, cfg.node, cfg.token, self._slot_files,
                                      self._report_kind)
         Path(cfg.log_dir).mkdir(parents=True, exist_ok=True)
@@ -438,6 +438,10 @@ class Agent:
             self._report(messages.Refusal, where=where, index=index, reason=reason, raw=control.short_repr(raw))
         except Exception:  # noqa: BLE001 - the controller is gone; the log line stays
             pass
+
+    def _peer_refused(self, why: str) -> None:
+        # Called from the snapshot channel's connection threads; the store already logged it.
+        self._report(messages.Refusal, where="snapshot channel", reason=why[:500])
 
     def handle(self, raw: dict[str, Any]) -> None:
         """Carry out one command read from our queue. One that does not decode or has no handler

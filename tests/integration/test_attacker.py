@@ -4,15 +4,19 @@ torch's TCPStore has no authentication: anyone who reaches the controller's port
 write every key. The job must not care. The attacker watches the agents' queues and the rank
 queue from the start, reads the generation plans, and finds the job token nowhere; then it sends
 unsealed `stop`, `kill` and a replayed genuine `spawn` to the agents, unsealed `done`, `step`,
-`inject_request` and a non-JSON blob to the controller, and forges an abort flag of the running
-generation and a plan for the next one. The job completes every step, no rank is killed or
+`inject_request` and a non-JSON blob to the controller, forges an abort flag of the running
+generation and a plan for the next one, and knocks on each agent's snapshot channel without the
+token. The job completes every step, no rank is killed or
 started twice, and the record holds a `message_rejected` event for what was refused. A sealed
 `ffctl inject --dry-run` from the run's owner still gets its answer meanwhile.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
+import os
+import socket
 import threading
 import time
 from pathlib import Path
@@ -51,6 +55,23 @@ def _controller_port(run_dir: Path, timeout: float = 60.0) -> int:
             return int(ctl["port"])
         time.sleep(0.02)
     raise AssertionError("the controller never published its endpoint")
+
+
+def _tcp_listeners(pid: int) -> list[tuple[str, int]]:
+    """The IPv4 (address, port) pairs process `pid` listens on, as /proc tells anyone local."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            target = os.readlink(fd)
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    found = []
+    for line in Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+            addr_hex, port_hex = fields[1].split(":")
+            found.append((socket.inet_ntoa(bytes.fromhex(addr_hex)[::-1]), int(port_hex, 16)))
+    return found
 
 
 class Eavesdropper:
@@ -133,6 +154,18 @@ def test_an_unauthenticated_store_client_can_neither_read_a_secret_nor_control_t
             {"gen": 1, "world_size": NNODES, "restore_step": 1,
              "sources": {"0": {"kind": "peer-memory", "address": "127.0.0.1", "port": 1}}}))
 
+        # -- the snapshot channel: the port each agent listens on --------------------------------
+        agents_up = [e for e in iter_events(run_dir / "events.jsonl") if e.kind is EventKind.AGENT_STARTED]
+        channels = [addr for e in agents_up for addr in _tcp_listeners(int(e.get("pid")))]
+        assert len(channels) == NNODES, (agents_up, channels)
+        for address, peer_port in channels:
+            with socket.create_connection((address, peer_port), timeout=10) as probe:
+                assert len(probe.recv(32)) == 32  # the store's challenge
+                probe.sendall(b"\x00" * 64)       # no token to answer it with
+                assert probe.recv(1) == b""        # hung up on
+            with socket.create_connection((address, peer_port), timeout=10) as probe:
+                probe.sendall(b"GET / HTTP/1.0\r\n\r\n" + b"x" * 64)  # not even the protocol
+
         # -- the owner's sealed request is still answered ---------------------------------------
         dry = run_ffctl(tmp_path, "inject", "kill-node", "--run", run_id, "--node", "1", "--dry-run",
                         timeout=60)
@@ -167,6 +200,10 @@ def test_an_unauthenticated_store_client_can_neither_read_a_secret_nor_control_t
         reasons = " | ".join(e["reason"] for e in by_agent)
         # The unsealed kill and stop (too short to hold a MAC, or a wrong one), the replayed spawn.
         assert len(by_agent) == 3 and "replayed" in reasons, by_agent
+    on_channel = [e for e in rejected if e["queue"] == "snapshot channel"]
+    assert {e["reported_by_node"] for e in on_channel} == set(range(NNODES)), rejected
+    assert all("failed the job-token handshake" in e["reason"] for e in on_channel), on_channel
+    assert len(on_channel) == 2 * NNODES, on_channel
     forged_abort = [e for e in rejected if e["queue"] == control.gen_abort_key(0, 0)]
     assert forged_abort and forged_abort[0].get("reported_by_rank") == 0
     assert_nothing_left(tmp_path)

@@ -1,8 +1,12 @@
 """Snapshot format, shared-memory slots and the authenticated snapshot channel."""
 from __future__ import annotations
 
+import json
 import socket
+import threading
+import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -70,8 +74,9 @@ def test_torn_or_corrupt_slot_is_never_valid(tmp_path: Path) -> None:
     writer.close()
 
 
-def _store(tmp_path: Path, token: str = "t" * 64) -> PeerStore:
-    return PeerStore("127.0.0.1", token, lambda rank, slot: slot_path(str(tmp_path), "r", 0, rank, slot)).start()
+def _store(tmp_path: Path, token: str = "t" * 64, on_refused: Callable[[str], None] | None = None) -> PeerStore:
+    return PeerStore("127.0.0.1", token, lambda rank, slot: slot_path(str(tmp_path), "r", 0, rank, slot),
+                     on_refused=on_refused).start()
 
 
 def _content(step: int, meta: bytes, shard: bytes) -> SlotContent:
@@ -177,5 +182,110 @@ def test_transfer_cut_mid_stream_stores_nothing(tmp_path: Path) -> None:
         import time
         time.sleep(0.3)
         assert store.replicas == {}
+    finally:
+        store.stop()
+
+
+class _Heard:
+    """What a store handed to `on_refused`, with a wait for the connection threads to get there."""
+
+    def __init__(self) -> None:
+        self.reasons: list[str] = []
+        self._changed = threading.Condition()
+
+    def __call__(self, why: str) -> None:
+        with self._changed:
+            self.reasons.append(why)
+            self._changed.notify_all()
+
+    def wait_for(self, n: int, timeout: float = 10.0) -> list[str]:
+        with self._changed:
+            assert self._changed.wait_for(lambda: len(self.reasons) >= n, timeout), self.reasons
+            return list(self.reasons)
+
+
+def _raw_frame(client: PeerClient, body: bytes) -> None:
+    client.sock.sendall(_LEN.pack(len(body)) + body)
+
+
+def _closed_by_server(client: PeerClient) -> bool:
+    client.sock.settimeout(10.0)
+    try:
+        return client.sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def test_every_refusal_reaches_on_refused_and_the_store_keeps_serving(tmp_path: Path) -> None:
+    heard = _Heard()
+    store = _store(tmp_path, on_refused=heard)
+    store.REPORTS_PER_S = 100  # one by one here; the limit has its own test
+    try:
+        # A stranger that answers the challenge with garbage.
+        stranger = socket.create_connection((store.address, store.port), timeout=10.0)
+        assert len(stranger.recv(32)) == 32
+        stranger.sendall(b"\x00" * 64)
+        assert stranger.recv(1) == b""  # no proof of its own, the connection closed
+        stranger.close()
+        assert "failed the job-token handshake" in heard.wait_for(1)[0]
+
+        # Clients that knew the token and still sent nonsense: each closes its own connection.
+        cases = [json.dumps([1, 2]).encode(),                                     # not an object
+                 b"\xff\xfe not json",                                            # not JSON
+                 json.dumps({"op": "get", "rank": 0, "step": 1, "len": 1 << 30}).encode(),  # payload
+                 json.dumps({"op": "put", "step": 1, "len": 4}).encode()]          # no rank
+        for body in cases:
+            client = PeerClient(store.address, store.port, "t" * 64)
+            _raw_frame(client, body)
+            assert _closed_by_server(client)
+            client.close()
+        reasons = heard.wait_for(1 + len(cases))
+        assert all("malformed frame" in why for why in reasons[1:]), reasons
+        assert "JSON list" in reasons[1] and "payload of 1073741824 bytes" in reasons[3], reasons
+
+        # A put over the cap is refused before anything is allocated.
+        client = PeerClient(store.address, store.port, "t" * 64)
+        client.put(0, _content(2, b"m", b"x" * 8))
+        store.max_slot_bytes = 4
+        with pytest.raises((ChannelError, OSError)):  # the store hangs up mid-put
+            client.put(0, _content(3, b"m", b"x" * 8))
+        client.close()
+        assert "over the cap" in heard.wait_for(len(cases) + 2)[-1]
+
+        # The store still serves a genuine client.
+        good = PeerClient(store.address, store.port, "t" * 64)
+        assert good.get(0, 2, "replica") == _content(2, b"m", b"x" * 8)
+        good.close()
+    finally:
+        store.stop()
+
+
+def test_a_flood_of_refusals_is_reported_a_few_a_second_and_counted(tmp_path: Path) -> None:
+    heard = _Heard()
+    store = _store(tmp_path, on_refused=heard)
+    try:
+        for i in range(PeerStore.REPORTS_PER_S + 7):
+            store.note_refusal(f"probe {i}")
+        assert heard.reasons == [f"probe {i}" for i in range(PeerStore.REPORTS_PER_S)]
+        assert len(store.refused) == 12  # all logged
+        time.sleep(1.05)  # a new window
+        store.note_refusal("after")
+        assert heard.reasons[-1] == "after (7 more refused before this, not reported one by one)"
+    finally:
+        store.stop()
+
+
+def test_a_listener_that_fails_never_breaks_the_store(tmp_path: Path) -> None:
+    def broken(why: str) -> None:
+        raise RuntimeError("the controller is gone")
+
+    store = _store(tmp_path, on_refused=broken)
+    try:
+        with pytest.raises(ChannelError):
+            PeerClient(store.address, store.port, "x" * 64).get(0, 1, "local")
+        client = PeerClient(store.address, store.port, "t" * 64)
+        client.put(1, _content(4, b"m", b"y"))
+        assert client.get(1, 4, "replica") == _content(4, b"m", b"y")
+        client.close()
     finally:
         store.stop()
