@@ -58,6 +58,13 @@ class FaultKind(str, Enum):
     def targets_rank(self) -> bool:
         return self.family in (FaultFamily.PROCESS, FaultFamily.GPU)
 
+    @property
+    def breaks_job(self) -> bool:
+        """The fault ends or wedges its ranks for good, so only a recovery brings the job back.
+        The others (hang-rank, the network kinds, a gpu-oom that only hogs memory) can be
+        survived: training may simply go on once they end."""
+        return self in _BREAKS_JOB
+
 
 class TargetMode(str, Enum):
     RANK = "rank"
@@ -136,6 +143,8 @@ _TARGET_KEYS = ("rank", "node", "host", "mode")
 _TRIGGER_KEYS = ("step", "t")
 _KEYS = {*_TARGET_KEYS, *_TRIGGER_KEYS, "duration", "seed"}
 _OPTION_KEYS = {"rate", "delay", "loss", "port", "ports", "action", "mb", "signal", "peer"}
+_BREAKS_JOB = frozenset({FaultKind.KILL_RANK, FaultKind.TERM_RANK, FaultKind.CRASH_RANK, FaultKind.KILL_NODE,
+                         FaultKind.REBOOT_NODE, FaultKind.GPU_ERROR, FaultKind.GPU_HANG, FaultKind.GPU_XID})
 _NETWORK = frozenset(k for k in FaultKind if k.family is FaultFamily.NETWORK)
 REVERTIBLE = frozenset({FaultKind.HANG_RANK, *_NETWORK})  # the kinds a duration= applies to
 # The kind-specific options each kind reads; any other is refused rather than ignored.

@@ -34,7 +34,7 @@ class EventKind(str, Enum):
     SPARES_HELD = "spares_held"  # node, count (warm spares now held on that node)
     STEP = "step"  # step, loss, step_time_s, gen, rank (the first rank to commit the step)
     SNAPSHOT_TAKEN = "snapshot_taken"  # step, kind ("memory" | "disk"), ranks
-    FAULT_INJECTED = "fault_injected"  # fault_id, kind, target, ranks, nodes, at_step, emulated
+    FAULT_INJECTED = "fault_injected"  # fault_id, kind, target, ranks, nodes, at_step, emulated, breaks_job
     FAULT_REVERTED = "fault_reverted"  # fault_id; by, trigger, ok, exit when a dead man's switch did it
     FAULT_FAILED = "fault_failed"  # fault_id, error (the fault could not be applied)
     RANK_EXITED = "rank_exited"  # node, rank, pid, exitcode, gen; log_tail (a failed rank's last log lines)

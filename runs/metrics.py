@@ -197,6 +197,10 @@ def _fault_metrics(inj: Event, events: list[Event], world_size: int, end_t: floa
             restore_step = int(again.get("step")) - 1 if again is not None else None
     elif detected is not None:
         resumed = None  # the job noticed and nothing recovered it
+    elif inj.get("breaks_job"):
+        # A kill not noticed yet: the steps committed meanwhile were in flight when it hit (a
+        # node's loss takes a heartbeat timeout to see); only a recovery brings the job back.
+        resumed = None
     else:
         resumed = _first(
             events, lambda ev: ev.kind is EventKind.STEP and ev.t > ti and int(ev.get("step")) >= m + 1

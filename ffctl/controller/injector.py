@@ -238,6 +238,7 @@ class Injector:
             EventKind.FAULT_INJECTED, fault_id=fault_id, kind=spec.kind.value, target=str(spec.target),
             trigger=str(spec.trigger), ranks=list(plan.ranks), nodes=list(plan.nodes),
             at_step=self.job.progress.committed_step, gen=self.job.gen, emulated=plan.emulated,
+            breaks_job=spec.kind.breaks_job,
             duration=deadman.duration_of(spec) if plan.revertible else None,
             commands=[str(c) for c in plan.apply], guarded=bool(plan.deadman),
         )

@@ -358,3 +358,11 @@ def test_spec_is_hashable_and_comparable() -> None:
     assert a == b
     assert len({a, b}) == 1
     assert isinstance(a, FaultSpec)
+
+
+def test_the_kinds_that_break_the_job_are_those_only_a_recovery_ends() -> None:
+    breaking = {k.value for k in FaultKind if k.breaks_job}
+    assert breaking == {"kill-rank", "term-rank", "crash-rank", "kill-node", "reboot-node",
+                        "gpu-error", "gpu-hang", "gpu-xid"}
+    # Survivable: a hang that ends, a memory hog, every network fault.
+    assert not any(FaultKind(k).breaks_job for k in ("hang-rank", "gpu-oom", "net-partition", "link-down"))

@@ -467,6 +467,27 @@ def test_undetected_slowdown_recovers_at_m_plus_one() -> None:
     assert m.loss_by_step == [[s, loss_at(s)] for s in range(1, 21)]
 
 
+def test_a_kill_not_yet_detected_is_not_recovered_by_the_steps_in_flight_when_it_hit() -> None:
+    # A node's loss takes a heartbeat timeout to notice; meanwhile the survivors' reports of the
+    # step they were finishing when it hit arrive. A live report must not call that a recovery.
+    b = StreamBuilder()
+    b.run_started(world_size=WORLD, strategy="peer")
+    b.steps(1, 5)
+    b.fault_injected("node", kind="kill-node", target="node:1", ranks=(1,), nodes=(1,), at_step=5,
+                     breaks_job=True, dt=0.01)
+    b.steps(6, 7, step_time_s=0.01)  # in flight when the kill landed
+    f = only_fault(compute("live", b.events))
+    assert f.recovered is False and f.resumed_at is None and f.recovery_s is None
+    # Once it is detected and recovered from, it is measured as usual.
+    b.failure_detected(["node"], gen=0, dt=1.0)
+    decided = b.emit(EventKind.RECOVERY_DECIDED, 0.05, fault_ids=["node"], gen=1, restore_step=7,
+                     restore_source="peer-memory", strategy="peer")
+    resumed = b.step(8, gen=1, step_time_s=0.3)
+    f = only_fault(compute("live", b.events))
+    assert f.recovered is True and f.resumed_at == resumed.t and decided.t < resumed.t
+    assert f.restore_source == "peer-memory" and f.at_step == 7 and f.lost_steps == 0
+
+
 def test_emulated_fault_is_reported_as_emulated() -> None:
     b = StreamBuilder()
     b.run_started(world_size=2)
