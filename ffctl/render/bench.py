@@ -72,7 +72,7 @@ def render_strategies(result: dict[str, Any], console: Console) -> None:
     console.print("run without snapshots just before it.")
     if result.get("scale"):
         scale = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1), collapse_padding=True,
-                      title="kill-rank recovery s against world size (ratio to " + base + ")", title_justify="left")
+                      title=f"kill-rank recovery s by world size (ratio to {base})", title_justify="left")
         scale.add_column("ranks", justify="right", no_wrap=True)
         scale.add_column("batch/rank", justify="right", no_wrap=True)
         strategies = [r["strategy"] for r in rows]
