@@ -11,7 +11,9 @@
 
 Everything is torn down on exit, including after a failure half-way through setup: every
 process in the namespaces is killed, the namespaces, veths and bridge are deleted and the temp
-directory (keys included) is removed. Tests only ever touch those 10.x.y addresses.
+directory (keys included) is removed. Tests only ever touch those 10.x.y addresses. A cluster
+whose pytest was SIGKILLed cannot tear itself down; its temp directory names its owner, and the
+next cluster built on the machine sweeps it (`sweep_abandoned`).
 
 Test modules get a cluster from `checked_sshd_cluster(n)`, which skips when this cannot work
 (`skip_reason()`: not root, no sshd, no ``ip``) and fails if anything outlived the teardown.
@@ -168,6 +170,49 @@ def _kill_netns_processes(netns: str) -> None:
             time.sleep(0.05)
 
 
+OWNER_FILE = "owner"  # in a cluster's temp dir: "<pid> <start time>" of the process that built it
+
+
+def _start_time(pid: int) -> str | None:
+    """A process's start time in clock ticks (/proc/PID/stat field 22): with the pid, it names
+    one process even after the pid is reused."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]
+
+
+def _teardown(uid: str) -> None:
+    ns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False).stdout
+    for netns in [line.split()[0] for line in ns.splitlines() if line.startswith(f"{NS_PREFIX}{uid}-")]:
+        _kill_netns_processes(netns)
+        _quiet("ip", "netns", "del", netns)
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, check=False).stdout
+    for line in links.splitlines():
+        parts = line.split(":")
+        name = parts[1].strip().split("@")[0] if len(parts) > 1 else ""
+        if name in (f"ffsb{uid}",) or name.startswith(f"ffs{uid}h"):
+            _quiet("ip", "link", "del", name)
+
+
+def sweep_abandoned() -> list[str]:
+    """Tear down the clusters whose builder is gone (a pytest killed with SIGKILL); their ids."""
+    swept = []
+    for workdir in Path(tempfile.gettempdir()).glob(f"{NS_PREFIX}*-*"):
+        try:
+            pid, started = (workdir / OWNER_FILE).read_text().split()
+        except (OSError, ValueError):
+            continue  # not one of ours, or one still being set up
+        if _start_time(int(pid)) == started:
+            continue  # its builder lives: it tears its cluster down itself
+        uid = workdir.name[len(NS_PREFIX):].split("-", 1)[0]
+        _teardown(uid)
+        shutil.rmtree(workdir, ignore_errors=True)
+        swept.append(uid)
+    return swept
+
+
 def _wait_listening(address: str, port: int, proc: subprocess.Popen[bytes], log: Path) -> None:
     deadline = time.monotonic() + 10.0
     while time.monotonic() < deadline:
@@ -230,11 +275,13 @@ def sshd_cluster(
     reason = skip_reason()
     if reason:
         raise RuntimeError(reason)
+    sweep_abandoned()
     uid = secrets.token_hex(3)
     bridge = f"ffsb{uid}"
     with contextlib.ExitStack() as undo:
         workdir = Path(tempfile.mkdtemp(prefix=f"ffssh-{uid}-"))
         undo.callback(shutil.rmtree, workdir, True)
+        (workdir / OWNER_FILE).write_text(f"{os.getpid()} {_start_time(os.getpid())}\n")
         Path("/run/sshd").mkdir(parents=True, exist_ok=True)  # sshd's privilege separation dir
 
         prefix = _free_subnet()
