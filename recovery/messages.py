@@ -493,6 +493,7 @@ class Refusal(Message):
     index: int | None = _optional(_int)
     node: int | None = _optional(_node)
     rank: int | None = _optional(_rank)
+    unreported: int | None = _optional(_nat)  # refused since the last report, not sent one by one
 
 
 # Commands to an agent.

@@ -22,8 +22,9 @@ connection closed; nothing of it is allocated or read.
 
 Whatever the store refuses (a client that fails the token handshake, a malformed frame, a put over
 a cap, a copy whose checksum does not match) is logged and handed to `on_refused`, which the agent
-turns into a `message_rejected` event in the run record; a few a second at most, the rest counted,
-so a client that hammers the port cannot flood the record. A refusal closes that one connection
+turns into a `message_rejected` event in the run record; a few a second at most, the rest counted
+and the count handed over with the next one, so a client that hammers the port cannot flood the
+record. A refusal closes that one connection
 and nothing else.
 """
 from __future__ import annotations
@@ -143,7 +144,7 @@ class PeerStore:
 
     def __init__(self, address: str, token: str, local_slot: Callable[[int, int], Path],
                  max_slot_bytes: int | None = None, max_total_bytes: int | None = None,
-                 on_refused: Callable[[str], None] | None = None) -> None:
+                 on_refused: Callable[[str, int], None] | None = None) -> None:
         self.token = token
         self.on_refused = on_refused
         self._reports = (0.0, 0, 0)  # (window start, reported in it, not reported since)
@@ -251,10 +252,8 @@ class PeerStore:
             self._reports = (start, reported + 1, 0)
         if self.on_refused is None:
             return
-        if unreported:
-            why = f"{why} ({unreported} more refused before this, not reported one by one)"
         try:
-            self.on_refused(why)
+            self.on_refused(why, unreported)
         except Exception:  # noqa: BLE001 - whoever listens is gone: the log line stays
             pass
 

@@ -91,6 +91,9 @@ class RunMetrics:
     goodput: float | None = None
     wall_s: float | None = None
     reason: str = ""  # why the run ended as it did (the controller's words; "controller lost")
+    # Messages refused as forged, replayed or malformed, by the controller or reported by an
+    # agent or rank (those recorded one by one and those only counted under a flood).
+    messages_rejected: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -455,6 +458,8 @@ def compute(run_id: str, events: list[Event], controller_alive: bool | None = No
         goodput=(useful / wall) if wall > 0 else None,
         wall_s=wall,
         reason=reason,
+        messages_rejected=sum(1 + int(ev.get("dropped_before", 0) or 0) + int(ev.get("unreported_before", 0) or 0)
+                              for ev in events if ev.kind is EventKind.MESSAGE_REJECTED),
     )
 
 

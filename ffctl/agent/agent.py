@@ -439,9 +439,10 @@ class Agent:
         except Exception:  # noqa: BLE001 - the controller is gone; the log line stays
             pass
 
-    def _peer_refused(self, why: str) -> None:
+    def _peer_refused(self, why: str, unreported: int) -> None:
         # Called from the snapshot channel's connection threads; the store already logged it.
-        self._report(messages.Refusal, where="snapshot channel", reason=why[:500])
+        self._report(messages.Refusal, where="snapshot channel", reason=why[:500],
+                     **({"unreported": unreported} if unreported else {}))
 
     def handle(self, raw: dict[str, Any]) -> None:
         """Carry out one command read from our queue. One that does not decode or has no handler

@@ -386,7 +386,8 @@ class Controller:
         # An agent or rank refused something it read (its queue, a plan, an abort flag).
         self._rejected(msg.where[:200], -1 if msg.index is None else msg.index, msg.reason[:500],
                        (msg.raw or "")[:200], reported_by_node=msg.node,
-                       **({"reported_by_rank": msg.rank} if msg.rank is not None else {}))
+                       **({"reported_by_rank": msg.rank} if msg.rank is not None else {}),
+                       **({"unreported_before": msg.unreported} if msg.unreported else {}))
 
     def _on_training(self, msg: messages.Training) -> None:
         self.training_api = msg.api

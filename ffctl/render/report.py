@@ -78,6 +78,9 @@ def summary_fields(report: dict[str, Any]) -> list[tuple[str, str]]:
         ("lost s", _s(lost_s)),
         ("lost GPU-hours", _gpu_h(report.get("lost_gpu_hours_total"))),
         ("spare GPU-hours", _gpu_h(report.get("spare_gpu_hours"))),
+        # Shown only when something was refused: each is a message_rejected event in the record.
+        *([("rejected messages", f"{report['messages_rejected']} (message_rejected in events.jsonl)")]
+          if report.get("messages_rejected") else []),
     ]
 
 

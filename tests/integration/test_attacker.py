@@ -200,6 +200,7 @@ def test_an_unauthenticated_store_client_can_neither_read_a_secret_nor_control_t
         reasons = " | ".join(e["reason"] for e in by_agent)
         # The unsealed kill and stop (too short to hold a MAC, or a wrong one), the replayed spawn.
         assert len(by_agent) == 3 and "replayed" in reasons, by_agent
+    assert report["messages_rejected"] >= len(rejected)  # the report counts what the record holds
     on_channel = [e for e in rejected if e["queue"] == "snapshot channel"]
     assert {e["reported_by_node"] for e in on_channel} == set(range(NNODES)), rejected
     assert all("failed the job-token handshake" in e["reason"] for e in on_channel), on_channel

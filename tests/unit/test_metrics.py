@@ -488,6 +488,20 @@ def test_a_kill_not_yet_detected_is_not_recovered_by_the_steps_in_flight_when_it
     assert f.restore_source == "peer-memory" and f.at_step == 7 and f.lost_steps == 0
 
 
+def test_rejected_messages_are_counted_with_those_a_flood_kept_out_of_the_record() -> None:
+    b = StreamBuilder()
+    b.run_started(world_size=WORLD)
+    b.steps(1, 3)
+    assert compute("r", b.events).messages_rejected == 0
+    b.emit(EventKind.MESSAGE_REJECTED, 0.1, queue="ctl", index=4, reason="bad mac", raw="")
+    b.emit(EventKind.MESSAGE_REJECTED, 0.1, queue="ctl", index=9, reason="bad mac", raw="", dropped_before=30)
+    b.emit(EventKind.MESSAGE_REJECTED, 0.1, queue="snapshot channel", index=-1, reason="handshake",
+           raw="", reported_by_node=1, unreported_before=12)
+    m = compute("r", b.events)
+    assert m.messages_rejected == 1 + 31 + 13
+    assert m.to_dict()["messages_rejected"] == 45
+
+
 def test_emulated_fault_is_reported_as_emulated() -> None:
     b = StreamBuilder()
     b.run_started(world_size=2)

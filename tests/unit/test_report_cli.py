@@ -181,6 +181,24 @@ def test_rendering_into_an_80_column_console() -> None:
     assert "…" not in buf.getvalue() and f"{rep['lost_gpu_hours_total']:.6f}" in buf.getvalue()
 
 
+def test_rejected_messages_appear_in_the_summary_only_when_there_were_some() -> None:
+    from runs.events import EventKind
+    from runs.metrics import compute
+
+    def rendered(rep: dict[str, object]) -> str:
+        buf = io.StringIO()
+        render_report(rep, Console(width=80, file=buf, force_terminal=False, color_system=None))
+        return buf.getvalue()
+
+    b = two_fault_run(3000.0, strategy="peer")
+    assert "rejected messages" not in rendered(compute("quiet", b.events).to_dict())
+    b.emit(EventKind.MESSAGE_REJECTED, 0.1, queue="snapshot channel", index=-1, raw="",
+           reason="a client at 10.0.0.9:4242 failed the job-token handshake", reported_by_node=0,
+           unreported_before=2)
+    text = rendered(compute("probed", b.events).to_dict())
+    assert "rejected messages  3 (message_rejected in events.jsonl)" in text, text
+
+
 def test_compare_runs_in_one_table(runs_dir: Path) -> None:
     code, text = run_cli(["report", LONG_ID, "mid-memory", "old-clean"], runs_dir)
     assert code == 0, text

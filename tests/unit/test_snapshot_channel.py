@@ -74,7 +74,7 @@ def test_torn_or_corrupt_slot_is_never_valid(tmp_path: Path) -> None:
     writer.close()
 
 
-def _store(tmp_path: Path, token: str = "t" * 64, on_refused: Callable[[str], None] | None = None) -> PeerStore:
+def _store(tmp_path: Path, token: str = "t" * 64, on_refused: Callable[[str, int], None] | None = None) -> PeerStore:
     return PeerStore("127.0.0.1", token, lambda rank, slot: slot_path(str(tmp_path), "r", 0, rank, slot),
                      on_refused=on_refused).start()
 
@@ -191,11 +191,13 @@ class _Heard:
 
     def __init__(self) -> None:
         self.reasons: list[str] = []
+        self.unreported: list[int] = []
         self._changed = threading.Condition()
 
-    def __call__(self, why: str) -> None:
+    def __call__(self, why: str, unreported: int) -> None:
         with self._changed:
             self.reasons.append(why)
+            self.unreported.append(unreported)
             self._changed.notify_all()
 
     def wait_for(self, n: int, timeout: float = 10.0) -> list[str]:
@@ -267,16 +269,17 @@ def test_a_flood_of_refusals_is_reported_a_few_a_second_and_counted(tmp_path: Pa
         for i in range(PeerStore.REPORTS_PER_S + 7):
             store.note_refusal(f"probe {i}")
         assert heard.reasons == [f"probe {i}" for i in range(PeerStore.REPORTS_PER_S)]
+        assert heard.unreported == [0] * PeerStore.REPORTS_PER_S
         assert len(store.refused) == 12  # all logged
         time.sleep(1.05)  # a new window
         store.note_refusal("after")
-        assert heard.reasons[-1] == "after (7 more refused before this, not reported one by one)"
+        assert heard.reasons[-1] == "after" and heard.unreported[-1] == 7  # the flood, counted
     finally:
         store.stop()
 
 
 def test_a_listener_that_fails_never_breaks_the_store(tmp_path: Path) -> None:
-    def broken(why: str) -> None:
+    def broken(why: str, unreported: int) -> None:
         raise RuntimeError("the controller is gone")
 
     store = _store(tmp_path, on_refused=broken)
