@@ -38,13 +38,13 @@ import socketserver
 import struct
 import sys
 import threading
-import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from recovery.slots import DATA_OFFSET, SlotContent, read_header, read_slot
+from recovery.throttle import Throttle
 
 _LEN = struct.Struct(">I")
 # Requests other than a put carry no payload worth more than this; a bigger one is malformed.
@@ -147,8 +147,7 @@ class PeerStore:
                  on_refused: Callable[[str, int], None] | None = None) -> None:
         self.token = token
         self.on_refused = on_refused
-        self._reports = (0.0, 0, 0)  # (window start, reported in it, not reported since)
-        self._reports_lock = threading.Lock()  # its own: a refusal may be noted under `lock`
+        self.reports = Throttle(self.REPORTS_PER_S)
         memory = _physical_memory()
         self.max_slot_bytes = max_slot_bytes if max_slot_bytes is not None else memory // 4
         self.max_total_bytes = max_total_bytes if max_total_bytes is not None else memory // 2
@@ -238,22 +237,15 @@ class PeerStore:
         raise ChannelError(why)
 
     def note_refusal(self, why: str) -> None:
-        """Log a refusal and hand it to `on_refused` (rate-limited; never raises)."""
+        """Log a refusal and hand it to `on_refused` (a few a second; never raises)."""
         print(f"ffctl snapshot channel: refused {why}", file=sys.stderr, flush=True)
-        with self._reports_lock:
-            self.refused = [*self.refused[-15:], why]
-            now = time.monotonic()
-            start, reported, unreported = self._reports
-            if now - start >= 1.0:
-                start, reported = now, 0
-            if reported >= self.REPORTS_PER_S:
-                self._reports = (start, reported, unreported + 1)
-                return
-            self._reports = (start, reported + 1, 0)
-        if self.on_refused is None:
+        self.refused.append(why)
+        del self.refused[:-16]  # a few kept
+        held = self.reports.admit()
+        if self.on_refused is None or held is None:
             return
         try:
-            self.on_refused(why, unreported)
+            self.on_refused(why, held)
         except Exception:  # noqa: BLE001 - whoever listens is gone: the log line stays
             pass
 

@@ -33,6 +33,7 @@ from ffctl.controller.backend import NodeBackend
 from ffctl.controller.progress import StepReport
 from recovery import control, disk, messages
 from recovery.jobenv import JobEnv, Strategy
+from recovery.throttle import Throttle
 from runs.events import EventKind, RestoreSource, RunStatus
 from runs.metrics import compute
 from runs.store import RunStore, controller_identity
@@ -150,7 +151,7 @@ class Controller:
         # Everything the store carries is sealed with the job token, which never travels in it.
         self.sealer = control.Sealer(self.token, "controller")
         self.limits = control.Limits(self.spec.world_size, self.spec.nnodes)
-        self._rejects: tuple[float, int, int] = (0.0, 0, 0)  # (window start, recorded, dropped)
+        self._rejects = Throttle(self.REJECTS_PER_S)
         self.inbox = control.Receiver(self.store, control.CTL_QUEUE, opener=control.Opener(self.token),
                                       on_reject=self._rejected)
         # Who and where the controller is, so a report can tell a live run from one whose
@@ -237,14 +238,9 @@ class Controller:
 
     def _rejected(self, queue: str, index: int, reason: str, raw: bytes | str, **who: Any) -> None:
         """A message that failed authentication or decoding: recorded (rate-limited) and dropped."""
-        now = time.monotonic()
-        start, recorded, dropped = self._rejects
-        if now - start >= 1.0:
-            start, recorded = now, 0
-        if recorded >= self.REJECTS_PER_S:
-            self._rejects = (start, recorded, dropped + 1)
+        dropped = self._rejects.admit()
+        if dropped is None:
             return
-        self._rejects = (start, recorded + 1, 0)
         raw_text = raw if isinstance(raw, str) else control.short_repr(raw)
         self.record(EventKind.MESSAGE_REJECTED, queue=queue, index=index, reason=reason, raw=raw_text,
                     **({"dropped_before": dropped} if dropped else {}), **who)

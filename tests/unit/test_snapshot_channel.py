@@ -221,7 +221,7 @@ def _closed_by_server(client: PeerClient) -> bool:
 def test_every_refusal_reaches_on_refused_and_the_store_keeps_serving(tmp_path: Path) -> None:
     heard = _Heard()
     store = _store(tmp_path, on_refused=heard)
-    store.REPORTS_PER_S = 100  # one by one here; the limit has its own test
+    store.reports.per_s = 100  # one by one here; the limit has its own test
     try:
         # A stranger that answers the challenge with garbage.
         stranger = socket.create_connection((store.address, store.port), timeout=10.0)
