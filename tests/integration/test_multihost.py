@@ -18,6 +18,7 @@ import pytest
 
 from runs.events import EventKind
 from tests.conftest import needs_root
+from tests.helpers.launch import wait_event
 from tests.helpers.multihost import (
     SETENV,
     Site,
@@ -159,11 +160,25 @@ def test_partition_of_one_host_is_detected_recovered_and_reverted(site: Site, ho
     # the job is long enough to still be training when the rules are in. A longer partition
     # only makes the test slower: connections caught in it back off exponentially (TCP
     # retransmission), so the rendezvous after the revert can wait about as long again.
-    out = site.launch("partition", hosts, "--steps", "2000", "--hang-timeout", "2",
-                      "--inject", "net-partition:node=1,step=10,duration=10", *python_args())
-    assert out.returncode == 0, out.stdout + out.stderr
+    # The job is stopped (Ctrl-C) once it trains again after the revert.
+    proc = site.start_launch("partition", hosts, "--steps", "100000", "--hang-timeout", "2",
+                             "--inject", "net-partition:node=1,step=10,duration=10", *python_args())
+    try:
+        wait_for_step(site, "partition", 1)
+        path = site.record("partition") / "events.jsonl"
+        reverted = wait_event(path, lambda ev: ev.kind is EventKind.FAULT_REVERTED, timeout=240)
+        again = wait_event(path, lambda ev: ev.kind is EventKind.STEP and ev.t > reverted.t
+                           and int(ev.get("gen", 0)) >= 1, timeout=240)
+        wait_for_step(site, "partition", int(again.get("step")) + 5)
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, proc.stderr.read() if proc.stderr else ""
     report = site.report("partition")
-    assert report["status"] == "completed"
+    assert report["status"] == "interrupted"
     (fault,) = report["faults"]
     assert fault["kind"] == "net-partition"
     assert fault["detected_at"] is not None, f"the partition was never detected: {timeline(site, 'partition')}"
