@@ -608,19 +608,31 @@ def test_chaos_run_records_the_schedule(workdir: tuple[Path, list[str]]) -> None
     cwd, run_ids = workdir
     run_id = rid("chaos")
     run_ids.append(run_id)
-    proc = start_launch(cwd, run_id, "--nnodes", "2", "--nproc-per-node", "1", "--steps", "600", "--spares", "1",
-                        "--chaos", CHAOS)
-    code, _, err = finish(proc, 360)
-    assert code == 0, err[-3000:]
-    rep, evs = report(cwd, run_id), events(cwd, run_id)
-    assert rep["status"] == "completed"
-    injected = [ev for ev in evs if ev.kind is EventKind.FAULT_INJECTED]
     # What the seed says: kinds in order, each target picked with the fault's own seed from
     # the whole world (every rank placed when it fires), and its trigger time.
     world = Topology(run_id, (NodePlace(0, "localhost", "127.0.0.1", 1), NodePlace(1, "localhost", "127.0.0.1", 2)),
                      (RankPlace(0, 0, 1), RankPlace(1, 1, 2)))
     expected = [(spec.kind.value, list(resolve(spec, world)[0]), f"@t={t:g}")
                 for t, spec in chaos_faults(parse_chaos(CHAOS))]
+    last = f"f{len(expected)}"
+    proc = start_launch(cwd, run_id, "--nnodes", "2", "--nproc-per-node", "1", "--steps", "100000", "--spares", "1",
+                        "--chaos", CHAOS)
+    try:
+        # Stopped (Ctrl-C) once the schedule's last fault is recovered from and training goes on.
+        decided = wait_event(cwd, run_id, lambda ev: ev.kind is EventKind.RECOVERY_DECIDED
+                             and last in (ev.get("fault_ids") or []), 240, proc)
+        wait_event(cwd, run_id, lambda ev: ev.kind is EventKind.STEP and int(ev.get("gen", 0)) >= int(decided.get("gen"))
+                   and int(ev.get("step")) >= int(decided.get("restore_step") or 0) + 10, 240, proc)
+        proc.send_signal(signal.SIGINT)
+        code, _, err = finish(proc, 120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=30)
+    assert code == 130, err[-3000:]
+    rep, evs = report(cwd, run_id), events(cwd, run_id)
+    assert rep["status"] == "interrupted"
+    injected = [ev for ev in evs if ev.kind is EventKind.FAULT_INJECTED]
     got = [(ev.get("kind"), ev.get("ranks"), ev.get("trigger")) for ev in injected]
     assert got == expected, (got, expected)
     assert [ev.get("fault_id") for ev in injected] == [f"f{i}" for i in range(1, len(got) + 1)]
