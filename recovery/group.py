@@ -26,6 +26,7 @@ from recovery.errors import PeerFailure
 # How often a watcher that found a forged flag looks whether the controller's own replaced it.
 FORGED_POLL_S = 0.05
 ForgedHook = Callable[[str, str, bytes], None]  # (key, reason, raw value)
+SeenHook = Callable[[dist.Store], None]  # told the abort came, with the watcher's own connection
 
 # A watcher's wait is renewed this often; an abort or a close ends it at once.
 WATCH_TIMEOUT = datetime.timedelta(hours=1)
@@ -41,10 +42,12 @@ class AbortWatcher:
     few milliseconds adds up to thousands of store requests a second at scale)."""
 
     def __init__(self, host: str, port: int, gen: int, rank: int, wake: threading.Event,
-                 opener: control.Opener | None = None, on_forged: ForgedHook | None = None) -> None:
+                 opener: control.Opener | None = None, on_forged: ForgedHook | None = None,
+                 on_seen: SeenHook | None = None) -> None:
         self.gen = gen
         self._opener = opener
         self._on_forged = on_forged
+        self._on_seen = on_seen
         self.aborted = threading.Event()
         self.key = control.gen_abort_key(gen, rank)
         self._wake = wake
@@ -76,6 +79,14 @@ class AbortWatcher:
             if not self._stop.is_set():
                 self.aborted.set()
                 self._wake.set()
+                if self._on_seen is not None:
+                    # Told from this thread, on this connection: the training thread may be deep
+                    # in a step, and its own connection may be busy. That this answer comes is
+                    # how the controller tells a busy rank from a stopped or wedged one.
+                    try:
+                        self._on_seen(self._store)
+                    except Exception:  # noqa: BLE001 - the controller is gone: nobody to tell
+                        pass
             return
 
     def _genuine(self) -> bool:
@@ -173,7 +184,8 @@ class Generation:
 
     def __init__(self, store: dist.Store, host: str, port: int, gen: int, rank: int, world_size: int,
                  timeout: float, backend: str = "gloo", meanwhile: Callable[[], None] | None = None,
-                 opener: control.Opener | None = None, on_forged: ForgedHook | None = None) -> None:
+                 opener: control.Opener | None = None, on_forged: ForgedHook | None = None,
+                 on_seen: SeenHook | None = None) -> None:
         """Build the group; `meanwhile` runs on this thread while it is being built (work that
         needs no group, done while waiting for the other ranks to arrive). With `opener`, only a
         sealed abort flag aborts (see the module's docstring)."""
@@ -182,7 +194,7 @@ class Generation:
         self.world_size = world_size
         self._wake = threading.Event()
         self._store = store
-        self.watcher = AbortWatcher(host, port, gen, rank, self._wake, opener, on_forged)
+        self.watcher = AbortWatcher(host, port, gen, rank, self._wake, opener, on_forged, on_seen)
         prefix = dist.PrefixStore(control.pg_prefix(gen), store)
         td = datetime.timedelta(seconds=timeout)
         built: list[Any] = []

@@ -29,7 +29,7 @@ import torch
 from recovery import control, ddp, disk, messages
 from recovery.errors import PeerFailure, RecoveryError, StepRestart
 from recovery.faults import InStepFaults
-from recovery.group import Generation
+from recovery.group import Generation, SeenHook
 from recovery.jobenv import JobEnv, Strategy
 from recovery.peer import ChannelError, PeerClient
 from recovery.slots import SlotContent, SlotWriter, read_slot, slot_path
@@ -289,6 +289,11 @@ class Job:
         with self._send_lock:
             control.send(self.store, control.CTL_QUEUE, msg, self._sealer)
 
+    def _abort_seen(self, gen: int) -> SeenHook:
+        msg = messages.AbortSeen(rank=self.env.rank, node=self.env.node, gen=gen)
+        # The sealer's lock keeps this sender's sequence numbers in queue order across threads.
+        return lambda store: control.send(store, control.CTL_QUEUE, msg, self._sealer)
+
     def _rejected(self, where: str, index: int, reason: str, raw: bytes) -> None:
         """A forged plan, generation pointer or abort flag: ignored, and the controller told."""
         try:
@@ -311,7 +316,8 @@ class Job:
         self.group = Generation(self.store, self.env.store_host, self.env.store_port, gen, self.env.rank,
                                 world, self.env.pg_timeout, self.env.backend,
                                 meanwhile=fetch_and_check if step > 0 else None, opener=self._opener,
-                                on_forged=lambda key, reason, raw: self._rejected(key, -1, reason, raw))
+                                on_forged=lambda key, reason, raw: self._rejected(key, -1, reason, raw),
+                                on_seen=self._abort_seen(gen))
         how = ""
         if step == 0:
             self.group.barrier()

@@ -41,6 +41,7 @@ class Kind(str, Enum):
     RESTORED = "restored"
     DONE = "done"
     ABORTED = "aborted"
+    ABORT_SEEN = "abort_seen"
     RESTORE_FAILED = "restore_failed"
     ERROR = "error"
     CKPT = "ckpt"
@@ -354,6 +355,16 @@ class Aborted(Message):
     gen: int = _field(_nat)
     step: int = _field(_nat)
     reason: str | None = _optional(_str)
+
+
+@_report(Kind.ABORT_SEEN)
+class AbortSeen(Message):
+    """A rank's abort watcher saw its generation's abort: the process runs, though its training
+    thread may still be busy in a step (its `aborted` follows once it leaves the generation)."""
+
+    rank: int = _field(_rank)
+    node: int = _field(_node)
+    gen: int = _field(_nat)
 
 
 @_report(Kind.RESTORE_FAILED)

@@ -339,7 +339,8 @@ class Controller:
             self._fail(Failure("step-error", {rf.rank}, t=now, detail=str(msg.error),
                                rank_failures={rf.rank: rf}))
 
-    def _on_generation_report(self, msg: messages.Started | messages.Joined | messages.Done) -> None:
+    def _on_generation_report(self, msg: messages.Started | messages.Joined | messages.Done
+                              | messages.AbortSeen) -> None:
         # Keyed by the kind's value: an enum member does not hash as its string does.
         self.job.gen_msgs.setdefault((msg.kind.value, msg.gen), set()).add(msg.rank)
 
@@ -434,6 +435,7 @@ class Controller:
         messages.Kind.JOINED: _on_generation_report,
         messages.Kind.RESTORED: _on_restored,
         messages.Kind.DONE: _on_generation_report,
+        messages.Kind.ABORT_SEEN: _on_generation_report,
         messages.Kind.ABORTED: _on_aborted,
         messages.Kind.RESTORE_FAILED: _on_restore_failed,
         messages.Kind.ERROR: _on_step_error,

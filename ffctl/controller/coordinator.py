@@ -39,6 +39,8 @@ __all__ = ["FatalRun", "RankFailure", "RecoveryAbandoned", "RecoveryCoordinator"
            "describe", "error_line", "restart_verdict", "root_cause", "signal_name"]
 
 ABORT_ACK_TIMEOUT = 5.0
+# A running rank's abort watcher answers within milliseconds; this leaves room for a loaded host.
+ABORT_SEEN_TIMEOUT = 1.5
 # A node whose ranks moved elsewhere comes back as soon as the job has resumed (its agent is
 # started by the controller's loop, after the recovery): until it holds replicas again, the ranks
 # that moved share one node, and a second fault of that node would lose both copies of them.
@@ -274,12 +276,23 @@ class RecoveryCoordinator:
 
     def _collect_survivors(self, old_gen: int, lost: set[int]) -> set[int]:
         """Wait for survivors to acknowledge the abort; return those that are stuck (hung,
-        stopped) and were killed, plus any that exited meanwhile."""
+        stopped) and were killed, plus any that exited meanwhile.
+
+        Two answers tell them apart. A rank's abort watcher (a thread of its own) says
+        `abort_seen` as soon as the flag is set; its training thread says `aborted` once it has
+        left the generation, which may take a step's compute. A rank that does not even say
+        `abort_seen` within ABORT_SEEN_TIMEOUT is not running (stopped, wedged with the GIL
+        held, its host frozen) and is replaced at once; a busy one gets ABORT_ACK_TIMEOUT."""
         job = self.job
         survivors = set(job.members) - lost
-        acked = lambda: survivors <= (job.reported("aborted", old_gen)  # noqa: E731
-                                      | {r for r in survivors if job.pids.get(r) is None})
-        self.cluster.wait_for(acked, ABORT_ACK_TIMEOUT, "abort", abandon_on_failure=False)
+        exited = lambda: {r for r in survivors if job.pids.get(r) is None}  # noqa: E731
+        answered = lambda: job.reported("aborted", old_gen) | job.reported("abort_seen", old_gen) | exited()  # noqa: E731
+        self.cluster.wait_for(lambda: survivors <= answered(), ABORT_SEEN_TIMEOUT, "abort",
+                              abandon_on_failure=False)
+        silent = survivors - answered()
+        busy = survivors - silent
+        acked = lambda: busy <= (job.reported("aborted", old_gen) | exited())  # noqa: E731
+        self.cluster.wait_for(acked, ABORT_ACK_TIMEOUT - ABORT_SEEN_TIMEOUT, "abort", abandon_on_failure=False)
         gone = survivors - job.reported("aborted", old_gen)
         self._kill(gone, grace=0.5)
         if job.pending is not None:  # exits seen meanwhile belong to this failure

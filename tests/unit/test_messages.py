@@ -18,6 +18,7 @@ from ffctl.agent.agent import Agent
 from ffctl.controller.controller import Controller
 from recovery import control, messages
 from recovery.messages import CommandKind, DecodeError, Kind
+from recovery.throttle import Throttle
 from runs.events import EventKind
 from tests.helpers.store import loopback_store
 
@@ -33,6 +34,7 @@ REPORTS: dict[Kind, dict[str, Any]] = {
     Kind.DONE: {"rank": 1, "node": 0, "gen": 3, "step": 40},
     Kind.TRAINING: {"rank": 1, "node": 0, "gen": 0, "api": "ddp"},
     Kind.ABORTED: {"rank": 1, "node": 0, "gen": 3, "step": 12, "reason": "abort flag"},
+    Kind.ABORT_SEEN: {"rank": 1, "node": 0, "gen": 3},
     Kind.RESTORE_FAILED: {"rank": 2, "node": 1, "gen": 1, "step": 5, "source": "peer-memory", "reason": "missing"},
     Kind.ERROR: {"rank": 0, "node": 0, "gen": 0, "step": 3, "error": "RuntimeError: boom",
                  "traceback": ["Traceback (most recent call last):", "RuntimeError: boom"]},
@@ -265,7 +267,7 @@ def _controller() -> tuple[Controller, list[tuple[EventKind, dict[str, Any]]]]:
     ctl = Controller.__new__(Controller)
     recorded: list[tuple[EventKind, dict[str, Any]]] = []
     ctl.limits = LIMITS
-    ctl._rejects = (0.0, 0, 0)
+    ctl._rejects = Throttle(Controller.REJECTS_PER_S)
     ctl.record = lambda kind, **fields: recorded.append((kind, fields))  # type: ignore[method-assign]
     return ctl, recorded
 

@@ -14,7 +14,9 @@ from fault_injectors import parse_spec
 from fault_injectors.plan import NodePlace, RankPlace, Topology
 from fault_injectors.transport import CommandResult
 from ffctl.controller.cluster import FatalRun, RecoveryAbandoned
-from ffctl.controller.coordinator import RecoveryCoordinator, RecoveryOutcome
+from ffctl.controller.coordinator import (
+    ABORT_ACK_TIMEOUT, ABORT_SEEN_TIMEOUT, RecoveryCoordinator, RecoveryOutcome,
+)
 from ffctl.controller.decide import Decision
 from ffctl.controller.failures import Cause, Failure, RankFailure
 from ffctl.controller.injector import Injector
@@ -55,6 +57,12 @@ class FakeCluster:
         self.on_await: dict[int, Callable[[], None]] = {}
         self.blame: list[list[str]] = []  # fault ids for each failure, in order
         self.stuck: set[int] = set()  # ranks that never acknowledge an abort
+        # Ranks deep in a step: their watcher says abort_seen at once, their training thread
+        # acknowledges only during the coordinator's second wait.
+        self.busy: set[int] = set()
+        self.busy_acks = True
+        self.waits: list[tuple[str, float]] = []
+        self._abort_waits = 0
         # node -> what its agent holds: (own ranks' steps, neighbour's ranks' steps)
         self.held: dict[int, tuple[dict[int, set[int]], dict[int, set[int]]]] = {}
 
@@ -80,6 +88,12 @@ class FakeCluster:
                 replica={str(r): sorted(s) for r, s in replica.items()})
 
     def wait_for(self, cond: Callable[[], bool], timeout: float, what: str, abandon_on_failure: bool = True) -> bool:
+        self.waits.append((what, timeout))
+        if what == "abort":
+            self._abort_waits += 1
+            if self._abort_waits == 2 and self.busy_acks:
+                self.job.gen_msgs.setdefault(("aborted", self.job.gen), set()).update(
+                    r for r in self.busy if self.job.pids.get(r))
         for hook in self.hooks.pop(what, []):
             hook()
         if abandon_on_failure and self.job.pending is not None:
@@ -89,7 +103,10 @@ class FakeCluster:
     def abort_generation(self, gen: int) -> None:
         self.aborted.append(gen)
         acks = self.job.gen_msgs.setdefault(("aborted", gen), set())
-        acks.update(r for r, pid in self.job.pids.items() if pid and r not in self.stuck)
+        acks.update(r for r, pid in self.job.pids.items() if pid and r not in self.stuck | self.busy)
+        seen = self.job.gen_msgs.setdefault(("abort_seen", gen), set())
+        seen.update(r for r, pid in self.job.pids.items() if pid and r not in self.stuck)
+        self._abort_waits = 0
 
     def wire_ring(self) -> None:
         pass
@@ -219,6 +236,29 @@ def test_a_failure_during_the_recovery_abandons_it_and_starts_over_with_both() -
     assert [d["gen"] for d in decided] == [1, 2]
     assert [o[0] for o in cluster.opened] == [1, 2] and cluster.opened[1][2] == [3]
     assert job.gen == 2 and job.pending is None and all(job.pids.values())
+
+
+def test_a_busy_survivor_is_waited_for_and_a_silent_one_is_replaced_at_once() -> None:
+    job = _job()
+    cluster = _cluster(job)
+    job.fail(_rank_exit(job, 1))
+    cluster.busy = {0}  # in a long step: its watcher answered, its training thread later
+    cluster.stuck = {3}  # SIGSTOPped: not even its watcher answers
+    outcome = _coordinator(cluster).recover()
+    assert outcome.ranks == (1, 3) and outcome.gen == 1
+    assert cluster.kills() == [(1, [3])]  # the silent one only; the busy one stays
+    # First every survivor's watcher, briefly; then the training threads of those that answered.
+    assert cluster.waits[:2] == [("abort", ABORT_SEEN_TIMEOUT), ("abort", ABORT_ACK_TIMEOUT - ABORT_SEEN_TIMEOUT)]
+
+
+def test_a_busy_survivor_that_never_leaves_its_step_is_replaced_after_the_ack_timeout() -> None:
+    job = _job()
+    cluster = _cluster(job)
+    job.fail(_rank_exit(job, 1))
+    cluster.busy, cluster.busy_acks = {0}, False  # alive, but its training thread is wedged
+    outcome = _coordinator(cluster).recover()
+    assert outcome.ranks == (0, 1)
+    assert cluster.kills() == [(0, [0])]
 
 
 def test_the_same_injected_fault_on_the_same_rank_twice_is_recovered_twice() -> None:
