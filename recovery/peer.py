@@ -24,8 +24,7 @@ Whatever the store refuses (a client that fails the token handshake, a malformed
 a cap, a copy whose checksum does not match) is logged and handed to `on_refused`, which the agent
 turns into a `message_rejected` event in the run record; a few a second at most, the rest counted
 and the count handed over with the next one, so a client that hammers the port cannot flood the
-record. A refusal closes that one connection
-and nothing else.
+record. A refusal closes that one connection and nothing else.
 """
 from __future__ import annotations
 
@@ -262,10 +261,9 @@ class PeerStore:
         # sender that lies) must not become the replica a replacement later restores from; the
         # neighbour keeps the other slot's step, which the controller can still choose.
         if zlib.crc32(memoryview(pending.buf)[: pending.length]) != pending.crc:
-            try:
-                self._refuse(f"put of rank {rank} step {step}: checksum mismatch, not kept")
-            except ChannelError as exc:
-                return {"ok": False, "error": str(exc)}
+            why = f"put of rank {rank} step {step}: checksum mismatch, not kept"
+            self.note_refusal(why)
+            return {"ok": False, "error": why}
         with self.lock:
             # Kept only if no newer put of this slot began meanwhile (it reuses the buffer).
             if (rank, step % 2) not in self._pending and (rank, step % 2) not in self._receiving:

@@ -198,11 +198,10 @@ def _fault_metrics(inj: Event, events: list[Event], world_size: int, end_t: floa
             again = _first(events, lambda ev: ev.kind is EventKind.STEP and ev.t >= decision.t
                            and ev.get("gen", 0) >= gen)
             restore_step = int(again.get("step")) - 1 if again is not None else None
-    elif detected is not None:
-        resumed = None  # the job noticed and nothing recovered it
-    elif inj.get("breaks_job"):
-        # A kill not noticed yet: the steps committed meanwhile were in flight when it hit (a
-        # node's loss takes a heartbeat timeout to see); only a recovery brings the job back.
+    elif detected is not None or inj.get("breaks_job"):
+        # The job noticed and nothing recovered it (yet), or a kill it has not noticed yet: the
+        # steps committed meanwhile were in flight when it hit (a node's loss takes a heartbeat
+        # timeout to see), and only a recovery brings the job back.
         resumed = None
     else:
         resumed = _first(

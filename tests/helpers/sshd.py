@@ -184,16 +184,24 @@ def _start_time(pid: int) -> str | None:
 
 
 def _teardown(uid: str) -> None:
-    ns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False).stdout
-    for netns in [line.split()[0] for line in ns.splitlines() if line.startswith(f"{NS_PREFIX}{uid}-")]:
+    for netns in _namespaces(f"{NS_PREFIX}{uid}-"):
         _kill_netns_processes(netns)
         _quiet("ip", "netns", "del", netns)
-    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, check=False).stdout
-    for line in links.splitlines():
-        parts = line.split(":")
-        name = parts[1].strip().split("@")[0] if len(parts) > 1 else ""
-        if name in (f"ffsb{uid}",) or name.startswith(f"ffs{uid}h"):
+    for name in _links():
+        if name == f"ffsb{uid}" or name.startswith(f"ffs{uid}h"):  # the bridge, the host-side veths
             _quiet("ip", "link", "del", name)
+
+
+def _namespaces(prefix: str) -> list[str]:
+    ns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False).stdout
+    return [line.split()[0] for line in ns.splitlines() if line.startswith(prefix)]
+
+
+def _links() -> list[str]:
+    """The names of this namespace's network links (a veth's `@peer` suffix dropped)."""
+    out = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, check=False).stdout
+    return [parts[1].strip().split("@")[0] for parts in (line.split(":") for line in out.splitlines())
+            if len(parts) > 1]
 
 
 def sweep_abandoned() -> list[str]:
@@ -395,14 +403,8 @@ def _reap(proc: subprocess.Popen[bytes]) -> None:
 def leftovers(uid: str) -> list[str]:
     """What a cluster with this id left behind: namespaces, links, processes, its temp dir."""
     found: list[str] = []
-    ns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False).stdout
-    found += [line.split()[0] for line in ns.splitlines() if line.startswith(f"{NS_PREFIX}{uid}")]
-    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, check=False).stdout
-    for line in links.splitlines():
-        parts = line.split(":")
-        name = parts[1].strip().split("@")[0] if len(parts) > 1 else ""
-        if uid in name:
-            found.append(f"link {name}")
+    found += _namespaces(f"{NS_PREFIX}{uid}")
+    found += [f"link {name}" for name in _links() if uid in name]
     ps = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True, check=False).stdout
     found += [f"process {line.strip()}" for line in ps.splitlines() if f"ffssh-{uid}" in line]
     found += [str(p) for p in Path(tempfile.gettempdir()).glob(f"ffssh-{uid}-*")]
