@@ -11,8 +11,8 @@ import pytest
 
 from runs.events import EventKind
 from tests.helpers.launch import (
-    TIMEOUT, assert_nothing_left, ffctl_argv, launch, rid, run_ffctl, shm_left, start_launch, wait_event,
-    wait_step,
+    TIMEOUT, assert_nothing_left, ffctl_argv, launch, rid, run_ffctl, shm_left, start_launch, stop_at_end,
+    wait_event, wait_step,
 )
 
 pytestmark = pytest.mark.slow
@@ -124,14 +124,9 @@ def test_unknown_run_id(workdir: Path) -> None:
 def test_ctrl_c_leaves_a_complete_interrupted_record(workdir: Path) -> None:
     run_id = rid("intr")
     proc = start_launch(workdir, run_id, "--steps", "100000", "--spares", "1")
-    try:
+    with stop_at_end(proc, timeout=60) as stopped:
         wait_step(workdir / "runs", run_id, 5)
-        proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 130
+    assert stopped.code == 130
     rep = json.loads((workdir / "runs" / run_id / "report.json").read_text())
     assert rep["status"] == "interrupted" and rep["steps_completed"] >= 5
     assert_nothing_left(workdir)
@@ -141,7 +136,7 @@ def test_ctrl_c_leaves_a_complete_interrupted_record(workdir: Path) -> None:
 def test_adhoc_inject_from_another_terminal(workdir: Path) -> None:
     run_id = rid("adhoc")
     proc = start_launch(workdir, run_id, "--steps", "100000", "--spares", "1")
-    try:
+    with stop_at_end(proc) as stopped:
         wait_step(workdir / "runs", run_id, 10)
         dry = run_ffctl(workdir, "inject", "kill-node", "--run", run_id, "--node", "1", "--dry-run", timeout=60)
         assert dry.returncode == 0 and "kill -KILL" in dry.stdout
@@ -153,12 +148,7 @@ def test_adhoc_inject_from_another_terminal(workdir: Path) -> None:
         restored = wait_event(workdir / "runs" / run_id / "events.jsonl",
                               lambda ev: ev.kind is EventKind.RESTORE_DONE, 240)
         wait_step(workdir / "runs", run_id, int(restored.get("step")) + 5)
-        proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 130, proc.stderr.read() if proc.stderr else ""
+    assert stopped.code == 130, stopped.stderr
     rep = json.loads((workdir / "runs" / run_id / "report.json").read_text())
     assert rep["status"] == "interrupted"
     (f,) = rep["faults"]  # the dry run and the refused one injected nothing
@@ -197,21 +187,16 @@ def test_a_second_run_with_the_same_id_on_this_host_is_refused(
     run_id = rid("same")
     first = start_launch(workdir, run_id, "--steps", "100000", "--seed", "0", "--spares", "1",
                          "--inject", "kill-rank:rank=1,step=40")
-    try:
+    with stop_at_end(first, timeout=60) as stopped:
         wait_step(workdir / "runs", run_id, 3)
         other = tmp_path / "other"
         other.mkdir()
         second = launch(other, run_id, "--steps", "60", "--seed", "0", timeout=120)
         wait_step(workdir / "runs", run_id, 70)  # recovered from the kill at 40 meanwhile
-        first.send_signal(signal.SIGINT)
-        first.wait(timeout=60)
-    finally:
-        if first.poll() is None:
-            first.kill()
     assert second.returncode != 0
     line = second.stderr.strip().splitlines()[-1]
     assert f"run id '{run_id}' is in use on this host" in line, second.stderr
-    assert first.returncode == 130
+    assert stopped.code == 130
     rep = json.loads((workdir / "runs" / run_id / "report.json").read_text())
     # The first run recovered from its own slots, untouched: same losses as the fault-free run.
     assert rep["loss_by_step"][:60] == baseline

@@ -15,8 +15,8 @@ import pytest
 from runs.events import EventKind
 from runs.store import iter_events
 from tests.helpers.launch import (
-    assert_nothing_left, crashes, launch, processes_in, rid, run_ffctl, shm_left, start_launch, wait_event,
-    wait_step,
+    assert_nothing_left, crashes, launch, processes_in, rid, run_ffctl, shm_left, start_launch, stop_at_end,
+    wait_event, wait_step,
 )
 
 pytestmark = pytest.mark.slow
@@ -278,7 +278,7 @@ def test_a_dead_template_is_restarted_and_meanwhile_workers_start_cold(workdir: 
     events = workdir / "runs" / run_id / "events.jsonl"
     warm = lambda ev: ev.kind is EventKind.SPARES_HELD and ev.get("template") is True  # noqa: E731
     proc = start_launch(workdir, run_id, "--steps", "100000", "--nnodes", "1", "--spares", "0")
-    try:
+    with stop_at_end(proc):
         wait_event(events, warm)
         wait_step(workdir / "runs", run_id, 5)
         old = _template_of(workdir)
@@ -296,12 +296,6 @@ def test_a_dead_template_is_restarted_and_meanwhile_workers_start_cold(workdir: 
         out = run_ffctl(workdir, "inject", "kill-rank", "--run", run_id, "--rank", "1", timeout=120)
         assert out.returncode == 0, out.stderr
         wait_event(events, lambda ev: ev.kind is EventKind.RANKS_SPAWNED and ev.get("gen") == 2)
-        proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     spawned = {ev.get("gen"): ev.get("started_by") for ev in iter_events(events) if ev.kind is EventKind.RANKS_SPAWNED}
     assert spawned[1] == {"1": "cold"} and spawned[2] == {"1": "template"}
     assert_nothing_left(workdir)

@@ -1,6 +1,7 @@
 """Run `ffctl` as a user does (a real subprocess) and read back what it recorded."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -10,7 +11,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import psutil
 
@@ -63,6 +64,32 @@ def start_launch(cwd: Path, run_id: str, *args: str) -> subprocess.Popen[str]:
         ffctl_argv("launch", "--run-id", run_id, "--runs-dir", str(cwd / "runs"), *args),
         cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
+
+
+@dataclass
+class Stopped:
+    """How a launch stopped by `stop_at_end` ended (filled in once its block is over)."""
+
+    code: int | None = None
+    stdout: str = ""
+    stderr: str = ""
+
+
+@contextlib.contextmanager
+def stop_at_end(proc: subprocess.Popen[str], sig: int = signal.SIGINT, timeout: float = 120.0) -> Iterator[Stopped]:
+    """Run the block against a running `ffctl launch`, then stop it with `sig` (Ctrl-C by
+    default) and collect its exit code and output. If the block fails, or the launch does not
+    stop in time, it is killed: nothing outlives the test."""
+    stopped = Stopped()
+    try:
+        yield stopped
+        proc.send_signal(sig)
+        stopped.stdout, stopped.stderr = proc.communicate(timeout=timeout)
+        stopped.code = proc.returncode
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=30)
 
 
 def wait_event(events_path: Path, pred: Any, timeout: float = 180.0) -> Event:

@@ -42,6 +42,7 @@ from ffctl.launch.sandbox import cleanup_stale, list_namespaces, short_id
 from runs.events import Event, EventKind
 from runs.store import iter_events
 from tests.conftest import is_root, needs_root
+from tests.helpers.launch import stop_at_end
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -316,7 +317,7 @@ def test_node_faults_are_detected_and_recovered(workdir: tuple[Path, list[str]],
     # 0, which holds both ranks, once node 1 holds their replicas: they restore from node 1.
     proc = start_launch(cwd, run_id, "--nnodes", "2", "--nproc-per-node", "1", "--steps", "2000",
                         "--inject", "kill-node:node=1,step=20")
-    try:
+    with stop_at_end(proc) as stopped:
         wait_event(cwd, run_id, step_at_least(1), 240, proc)
         # A dry run prints the exact commands (live pids) and changes nothing.
         code, out, _ = in_process(capsys, "inject", "kill-node", "--run", run_id, "--node", "1", "--dry-run",
@@ -345,10 +346,7 @@ def test_node_faults_are_detected_and_recovered(workdir: tuple[Path, list[str]],
                               and ev.get("kind") == "reboot-node", 60, proc)
         restored = wait_event(cwd, run_id, lambda ev: ev.kind is EventKind.RESTORE_DONE and ev.t > rebooted.t, 240, proc)
         wait_event(cwd, run_id, step_at_least(int(restored.get("step")) + 5), 240, proc)
-        proc.send_signal(signal.SIGINT)
-    finally:
-        code, _, err = finish(proc, 600)
-    assert code == 130, err[-3000:]
+    assert stopped.code == 130, stopped.stderr[-3000:]
     rep, evs = report(cwd, run_id), events(cwd, run_id)
     assert rep["status"] == "interrupted" and rep["steps_completed"] < 2000
     faults = by_kind(rep)
@@ -544,16 +542,10 @@ def test_sigterm_removes_the_sandbox(workdir: tuple[Path, list[str]]) -> None:
     run_ids.append(run_id)
     proc = start_launch(cwd, run_id, "--sandbox", "netns", "--nnodes", "2", "--nproc-per-node", "1",
                         "--steps", "100000")
-    try:
+    with stop_at_end(proc, signal.SIGTERM) as stopped:
         wait_event(cwd, run_id, step_at_least(1), 240, proc)
         assert len(list_namespaces(f"ffctl-{short_id(run_id)}-")) == 2
-        proc.send_signal(signal.SIGTERM)
-        code, _, err = finish(proc, 120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=30)
-    assert code == 130, err[-2000:]
+    assert stopped.code == 130, stopped.stderr[-2000:]
     assert report(cwd, run_id)["status"] == "interrupted"
     assert not list_namespaces(f"ffctl-{short_id(run_id)}-")
     assert_clean(cwd, run_ids)
@@ -617,19 +609,13 @@ def test_chaos_run_records_the_schedule(workdir: tuple[Path, list[str]]) -> None
     last = f"f{len(expected)}"
     proc = start_launch(cwd, run_id, "--nnodes", "2", "--nproc-per-node", "1", "--steps", "100000", "--spares", "1",
                         "--chaos", CHAOS)
-    try:
-        # Stopped (Ctrl-C) once the schedule's last fault is recovered from and training goes on.
+    # Stopped (Ctrl-C) once the schedule's last fault is recovered from and training goes on.
+    with stop_at_end(proc) as stopped:
         decided = wait_event(cwd, run_id, lambda ev: ev.kind is EventKind.RECOVERY_DECIDED
                              and last in (ev.get("fault_ids") or []), 240, proc)
         wait_event(cwd, run_id, lambda ev: ev.kind is EventKind.STEP and int(ev.get("gen", 0)) >= int(decided.get("gen"))
                    and int(ev.get("step")) >= int(decided.get("restore_step") or 0) + 10, 240, proc)
-        proc.send_signal(signal.SIGINT)
-        code, _, err = finish(proc, 120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate(timeout=30)
-    assert code == 130, err[-3000:]
+    assert stopped.code == 130, stopped.stderr[-3000:]
     rep, evs = report(cwd, run_id), events(cwd, run_id)
     assert rep["status"] == "interrupted"
     injected = [ev for ev in evs if ev.kind is EventKind.FAULT_INJECTED]

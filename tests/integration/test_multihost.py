@@ -18,7 +18,7 @@ import pytest
 
 from runs.events import EventKind
 from tests.conftest import needs_root
-from tests.helpers.launch import wait_event
+from tests.helpers.launch import stop_at_end, wait_event
 from tests.helpers.multihost import (
     SETENV,
     Site,
@@ -163,20 +163,14 @@ def test_partition_of_one_host_is_detected_recovered_and_reverted(site: Site, ho
     # The job is stopped (Ctrl-C) once it trains again after the revert.
     proc = site.start_launch("partition", hosts, "--steps", "100000", "--hang-timeout", "2",
                              "--inject", "net-partition:node=1,step=10,duration=10", *python_args())
-    try:
+    with stop_at_end(proc) as stopped:
         wait_for_step(site, "partition", 1)
         path = site.record("partition") / "events.jsonl"
         reverted = wait_event(path, lambda ev: ev.kind is EventKind.FAULT_REVERTED, timeout=240)
         again = wait_event(path, lambda ev: ev.kind is EventKind.STEP and ev.t > reverted.t
                            and int(ev.get("gen", 0)) >= 1, timeout=240)
         wait_for_step(site, "partition", int(again.get("step")) + 5)
-        proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 130, proc.stderr.read() if proc.stderr else ""
+    assert stopped.code == 130, stopped.stderr
     report = site.report("partition")
     assert report["status"] == "interrupted"
     (fault,) = report["faults"]
@@ -199,15 +193,9 @@ def test_partition_of_one_host_is_detected_recovered_and_reverted(site: Site, ho
 @needs_root
 def test_interrupt_stops_every_host_and_brings_logs_home(site: Site, hosts: Path) -> None:
     proc = site.start_launch("interrupted", hosts, "--steps", "100000", *python_args())
-    try:
+    with stop_at_end(proc) as stopped:
         wait_for_step(site, "interrupted", 3)
-        proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 130, proc.stderr.read() if proc.stderr else ""
+    assert stopped.code == 130, stopped.stderr
     finished = [ev for ev in site.events("interrupted") if ev.kind is EventKind.RUN_FINISHED]
     assert finished and finished[-1].get("status") == "interrupted"
     assert (site.record("interrupted") / "logs" / "1" / "2.log").is_file()
