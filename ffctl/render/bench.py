@@ -93,15 +93,21 @@ def render_strategies(result: dict[str, Any], console: Console) -> None:
 
 
 def render_bench(results: list[dict[str, Any]], console: Console) -> None:
-    """The narrow benchmarks (`--only NAME`): one row per ratio, with its goal."""
-    table = Table(title="ffctl bench (ratios measured side by side in this run)", title_justify="left")
-    for col in ("benchmark", "ratio", "numerator", "denominator", "value", "goal", "met"):
-        table.add_column(col, justify="left" if col in ("benchmark", "ratio") else "right")
+    """The narrow benchmarks (`--only NAME`): a table per benchmark, one row per ratio with its
+    goal. Ratio names fold onto further lines and figures never wrap, so at 80 columns (a pipe)
+    no value is cut."""
+    console.print("ffctl bench (ratios measured side by side in this run)")
     for res in results:
+        table = Table(title=res["name"], title_justify="left", box=box.SIMPLE_HEAD, show_edge=False,
+                      pad_edge=False, padding=(0, 1), collapse_padding=True)
+        table.add_column("ratio", overflow="fold")
+        for col in ("measured", "value", "goal", "met"):
+            table.add_column(col, justify="right", no_wrap=True)
         for r in res["ratios"]:
-            table.add_row(res["name"], r["name"], f"{r['numerator']:.4g}", f"{r['denominator']:.4g}",
-                          f"{r['value']:.3f}", f"<= {r['goal']}", "yes" if r["met"] else "[red]no[/red]")
-    console.print(table)
+            table.add_row(r["name"], f"{r['numerator']:.4g} / {r['denominator']:.4g}", f"{r['value']:.3f}",
+                          f"<= {r['goal']}", "yes" if r["met"] else "[red]no[/red]")
+        console.print()
+        console.print(table)
 
 
 @contextmanager

@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 from ffctl import bench
 from ffctl.cli.app import main
 from ffctl.errors import BadInput
-from ffctl.render.bench import bench_progress, render_strategies
+from ffctl.render.bench import bench_progress, render_bench, render_strategies
 from fault_injectors.schedule import iter_mtbf
 from fault_injectors.spec import FaultKind
 from runs.metrics import compute
@@ -196,6 +196,25 @@ def test_the_comparison_fits_80_columns_without_cutting_a_value(fake: list[list[
     for row in result["strategies"]:
         assert f"{row['recovery_s']:.2f}" in text and f"{row['goodput']:.3f}" in text
     assert "every 7 steps" in text and "sqrt(2 x MTBF x save time) = sqrt(2 x 12 s x 0.125 s) = 1.73 s" in text
+
+
+def test_the_narrow_benchmarks_fit_80_columns_without_cutting_a_value() -> None:
+    # The figures `python benchmarks/recovery_vs_disk.py` printed, whose long names and numbers
+    # were cut to `recovery-vs…` and `lost_gpu_ho…` in a table drawn for 80 columns.
+    res = bench.BenchResult("recovery-vs-disk", [
+        bench.Ratio("kill-rank recovery_s peer / restart-disk", 0.5363, 11.24, 0.10),
+        bench.Ratio("kill-node lost_gpu_hours peer / restart-disk", 0.002308, 0.01262, 0.10, unit="GPU-h"),
+    ])
+    out = io.StringIO()
+    render_bench([res.to_dict()], Console(file=out, width=80, force_terminal=False, color_system=None))
+    text = out.getvalue()
+    assert "…" not in text and max(len(line) for line in text.splitlines()) <= 80
+    words = set(text.split())
+    for ratio in res.ratios:
+        assert set(ratio.name.split()) <= words, (ratio.name, text)  # folded at spaces, never cut
+        assert f"{ratio.numerator:.4g} / {ratio.denominator:.4g}" in text and f"{ratio.value:.3f}" in text
+    assert "recovery-vs-disk" in words
+    assert [line.split()[-1] for line in text.splitlines() if line.rstrip().endswith((" yes", " no"))] == ["yes", "no"]
 
 
 def test_bench_json_through_the_cli_is_clean_json(fake: list[list[str]]) -> None:
