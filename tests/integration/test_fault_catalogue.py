@@ -393,9 +393,12 @@ def test_network_faults_in_the_sandbox(workdir: tuple[Path, list[str]], capsys: 
     sb_prefix = f"ffctl-{short_id(run_id)}-"
     ns1 = f"{sb_prefix}n1"
     steps = 1000
+    # The partition outlasts the hang timeout by 5 s: the step in flight when it lands can still
+    # commit seconds into it (2 s once, on a loaded host), and the hang is counted from the last
+    # commit; a 6 s partition then went undetected.
     proc = start_launch(cwd, run_id, "--sandbox", "netns", "--nnodes", "2", "--nproc-per-node", "1",
                         "--steps", str(steps), "--spares", "1",
-                        "--inject", "net-partition:node=1,step=400,duration=6",
+                        "--inject", f"net-partition:node=1,step=400,duration={HANG_MIN_S + 5:g}",
                         "--inject", "net-bandwidth:node=1,step=600,duration=3,rate=2mbit",
                         "--inject", f"link-down:node=1,step=800,duration={HEARTBEAT_S + 3:g}")
     runs = str(cwd / "runs")
