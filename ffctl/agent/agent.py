@@ -47,6 +47,8 @@ HEARTBEAT_S = 0.2
 STORE_GRACE_S = 5.0
 TERM_GRACE_S = 5.0
 SPARE_REFILL_DELAY_S = 5.0
+# How long the job's first workers wait for the template's first warm-up before starting cold.
+FIRST_WARMUP_WAIT_S = 30.0
 STEP_SCAN_S = 0.1  # how often workers' logs are read for `--step-regex`
 # What of a failed rank's log goes to the controller with its exit.
 LOG_TAIL_LINES = 20
@@ -175,6 +177,8 @@ class Agent:
         shutil.rmtree(self._fifos, ignore_errors=True)
         self._fifos.mkdir(mode=0o700)
         self._spare_n = 0
+        # Spawn commands held until the template's first warm-up is over: (gen, ranks, received).
+        self._held: list[tuple[int, list[dict[str, Any]], float]] = []
         # Forked workers are re-parented to us (see ffctl.agent.template): without the
         # subreaper role we could not watch them as our children, so fall back to cold starts.
         if cfg.template and set_child_subreaper():
@@ -295,7 +299,22 @@ class Agent:
             self.reported_spares = (ready, len(self.spares), template)
             self._report(messages.Spares, count=ready, total=len(self.spares), template=template)
 
-    def spawn(self, gen: int, ranks: list[dict[str, Any]]) -> None:
+    def _first_warmup(self) -> bool:
+        """Whether the template is still on its first warm-up (started with the agent)."""
+        return (self.template is not None and self.template.starts == 1 and self.template.alive()
+                and not self.template.is_ready())
+
+    def _spawn_held(self) -> None:
+        """Start the held workers once the template is warm (or died, or took too long)."""
+        if not self._held:
+            return
+        if self._first_warmup() and time.monotonic() - self._held[0][2] < FIRST_WARMUP_WAIT_S:
+            return
+        held, self._held = self._held, []
+        for gen, ranks, received in held:
+            self.spawn(gen, ranks, received)
+
+    def spawn(self, gen: int, ranks: list[dict[str, Any]], received: float | None = None) -> None:
         if gen > 0:
             self.last_spawn = time.monotonic()
         pids: dict[str, int] = {}
@@ -303,7 +322,8 @@ class Agent:
         took: dict[str, float] = {}
         for spec in ranks:
             rank = int(spec["rank"])
-            t0 = time.monotonic()
+            # How long the worker took to start counts from the command (a held one's wait too).
+            t0 = time.monotonic() if received is None else received
             assignment = {
                 # The token goes to the rank here, over a private pipe (the spare's stdin or the
                 # template's), never through the store.
@@ -469,9 +489,20 @@ class Agent:
                 pass
 
     def _on_spawn(self, cmd: messages.Spawn) -> None:
+        if self._first_warmup():
+            # The job's first workers, while the template imports torch: started cold now, each
+            # would import torch beside it, and on a host with fewer cores than processes all of
+            # them would take about twice as long as the template alone and a fork. Replacements
+            # after a template died do not wait: they start cold at once (recorded as such).
+            self._held.append((cmd.gen, list(cmd.ranks), time.monotonic()))
+            return
         self.spawn(cmd.gen, cmd.ranks)
 
     def _on_kill(self, cmd: messages.Kill) -> None:
+        # A held worker told to stop is never started.
+        killed = {int(r) for r in cmd.ranks}
+        self._held = [(g, [spec for spec in rs if int(spec["rank"]) not in killed], t) for g, rs, t in self._held]
+        self._held = [(g, rs, t) for g, rs, t in self._held if rs]
         self.kill(list(cmd.ranks), TERM_GRACE_S if cmd.grace is None else float(cmd.grace))
 
     def _on_neighbor(self, cmd: messages.Neighbor) -> None:
@@ -516,6 +547,7 @@ class Agent:
                 try:
                     for msg in self.inbox.poll():
                         self.handle(msg)
+                    self._spawn_held()
                     now = time.monotonic()
                     if now - last_beat >= HEARTBEAT_S:
                         self.store.add(control.heartbeat_key(self.cfg.node), 1)

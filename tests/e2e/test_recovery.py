@@ -2,6 +2,8 @@
 lost rank's place from a peer's memory, and the losses stay bit-identical to a fault-free run."""
 from __future__ import annotations
 
+import contextlib
+
 import json
 import os
 import signal
@@ -265,8 +267,14 @@ def test_faults_close_together_never_find_the_spare_pool_empty(workdir: Path, ba
 def _template_of(workdir: Path, not_pid: int = 0, timeout: float = 60.0) -> psutil.Process:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        found = [p for p in processes_in(workdir)
-                 if "ffctl.agent.template" in " ".join(p.info["cmdline"] or []) and p.pid != not_pid]
+        # Workers forked from the template carry its command line too; the template is the one
+        # with a single thread (it forks only while it has one), a running worker has several.
+        found = []
+        for p in processes_in(workdir):
+            if "ffctl.agent.template" in " ".join(p.info["cmdline"] or []) and p.pid != not_pid:
+                with contextlib.suppress(psutil.Error):
+                    if p.num_threads() == 1:
+                        found.append(p)
         if found:
             return found[0]
         time.sleep(0.01)

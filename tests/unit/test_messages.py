@@ -311,6 +311,8 @@ def _agent() -> tuple[Agent, list[messages.Message]]:
     agent.inbox = _Inbox()  # type: ignore[assignment]
     agent.stopping = threading.Event()
     agent.cfg = type("Cfg", (), {"node": 0})()  # type: ignore[assignment]
+    agent.template = None
+    agent._held = []
     agent._report = lambda kind, **fields: reported.append(kind(node=0, **fields))  # type: ignore[method-assign]
     return agent, reported
 
@@ -333,3 +335,53 @@ def test_the_agent_reports_a_command_it_refuses_or_fails_and_carries_out_the_res
     assert reported[2].error == "kill: OSError: no such process group"  # type: ignore[attr-defined]
     assert agent.stopping.is_set()
     assert "command failed" in capsys.readouterr().err
+
+
+class _WarmingTemplate:
+    """The agent's template as `_on_spawn` sees it: on its first warm-up until `ready` is set."""
+
+    def __init__(self) -> None:
+        self.starts, self.ready, self.dead = 1, False, False
+
+    def alive(self) -> bool:
+        return not self.dead
+
+    def is_ready(self) -> bool:
+        return self.ready and not self.dead
+
+
+def _spawn(gen: int, *ranks: int) -> dict[str, Any]:
+    return {"type": "spawn", "gen": gen, "ranks": [{"rank": r, "env": {}} for r in ranks]}
+
+
+def test_the_first_workers_wait_for_the_template_s_first_warm_up_and_a_killed_one_never_starts() -> None:
+    agent, _ = _agent()
+    template = _WarmingTemplate()
+    agent.template = template  # type: ignore[assignment]
+    started: list[tuple[int, list[int]]] = []
+    agent.spawn = lambda gen, ranks, received=None: started.append((gen, [r["rank"] for r in ranks]))  # type: ignore[method-assign]
+    agent.kill = lambda ranks, grace: None  # type: ignore[method-assign]
+    agent.handle(_spawn(0, 0, 1))
+    agent._spawn_held()
+    assert started == []  # held while the template imports torch
+    agent.handle({"type": "kill", "ranks": [1], "grace": 0.5})
+    template.ready = True
+    agent._spawn_held()
+    assert started == [(0, [0])]  # forked once warm; the killed rank never started
+    # A template started again (it died) is not waited for: the replacement starts at once, cold.
+    template.starts, template.ready = 2, False
+    agent.handle(_spawn(1, 1))
+    assert started == [(0, [0]), (1, [1])]
+
+
+def test_held_workers_start_cold_when_the_template_dies_before_it_is_warm() -> None:
+    agent, _ = _agent()
+    template = _WarmingTemplate()
+    agent.template = template  # type: ignore[assignment]
+    started: list[int] = []
+    agent.spawn = lambda gen, ranks, received=None: started.append(gen)  # type: ignore[method-assign]
+    agent.handle(_spawn(0, 0))
+    agent._spawn_held()
+    template.dead = True
+    agent._spawn_held()
+    assert started == [0]
