@@ -120,18 +120,36 @@ def _results(text: str) -> list[str]:
     return sorted(line[line.index("RESULT"):] for line in text.splitlines() if "RESULT " in line)
 
 
+# torch's own teardown now and then aborts a gloo script at interpreter exit, after
+# destroy_process_group has returned and every RESULT line is out ("terminate called without an
+# active exception", SIGABRT): measured under plain torchrun, 7 of 25 runs of DDP_SCRIPT on the
+# 2-core host under load. Either launcher then rightly reports a failed rank. It says nothing about
+# what these tests compare, so such a run (and only such a run) is run again.
+TORCH_EXIT_ABORT = "terminate called without an active exception"
+
+
+def _aborted_at_exit(proc: subprocess.CompletedProcess[str]) -> bool:
+    return proc.returncode != 0 and TORCH_EXIT_ABORT in proc.stdout + proc.stderr and len(_results(proc.stdout)) == 2
+
+
 def _torchrun(workdir: Path, argv: list[str]) -> list[str]:
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", *argv], cwd=workdir,
-                          capture_output=True, text=True, timeout=TIMEOUT, env=_env())
+    for _ in range(3):
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", *argv], cwd=workdir,
+                              capture_output=True, text=True, timeout=TIMEOUT, env=_env())
+        if not _aborted_at_exit(proc):
+            break
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return _results(proc.stdout)
 
 
 def _ffctl(workdir: Path, argv: list[str]) -> list[str]:
-    run_id = rid("torchrun")
-    proc = subprocess.run([sys.executable, "-m", "ffctl", "launch", "--run-id", run_id, "--runs-dir",
-                           str(workdir / "runs"), *argv], cwd=workdir, capture_output=True, text=True,
-                          timeout=TIMEOUT, env=_env())
+    for _ in range(3):
+        run_id = rid("torchrun")
+        proc = subprocess.run([sys.executable, "-m", "ffctl", "launch", "--run-id", run_id, "--runs-dir",
+                               str(workdir / "runs"), *argv], cwd=workdir, capture_output=True, text=True,
+                              timeout=TIMEOUT, env=_env())
+        if not _aborted_at_exit(proc):
+            break
     assert proc.returncode == 0, proc.stdout + proc.stderr
     logs = workdir / "runs" / run_id / "logs"
     text = "\n".join(p.read_text() for p in sorted(logs.glob("*/[0-9]*.log")))
