@@ -6,14 +6,15 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from runs.events import EventKind
-from tests.helpers.launch import TIMEOUT, assert_nothing_left, crashes, launch, rid, shm_left
+from tests.helpers.launch import (
+    TIMEOUT, assert_nothing_left, crashes, launch, rid, run_retrying_exit_abort, shm_left,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -38,15 +39,20 @@ def _loss_lines(text: str) -> list[str]:
 
 def test_plain_prints_the_same_losses_under_torchrun_and_ffctl(workdir: Path) -> None:
     argv = ["--nnodes", "1", "--nproc-per-node", "2", str(EXAMPLES / "plain.py"), "--steps", "40"]
-    torchrun = subprocess.run([sys.executable, "-m", "torch.distributed.run", *argv], cwd=workdir,
-                              capture_output=True, text=True, timeout=TIMEOUT, env=_env())
+    whole = lambda p: len(_loss_lines(p.stdout)) == 40  # noqa: E731 - every step printed
+    torchrun = run_retrying_exit_abort(lambda: [sys.executable, "-m", "torch.distributed.run", *argv], whole,
+                                       cwd=workdir, timeout=TIMEOUT, env=_env())
     assert torchrun.returncode == 0, torchrun.stdout + torchrun.stderr
     expected = _loss_lines(torchrun.stdout)
     assert [line.split()[1] for line in expected] == [str(s) for s in range(1, 41)], expected
-    run_id = rid("ddp-plain")
-    ffctl = subprocess.run([sys.executable, "-m", "ffctl", "launch", "--run-id", run_id, "--runs-dir",
-                            str(workdir / "runs"), *argv], cwd=workdir, capture_output=True, text=True,
-                           timeout=TIMEOUT, env=_env())
+    ids: list[str] = []
+
+    def attempt() -> list[str]:  # each attempt under a run id of its own
+        ids.append(rid("ddp-plain"))
+        return [sys.executable, "-m", "ffctl", "launch", "--run-id", ids[-1], "--runs-dir", str(workdir / "runs"), *argv]
+
+    ffctl = run_retrying_exit_abort(attempt, whole, cwd=workdir, timeout=TIMEOUT, env=_env())
+    run_id = ids[-1]
     assert ffctl.returncode == 0, ffctl.stdout + ffctl.stderr
     assert _loss_lines((workdir / "runs" / run_id / "logs" / "0" / "0.log").read_text()) == expected
     assert [line for line in ffctl.stdout.splitlines() if line.startswith("[rank 0]: step ")] == [

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from runs.events import EventKind
-from tests.helpers.launch import TIMEOUT, assert_nothing_left, launch, rid, shm_left
+from tests.helpers.launch import TIMEOUT, assert_nothing_left, launch, rid, run_retrying_exit_abort, shm_left
 
 pytestmark = pytest.mark.slow
 
@@ -120,36 +120,23 @@ def _results(text: str) -> list[str]:
     return sorted(line[line.index("RESULT"):] for line in text.splitlines() if "RESULT " in line)
 
 
-# torch's own teardown now and then aborts a gloo script at interpreter exit, after
-# destroy_process_group has returned and every RESULT line is out ("terminate called without an
-# active exception", SIGABRT): measured under plain torchrun, 7 of 25 runs of DDP_SCRIPT on the
-# 2-core host under load. Either launcher then rightly reports a failed rank. It says nothing about
-# what these tests compare, so such a run (and only such a run) is run again.
-TORCH_EXIT_ABORT = "terminate called without an active exception"
-
-
-def _aborted_at_exit(proc: subprocess.CompletedProcess[str]) -> bool:
-    return proc.returncode != 0 and TORCH_EXIT_ABORT in proc.stdout + proc.stderr and len(_results(proc.stdout)) == 2
-
-
 def _torchrun(workdir: Path, argv: list[str]) -> list[str]:
-    for _ in range(3):
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", *argv], cwd=workdir,
-                              capture_output=True, text=True, timeout=TIMEOUT, env=_env())
-        if not _aborted_at_exit(proc):
-            break
+    proc = run_retrying_exit_abort(lambda: [sys.executable, "-m", "torch.distributed.run", *argv],
+                                   lambda p: len(_results(p.stdout)) == 2, cwd=workdir, timeout=TIMEOUT, env=_env())
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return _results(proc.stdout)
 
 
 def _ffctl(workdir: Path, argv: list[str]) -> list[str]:
-    for _ in range(3):
-        run_id = rid("torchrun")
-        proc = subprocess.run([sys.executable, "-m", "ffctl", "launch", "--run-id", run_id, "--runs-dir",
-                               str(workdir / "runs"), *argv], cwd=workdir, capture_output=True, text=True,
-                              timeout=TIMEOUT, env=_env())
-        if not _aborted_at_exit(proc):
-            break
+    ids: list[str] = []
+
+    def attempt() -> list[str]:  # each attempt under a run id of its own
+        ids.append(rid("torchrun"))
+        return [sys.executable, "-m", "ffctl", "launch", "--run-id", ids[-1], "--runs-dir", str(workdir / "runs"), *argv]
+
+    proc = run_retrying_exit_abort(attempt, lambda p: len(_results(p.stdout)) == 2,
+                                   cwd=workdir, timeout=TIMEOUT, env=_env())
+    run_id = ids[-1]
     assert proc.returncode == 0, proc.stdout + proc.stderr
     logs = workdir / "runs" / run_id / "logs"
     text = "\n".join(p.read_text() for p in sorted(logs.glob("*/[0-9]*.log")))
