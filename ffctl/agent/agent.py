@@ -312,7 +312,8 @@ class Agent:
             return
         held, self._held = self._held, []
         for gen, ranks, received in held:
-            self.spawn(gen, ranks, received)
+            if ranks:  # all of them may have been killed meanwhile
+                self.spawn(gen, ranks, received)
 
     def spawn(self, gen: int, ranks: list[dict[str, Any]], received: float | None = None) -> None:
         if gen > 0:
@@ -501,8 +502,8 @@ class Agent:
     def _on_kill(self, cmd: messages.Kill) -> None:
         # A held worker told to stop is never started.
         killed = {int(r) for r in cmd.ranks}
-        self._held = [(g, [spec for spec in rs if int(spec["rank"]) not in killed], t) for g, rs, t in self._held]
-        self._held = [(g, rs, t) for g, rs, t in self._held if rs]
+        for _, ranks, _ in self._held:
+            ranks[:] = [spec for spec in ranks if int(spec["rank"]) not in killed]
         self.kill(list(cmd.ranks), TERM_GRACE_S if cmd.grace is None else float(cmd.grace))
 
     def _on_neighbor(self, cmd: messages.Neighbor) -> None:

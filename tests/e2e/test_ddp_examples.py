@@ -5,15 +5,13 @@ fault, the lost ranks' state from local then peer memory, and no survivor restar
 from __future__ import annotations
 
 import json
-import os
-import sys
 from pathlib import Path
 
 import pytest
 
 from runs.events import EventKind
 from tests.helpers.launch import (
-    TIMEOUT, assert_nothing_left, crashes, launch, rid, run_retrying_exit_abort, shm_left,
+    assert_nothing_left, crashes, ffctl_launch_script, launch, rid, shm_left, torchrun_script,
 )
 
 pytestmark = pytest.mark.slow
@@ -27,32 +25,18 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("ddp")
 
 
-def _env() -> dict[str, str]:
-    # Neither launcher may take its layout from this machine's PET_* or a worker variable.
-    drop = ("PET_", "TORCHELASTIC_", "OMP_NUM_THREADS", "RANK", "WORLD_SIZE", "MASTER_", "LOCAL_")
-    return {k: v for k, v in os.environ.items() if not k.startswith(drop)}
-
-
 def _loss_lines(text: str) -> list[str]:
     return [line[line.index("step "):] for line in text.splitlines() if " loss " in line and "step " in line]
 
 
 def test_plain_prints_the_same_losses_under_torchrun_and_ffctl(workdir: Path) -> None:
     argv = ["--nnodes", "1", "--nproc-per-node", "2", str(EXAMPLES / "plain.py"), "--steps", "40"]
-    whole = lambda p: len(_loss_lines(p.stdout)) == 40  # noqa: E731 - every step printed
-    torchrun = run_retrying_exit_abort(lambda: [sys.executable, "-m", "torch.distributed.run", *argv], whole,
-                                       cwd=workdir, timeout=TIMEOUT, env=_env())
+    whole = lambda out: len(_loss_lines(out)) == 40  # noqa: E731 - every step printed
+    torchrun = torchrun_script(workdir, argv, whole)
     assert torchrun.returncode == 0, torchrun.stdout + torchrun.stderr
     expected = _loss_lines(torchrun.stdout)
     assert [line.split()[1] for line in expected] == [str(s) for s in range(1, 41)], expected
-    ids: list[str] = []
-
-    def attempt() -> list[str]:  # each attempt under a run id of its own
-        ids.append(rid("ddp-plain"))
-        return [sys.executable, "-m", "ffctl", "launch", "--run-id", ids[-1], "--runs-dir", str(workdir / "runs"), *argv]
-
-    ffctl = run_retrying_exit_abort(attempt, whole, cwd=workdir, timeout=TIMEOUT, env=_env())
-    run_id = ids[-1]
+    ffctl, run_id = ffctl_launch_script(workdir, "ddp-plain", argv, whole)
     assert ffctl.returncode == 0, ffctl.stdout + ffctl.stderr
     assert _loss_lines((workdir / "runs" / run_id / "logs" / "0" / "0.log").read_text()) == expected
     assert [line for line in ffctl.stdout.splitlines() if line.startswith("[rank 0]: step ")] == [

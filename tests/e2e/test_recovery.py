@@ -3,7 +3,6 @@ lost rank's place from a peer's memory, and the losses stay bit-identical to a f
 from __future__ import annotations
 
 import contextlib
-
 import json
 import os
 import signal

@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 
 from runs.events import EventKind
-from tests.helpers.launch import TIMEOUT, assert_nothing_left, launch, rid, run_retrying_exit_abort, shm_left
+from tests.helpers.launch import (
+    TIMEOUT, assert_nothing_left, ffctl_launch_script, launch, launcher_env, rid, shm_left, torchrun_script,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -110,33 +112,18 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return d
 
 
-def _env() -> dict[str, str]:
-    # Neither launcher may take its layout from this machine's PET_* or a worker variable.
-    drop = ("PET_", "TORCHELASTIC_", "OMP_NUM_THREADS", "RANK", "WORLD_SIZE", "MASTER_", "LOCAL_")
-    return {k: v for k, v in os.environ.items() if not k.startswith(drop)}
-
-
 def _results(text: str) -> list[str]:
     return sorted(line[line.index("RESULT"):] for line in text.splitlines() if "RESULT " in line)
 
 
 def _torchrun(workdir: Path, argv: list[str]) -> list[str]:
-    proc = run_retrying_exit_abort(lambda: [sys.executable, "-m", "torch.distributed.run", *argv],
-                                   lambda p: len(_results(p.stdout)) == 2, cwd=workdir, timeout=TIMEOUT, env=_env())
+    proc = torchrun_script(workdir, argv, lambda out: len(_results(out)) == 2)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return _results(proc.stdout)
 
 
 def _ffctl(workdir: Path, argv: list[str]) -> list[str]:
-    ids: list[str] = []
-
-    def attempt() -> list[str]:  # each attempt under a run id of its own
-        ids.append(rid("torchrun"))
-        return [sys.executable, "-m", "ffctl", "launch", "--run-id", ids[-1], "--runs-dir", str(workdir / "runs"), *argv]
-
-    proc = run_retrying_exit_abort(attempt, lambda p: len(_results(p.stdout)) == 2,
-                                   cwd=workdir, timeout=TIMEOUT, env=_env())
-    run_id = ids[-1]
+    proc, run_id = ffctl_launch_script(workdir, "torchrun", argv, lambda out: len(_results(out)) == 2)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     logs = workdir / "runs" / run_id / "logs"
     text = "\n".join(p.read_text() for p in sorted(logs.glob("*/[0-9]*.log")))
@@ -196,7 +183,7 @@ def test_no_python_from_the_environment_runs_a_program(workdir: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "ffctl", "launch", "--run-id", run_id, "--runs-dir",
                            str(workdir / "runs"), "--nproc-per-node", "2", "--role", "trainer", "./job.sh", "a", "b"],
                           cwd=workdir, capture_output=True, text=True, timeout=TIMEOUT,
-                          env={**_env(), "PET_NO_PYTHON": "1"})
+                          env={**launcher_env(), "PET_NO_PYTHON": "1"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     text = "\n".join(p.read_text() for p in sorted((workdir / "runs" / run_id / "logs").glob("*/[0-9]*.log")))
     assert _results(text) == [f"RESULT rank={r} of 2 role=trainer args=a b" for r in (0, 1)]

@@ -153,13 +153,36 @@ def shm_left(run_id: str) -> list[Path]:
 TORCH_EXIT_ABORT = "terminate called without an active exception"
 
 
-def run_retrying_exit_abort(argv: Callable[[], list[str]],
-                            complete: Callable[[subprocess.CompletedProcess[str]], bool],
-                            attempts: int = 3, **kwargs: Any) -> subprocess.CompletedProcess[str]:
-    """`subprocess.run(argv(), ...)`, again while it failed only by torch's abort at exit after
-    `complete(proc)` said its output was whole. `argv` is called per attempt (a fresh run id)."""
+def launcher_env() -> dict[str, str]:
+    """This environment without what would give torchrun or ffctl launch a layout of its own
+    (this machine's PET_* or a worker's variables), for tests that compare the two."""
+    drop = ("PET_", "TORCHELASTIC_", "OMP_NUM_THREADS", "RANK", "WORLD_SIZE", "MASTER_", "LOCAL_")
+    return {k: v for k, v in os.environ.items() if not k.startswith(drop)}
+
+
+def _retrying_exit_abort(argv: Callable[[], list[str]], whole: Callable[[str], bool],
+                         cwd: Path, attempts: int = 3) -> subprocess.CompletedProcess[str]:
+    """Run `argv()` again while a run failed only by torch's abort at exit, its stdout `whole`."""
     for _ in range(attempts):
-        proc = subprocess.run(argv(), capture_output=True, text=True, **kwargs)
-        if proc.returncode == 0 or TORCH_EXIT_ABORT not in proc.stdout + proc.stderr or not complete(proc):
+        proc = subprocess.run(argv(), cwd=cwd, capture_output=True, text=True, timeout=TIMEOUT, env=launcher_env())
+        if proc.returncode == 0 or TORCH_EXIT_ABORT not in proc.stdout + proc.stderr or not whole(proc.stdout):
             break
     return proc
+
+
+def torchrun_script(cwd: Path, argv: list[str], whole: Callable[[str], bool]) -> subprocess.CompletedProcess[str]:
+    """`torchrun ARGV` in `cwd`, as a user runs it (see TORCH_EXIT_ABORT)."""
+    return _retrying_exit_abort(lambda: [sys.executable, "-m", "torch.distributed.run", *argv], whole, cwd)
+
+
+def ffctl_launch_script(cwd: Path, prefix: str, argv: list[str],
+                        whole: Callable[[str], bool]) -> tuple[subprocess.CompletedProcess[str], str]:
+    """`ffctl launch ARGV` in `cwd` under a run id starting with `prefix` (a fresh one per
+    attempt, see TORCH_EXIT_ABORT); the run and the id of its record in `cwd/runs`."""
+    ids: list[str] = []
+
+    def attempt() -> list[str]:
+        ids.append(rid(prefix))
+        return ffctl_argv("launch", "--run-id", ids[-1], "--runs-dir", str(cwd / "runs"), *argv)
+
+    return _retrying_exit_abort(attempt, whole, cwd), ids[-1]
