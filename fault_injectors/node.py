@@ -10,9 +10,10 @@ from fault_injectors.spec import FaultKind, FaultSpec
 from runs.shm import node_prefix
 
 
-def shm_prefix(run_id: str, node: int) -> str:
-    """Name prefix of a node's snapshot slots in /dev/shm (the agent owns them)."""
-    return f"/dev/shm/{node_prefix(run_id, node)}"
+def shm_prefix(shm_dir: str, run_id: str, node: int) -> str:
+    """Name prefix of a node's snapshot slots in the run's shared-memory directory (the agent
+    owns them)."""
+    return f"{shm_dir.rstrip('/')}/{node_prefix(run_id, node)}"
 
 
 def plan(spec: FaultSpec, topo: Topology, ranks: tuple[int, ...], nodes: tuple[int, ...]) -> FaultPlan:
@@ -26,7 +27,7 @@ def plan(spec: FaultSpec, topo: Topology, ranks: tuple[int, ...], nodes: tuple[i
             apply.append(
                 HostCommand(
                     n, place.host,
-                    ("sh", "-c", 'rm -f -- "$1"*', "sh", shm_prefix(topo.run_id, n)),
+                    ("sh", "-c", 'rm -f -- "$1"*', "sh", shm_prefix(topo.fault_dir, topo.run_id, n)),
                     place.netns,
                 )
             )

@@ -40,7 +40,9 @@ class Topology:
     controller_address: str = "127.0.0.1"
     store_port: int = 0
     ssh_port: int = 22
-    fault_dir: str = "/dev/shm"  # where a rank picks up an emulated in-step fault
+    # The run's private shared-memory directory on the hosts (`runs.shm.run_dir`): its slots,
+    # and where a rank picks up an emulated in-step fault.
+    fault_dir: str = "/dev/shm/ffctl-<run>-<key>"
     has_gpu: bool = False  # False: GPU faults run emulated inside the step
     # The run directory as the target hosts see it; dead man's switches record their reverts there.
     record_dir: str | None = None

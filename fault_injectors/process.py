@@ -1,7 +1,8 @@
 """Process faults: kill-rank, term-rank, hang-rank (SIGSTOP / SIGCONT) and crash-rank.
 
 crash-rank (and the emulated GPU faults) act inside the rank's training step: the plan drops the
-fault's name in a file the rank owns and sends SIGUSR1; the rank's step hook raises it.
+fault's name in a file in the run's private shared-memory directory and sends SIGUSR1; the rank's
+step hook raises it.
 """
 from __future__ import annotations
 
@@ -16,14 +17,22 @@ def in_step_fault_path(topo: Topology, rank: int) -> str:
     return fault_path(topo.fault_dir, topo.run_id, rank)
 
 
+# $1 the run's directory, $2 what, $3 the fault file, $4 the rank's pid. The directory must be a
+# real directory of ours (it is 0700: nobody else can put anything in it); the file is written
+# under a name mktemp creates exclusively (O_EXCL, mode 0600) and renamed into place, which
+# replaces whatever is at the name itself and never writes through a symlink.
+IN_STEP_SCRIPT = r"""[ -d "$1" ] && [ ! -L "$1" ] && [ -O "$1" ] || { echo "$1: not a directory of ours" >&2; exit 1; }
+t=$(mktemp -p "$1" .fault.XXXXXXXX) || exit 1
+printf %s "$2" > "$t" && mv -f -T -- "$t" "$3" || { rm -f -- "$t"; exit 1; }
+kill -USR1 "$4"
+"""
+
+
 def in_step_command(topo: Topology, rank: int, what: str) -> HostCommand:
     place = topo.rank(rank)
     node = topo.node(place.node)
     # Positional parameters, not string pasting: nothing in the path or name reaches the shell.
-    argv = (
-        "sh", "-c", 'printf %s "$1" > "$2" && kill -USR1 "$3"', "sh",
-        what, in_step_fault_path(topo, rank), str(place.pid),
-    )
+    argv = ("sh", "-c", IN_STEP_SCRIPT, "sh", topo.fault_dir, what, in_step_fault_path(topo, rank), str(place.pid))
     return HostCommand(node.node, node.host, argv, netns=node.netns)
 
 

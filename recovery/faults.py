@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from runs.shm import fault_path
+from runs.shm import UnsafeShm, fault_path, read_small
 
 
 class InjectedDeviceError(RuntimeError):
@@ -24,7 +24,8 @@ class InjectedDeviceError(RuntimeError):
 
 class InStepFaults:
     def __init__(self, fault_dir: str, run_id: str, rank: int) -> None:
-        self.path = Path(fault_path(fault_dir, run_id, rank))
+        # No directory (a rank not started by an agent): no in-step fault can reach it.
+        self.path = Path(fault_path(fault_dir, run_id, rank)) if fault_dir else None
         self.pending = False
         self._hog: list[Any] = []
 
@@ -35,13 +36,18 @@ class InStepFaults:
         self.pending = True
 
     def check(self) -> None:
-        if not self.pending:
+        if not self.pending or self.path is None:
             return
         self.pending = False
         try:
-            what = self.path.read_text().strip()
+            # Bounded and never through a symlink: the file sits in the run's private directory,
+            # and even so only a small regular file of ours is read.
+            what = read_small(self.path).decode("utf-8", errors="replace").strip()
             self.path.unlink()
         except FileNotFoundError:
+            return
+        except UnsafeShm:
+            self.path.unlink(missing_ok=True)
             return
         self.fire(what)
 

@@ -11,7 +11,9 @@ from typing import ClassVar, Mapping
 
 from runs.events import Label
 
-SHM_DIR = "/dev/shm"  # where slots and in-step fault files live unless configured otherwise
+# Where slots and in-step fault files live: the run's private directory on the rank's host
+# (`runs.shm.run_dir`), which only the rank's agent tells it (FFCTL_SHM_DIR, FFCTL_FAULT_DIR).
+SHM_DIRS = ("shm_dir", "fault_dir")
 # The job token reaches a rank only through its agent's own process environment under this name,
 # never through the store: a rank's environment as the controller sends it has no token.
 TOKEN_ENV = "FFCTL_TOKEN"
@@ -48,14 +50,14 @@ class JobEnv:
     store_port: int
     gen: int
     strategy: str = Strategy.PEER
-    shm_dir: str = SHM_DIR
+    shm_dir: str = ""
     ckpt_dir: str = ""
     ckpt_every: int = 0
     replicate: bool = False  # wait for the ring neighbour's copy before the next update
     token: str = ""
     pg_timeout: float = 60.0
     backend: str = "gloo"
-    fault_dir: str = SHM_DIR
+    fault_dir: str = ""
     role: str = "default"  # torchrun's --role
     max_restarts: int = 0  # the job's restart budget, as torchrun tells its workers
     # MASTER_PORT when it is not the control store's: an unchanged script's rendezvous store,
@@ -70,6 +72,9 @@ class JobEnv:
         env = {f"FFCTL_{k.upper()}": str(int(v) if isinstance(v, bool) else v) for k, v in asdict(self).items()}
         if not self.token:
             del env[TOKEN_ENV]  # the agent adds it where the rank starts
+        for name in SHM_DIRS:
+            if not getattr(self, name):
+                del env[f"FFCTL_{name.upper()}"]  # so does it the run's directory on its host
         env.update(
             RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK=str(self.local_rank),
             LOCAL_WORLD_SIZE=str(self.local_world_size), GROUP_RANK=str(self.node),

@@ -1,14 +1,16 @@
-"""Shared-memory snapshot slots: two per rank (`step % 2`), files in /dev/shm owned by the node agent.
+"""Shared-memory snapshot slots: two per rank (`step % 2`), files in the run's private directory
+in /dev/shm (`runs.shm`), owned by the node agent.
 
 A slot is a file mapped by the rank that writes it and by the agent that streams and serves it.
 A crash of the rank loses nothing already committed. Layout: a 4 KiB header, then the pickled
 meta, then the rank's shard of the replicated state. The header is written last (after a crc32 of
 everything behind it), so a rank killed mid-copy leaves a slot marked `writing`, never a valid
-slot with torn content; the other slot still holds the step before.
+slot with torn content; the other slot still holds the step before. Slots are created with
+O_EXCL and reopened with O_NOFOLLOW, and only regular files of ours are used
+(`runs.shm.open_file`).
 """
 from __future__ import annotations
 
-import fcntl
 import mmap
 import os
 import struct
@@ -22,6 +24,7 @@ import torch
 
 from recovery.doorbell import Ringer
 from recovery.snapshot import Capture
+from runs import shm
 from runs.shm import claim_path, slot_path
 
 MAGIC = b"FFS1"
@@ -38,18 +41,22 @@ class NodeBusy(Exception):
 
 def claim_node(shm_dir: str, run_id: str, node: int) -> int:
     """Claim a node's slot names for the caller's lifetime: an flock, which the kernel releases
-    when the holder dies, however it dies. Two runs given the same run id on one host would
-    otherwise wipe and overwrite each other's slots, and a slot of the other run for the same
-    step passes every checksum. Returns the descriptor to keep open (not inherited by children)."""
+    when the holder dies, however it dies. Two runs given the same run id on one host each have
+    their own directory, but would still stand in each other's way (the same namespaces, dead
+    man's switches and `--run` scopes), so the second is refused while the first lives. Makes the
+    run's private directory if no other agent of this host has (UnsafeShm if something else
+    stands there). Returns the descriptor to keep open (not inherited by children)."""
+    shm.ensure_private_dir(shm_dir)
     path = claim_path(shm_dir, run_id, node)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    twins = shm.live_twins(shm_dir, run_id, node)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if twins:
+            raise BlockingIOError
+        return shm.hold(path)
     except BlockingIOError:
-        os.close(fd)
+        held = twins[0] if twins else path
         raise NodeBusy(f"run id {run_id!r} is in use on this host: another ffctl run holds node {node}'s "
-                       f"snapshot slots ({path}); give this run another --run-id") from None
-    return fd
+                       f"snapshot slots ({held}); give this run another --run-id") from None
 
 
 def release_node(shm_dir: str, run_id: str, node: int, fd: int) -> None:
@@ -101,8 +108,11 @@ class HeaderWatch:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        with open(path, "rb") as fh:
-            self._mm = mmap.mmap(fh.fileno(), ACK_OFFSET + ACK.size, prot=mmap.PROT_READ)
+        fd = shm.open_file(path)
+        try:
+            self._mm = mmap.mmap(fd, ACK_OFFSET + ACK.size, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
 
     def read(self) -> SlotHeader | None:
         return parse_header(self._mm)
@@ -113,10 +123,11 @@ class HeaderWatch:
 
 def read_header(path: Path) -> SlotHeader | None:
     try:
-        with open(path, "rb") as fh:
-            raw = fh.read(ACK_OFFSET + ACK.size)
+        fd = shm.open_file(path)
     except FileNotFoundError:
         return None
+    with os.fdopen(fd, "rb") as fh:
+        raw = fh.read(ACK_OFFSET + ACK.size)
     return parse_header(raw)
 
 
@@ -125,7 +136,7 @@ def read_slot(path: Path) -> SlotContent | None:
     before = read_header(path)
     if before is None or not before.valid:
         return None
-    with open(path, "rb") as fh:
+    with os.fdopen(shm.open_file(path), "rb") as fh:
         fh.seek(DATA_OFFSET)
         meta = fh.read(before.meta_len)
         shard = fh.read(before.shard_len)
@@ -137,7 +148,7 @@ def read_slot(path: Path) -> SlotContent | None:
 
 
 def write_ack(path: Path, step: int) -> None:
-    with open(path, "r+b") as fh:
+    with os.fdopen(shm.open_file(path, os.O_RDWR), "r+b") as fh:
         fh.seek(ACK_OFFSET)
         fh.write(ACK.pack(step))
 
@@ -150,6 +161,8 @@ class SlotWriter:
     """
 
     def __init__(self, shm_dir: str, run_id: str, node: int, rank: int) -> None:
+        # Only ever the run's private directory, which this node's agent made before any rank.
+        shm.check_private_dir(shm_dir)
         self.paths = [slot_path(shm_dir, run_id, node, rank, s) for s in (0, 1)]
         self._bell = Ringer(run_id, node)  # tells the agent to stream now, so it need not poll
         self._maps: list[tuple[int, mmap.mmap] | None] = [None, None]
@@ -164,9 +177,11 @@ class SlotWriter:
             return current[1]
         if current is not None:
             current[1].close()
-        fd = os.open(self.paths[slot], os.O_RDWR | os.O_CREAT, 0o600)
+        # Created anew (O_EXCL) or, for a replacement of the rank, its predecessor's file reopened:
+        # never through a symlink, never a file that is not ours.
+        fd, created = shm.open_or_create(self.paths[slot])
         try:
-            fresh = os.fstat(fd).st_size == 0
+            fresh = created or os.fstat(fd).st_size == 0
             if os.fstat(fd).st_size < size:
                 os.ftruncate(fd, size)
             mm = mmap.mmap(fd, size)

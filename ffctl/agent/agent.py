@@ -24,7 +24,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -38,7 +38,7 @@ from ffctl.agent.template import (
 from ffctl.agent.workerenv import worker_env
 from recovery import control, messages
 from recovery.peer import PeerStore
-from recovery.jobenv import ERROR_FILE_ENV, SHM_DIR, TOKEN_ENV
+from recovery.jobenv import ERROR_FILE_ENV, TOKEN_ENV
 from recovery.slots import NodeBusy, claim_node, read_header, release_node, slot_path
 from runs import shm
 
@@ -74,7 +74,9 @@ class AgentConfig:
     worker_env: dict[str, str] = field(default_factory=dict)
     python: str = sys.executable
     cwd: str = ""
-    shm_dir: str = SHM_DIR
+    # The run's private shared-memory directory on this host (`runs.shm.run_dir`), named by the
+    # controller and made by the first agent of the host; empty: the agent draws one itself.
+    shm_dir: str = ""
     spares: int = 0
     incarnation: int = 0
     keep_freed_memory: bool = True  # see ffctl.agent.workerenv
@@ -143,6 +145,8 @@ class Agent:
     watch_stdin = True  # False when stdin is not the controller's (see main)
 
     def __init__(self, cfg: AgentConfig) -> None:
+        if not cfg.shm_dir:
+            cfg = replace(cfg, shm_dir=shm.new_run_dir(cfg.run_id))
         self.cfg = cfg
         self.store = control.connect(cfg.store_host, cfg.store_port, timeout=10.0)
         self.sealer = control.Sealer(cfg.token, f"agent/{cfg.node}")
@@ -158,7 +162,7 @@ class Agent:
         self.lock = threading.Lock()
         try:
             self._claim = claim_node(cfg.shm_dir, cfg.run_id, cfg.node)
-        except NodeBusy as exc:
+        except (NodeBusy, shm.UnsafeShm) as exc:
             self._report(messages.AgentFailed, reason=str(exc))
             raise
         self._wipe_slots()  # a (re)started node is an empty node
@@ -329,7 +333,10 @@ class Agent:
                 # The token goes to the rank here, over a private pipe (the spare's stdin or the
                 # template's), never through the store.
                 "env": {**self.cfg.worker_env, **spec["env"], TOKEN_ENV: self.cfg.token,
-                        ERROR_FILE_ENV: str(self._error_file(rank, gen))},
+                        ERROR_FILE_ENV: str(self._error_file(rank, gen)),
+                        # Where the rank's slots and in-step faults are: known to this host's
+                        # processes only, never sent through the store.
+                        "FFCTL_SHM_DIR": self.cfg.shm_dir, "FFCTL_FAULT_DIR": self.cfg.shm_dir},
                 "argv": list(self.cfg.worker_argv),
                 "log": str(Path(self.cfg.log_dir) / f"{rank}.log"),
                 "cwd": self.cfg.cwd,
@@ -588,6 +595,10 @@ class Agent:
         self.peer.stop()
         self._wipe_slots()
         release_node(self.cfg.shm_dir, self.cfg.run_id, self.cfg.node, self._claim)
+        # The host's last holder of the run's directory takes it away (over SSH there is nobody
+        # else to; locally the launcher holds it until its own sweep).
+        if not shm.in_use(self.cfg.shm_dir):
+            shm.remove_run_dir(Path(self.cfg.shm_dir))
 
 
 def main() -> int:
@@ -601,7 +612,7 @@ def main() -> int:
             agent.watch_stdin = False
         else:
             agent = Agent(AgentConfig.from_json(sys.stdin.readline()))
-    except NodeBusy as exc:
+    except (NodeBusy, shm.UnsafeShm) as exc:
         print(f"ffctl agent: {exc}", file=sys.stderr)
         return 2
     return agent.run()

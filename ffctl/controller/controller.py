@@ -34,6 +34,7 @@ from ffctl.controller.progress import StepReport
 from recovery import control, disk, messages
 from recovery.jobenv import JobEnv, Strategy
 from recovery.throttle import Throttle
+from runs import shm
 from runs.events import EventKind, RestoreSource, RunStatus
 from runs.metrics import compute
 from runs.store import RunStore, controller_identity
@@ -53,6 +54,9 @@ class Controller:
         self.launcher = nodes
         self.view = view or (lambda state: None)
         self.token = record.token()
+        # The run's private shared-memory directory, the same name on every host: drawn here, so
+        # nobody can make it first; it reaches the agents only in their own configuration.
+        self.shm_dir = shm.new_run_dir(record.run_id)
         self.job = JobState.for_world(spec.world_size, spec.nproc_per_node)
         self.clock_offsets: dict[int, float] = {}  # node -> its clock minus ours (seconds)
         self.started = time.time()
@@ -173,7 +177,7 @@ class Controller:
         ranks = tuple(RankPlace(r, self.job.members[r], pid) for r, pid in sorted(self.job.pids.items()) if pid)
         # GPU faults act on the device where the backend says the hosts have one, else emulated.
         return Topology(self.rec.run_id, nodes, ranks, controller_address=self.spec.address,
-                        store_port=self.port, has_gpu=self.launcher.has_gpu(),
+                        store_port=self.port, has_gpu=self.launcher.has_gpu(), fault_dir=self.shm_dir,
                         record_dir=self.launcher.run_dir or str(self.rec.path.absolute()))
 
     def _agent_config(self, node: int) -> AgentConfig:
@@ -189,6 +193,7 @@ class Controller:
             store_port=self.port, address=self.launcher.address(node), token=self.token,
             log_dir=str(self.rec.path / "logs" / str(node)), worker_argv=argv, worker_env=env,
             cwd=str(Path.cwd()), spares=self.spec.spares, incarnation=self._incarnation.get(node, 0),
+            shm_dir=self.shm_dir,
             keep_freed_memory=self.spec.keep_freed_memory, step_regex=self.spec.step_regex or "",
             # restart-disk stays what torchrun users have: every worker a fresh interpreter.
             template=self.spec.recovery != Strategy.RESTART_DISK,

@@ -18,8 +18,6 @@ from fault_injectors.plan import HostCommand
 from fault_injectors.transport import LocalTransport, Transport
 from ffctl.agent.agent import AgentConfig
 from ffctl.spec import LaunchSpec
-from recovery.jobenv import SHM_DIR
-from recovery.slots import NodeBusy, claim_node, release_node
 from runs import shm
 from runs.store import RunStore
 
@@ -61,6 +59,10 @@ class LocalNodes:
         self._netns = namespaces or {}
         self._ifaces = interfaces or {}
         self.controller_address = controller_address
+        # The run's shared-memory directory on this machine, held (its holder lock) from the
+        # first agent's start to the sweep, so `revert --all` never takes it between agents.
+        self._shm_dir: str | None = None
+        self._shm_hold: int | None = None
 
     @classmethod
     def for_launch(cls, spec: LaunchSpec, run_id: str) -> LocalNodes:
@@ -106,25 +108,25 @@ class LocalNodes:
         return {}
 
     def sweep(self, run_id: str, nodes: Sequence[int]) -> None:
-        """Remove the run's shared-memory names, node by node, where no live process (another
-        run given the same id) holds the node's claim; the fault files once every node was free."""
-        swept = 0
-        for n in nodes:
-            try:
-                fd = claim_node(SHM_DIR, run_id, n)
-            except NodeBusy:
-                continue
-            try:
-                shm.sweep_node(SHM_DIR, run_id, n)
-            finally:
-                release_node(SHM_DIR, run_id, n, fd)
-            swept += 1
-        if swept == len(nodes):
-            shm.sweep_faults(SHM_DIR, run_id)
+        """Remove the run's shared-memory directory (slots, fault files, spares' FIFOs) unless a
+        live process (an agent that did not stop) still holds one of its locks."""
+        if self._shm_hold is not None:
+            os.close(self._shm_hold)  # our own hold ends here
+            self._shm_hold = None
+        if self._shm_dir is not None and not shm.in_use(self._shm_dir):
+            shm.remove_run_dir(Path(self._shm_dir))
+
+    def _hold_shm(self, shm_dir: str) -> None:
+        if self._shm_dir is not None:
+            return
+        self._shm_dir = shm_dir
+        shm.ensure_private_dir(shm_dir)  # a bad one is refused here, before any agent
+        self._shm_hold = shm.hold(shm.holder_path(shm_dir))
 
     def start(self, cfg: AgentConfig) -> LocalAgent:
         if self.log_dir is None:
             raise RuntimeError("LocalNodes.start before attach(): no log directory")
+        self._hold_shm(cfg.shm_dir)
         argv = [sys.executable, "-m", "ffctl.agent"]
         ns = self.netns(cfg.node)
         if ns:

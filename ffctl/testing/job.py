@@ -26,6 +26,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable
 
+from runs import shm
 from runs.events import Event, EventKind
 from runs.metrics import compute
 from runs.store import iter_events
@@ -251,12 +252,9 @@ class Job:
             except ProcessLookupError:
                 pass
         for rid in self.run_ids:
-            for shm in Path("/dev/shm").glob(f"ffctl-{rid}-*"):
-                try:
-                    shm.unlink()
-                    forced.append(f"removed {shm}")
-                except FileNotFoundError:
-                    pass
+            for path in shm.dead_run_dirs(run_id=rid):
+                shm.remove_run_dir(path)
+                forced.append(f"removed {path}")
         return forced
 
 

@@ -161,7 +161,7 @@ def test_corrupted_slot_is_detected_and_not_used(
         events = list((workdir / "runs" / run_id / "events.jsonl").read_text().splitlines())
         pid = next(json.loads(line)["pids"]["1"] for line in events if '"ranks_spawned"' in line)
         os.kill(pid, signal.SIGSTOP)
-        for slot in sorted(Path("/dev/shm").glob(f"ffctl-{run_id}-n0-r1-s*")):
+        for slot in sorted(Path("/dev/shm").glob(f"ffctl-{run_id}-*/ffctl-{run_id}-n0-r1-s*")):
             with open(slot, "r+b") as fh:
                 fh.seek(-1, os.SEEK_END)
                 last = fh.read(1)

@@ -40,6 +40,7 @@ from fault_injectors.transport import LocalTransport, Transport
 from ffctl.controller.injector import chaos_faults
 from ffctl.launch.sandbox import cleanup_stale, list_namespaces, short_id
 from runs.events import Event, EventKind
+from runs import shm
 from runs.store import iter_events
 from tests.conftest import is_root, needs_root
 from tests.helpers.launch import stop_at_end
@@ -184,8 +185,8 @@ def scrub(cwd: Path, run_ids: list[str]) -> None:
         except psutil.NoSuchProcess:
             pass
     for run_id in run_ids:
-        for path in Path("/dev/shm").glob(f"ffctl-{run_id}-*"):
-            path.unlink(missing_ok=True)
+        for path in shm.dead_run_dirs(run_id=run_id):
+            shm.remove_run_dir(path)
         if not is_root():
             continue
         prefix = f"ffctl-{short_id(run_id)}-"
