@@ -266,7 +266,7 @@ def _fault_metrics(inj: Event, events: list[Event], world_size: int, end_t: floa
 
 
 @dataclass(frozen=True)
-class _Commit:
+class Commit:
     t: float
     step: int
     gen: int
@@ -281,12 +281,13 @@ class _LostWindow:
     back_at: float | None
 
 
-def _commits(events: list[Event]) -> list[_Commit]:
-    return [_Commit(ev.t, int(ev.get("step")), int(ev.get("gen", 0) or 0), float(ev.get("step_time_s", 0.0) or 0.0))
+def commits(events: list[Event]) -> list[Commit]:
+    """Every step commit, in record order (runs.projection measures step times from them too)."""
+    return [Commit(ev.t, int(ev.get("step")), int(ev.get("gen", 0) or 0), float(ev.get("step_time_s", 0.0) or 0.0))
             for ev in events if ev.kind is EventKind.STEP]
 
 
-def _interval(commits: list[_Commit], i: int) -> float | None:
+def step_interval(commits: list[Commit], i: int) -> float | None:
     """Wall time of the step committed at `commits[i]`, when the commit before it is the step
     before it in the same generation (a replay's first step or a new generation's is no pace)."""
     if i <= 0:
@@ -297,7 +298,7 @@ def _interval(commits: list[_Commit], i: int) -> float | None:
     return b.t - a.t
 
 
-def _step_at(commits: list[_Commit], t: float) -> int:
+def _step_at(commits: list[Commit], t: float) -> int:
     """The step of the newest commit at or before `t`: where the job stood (a rollback lowers it,
     so replayed steps are no progress)."""
     step = 0
@@ -308,13 +309,13 @@ def _step_at(commits: list[_Commit], t: float) -> int:
     return step
 
 
-def _lost_window(injected_at: float, fault_end: float | None, commits: list[_Commit], end_t: float,
+def _lost_window(injected_at: float, fault_end: float | None, commits: list[Commit], end_t: float,
                  completed: bool) -> _LostWindow:
     before = [i for i, c in enumerate(commits) if c.t <= injected_at]
     start = commits[before[-1]].t if before else injected_at
     # The pace: the median wall time per step before the fault, from the commits' timestamps (what
     # the job delivered, input and reporting included); a single commit has only its own step_time_s.
-    gaps = [g for g in (_interval(commits, i) for i in before) if g is not None]
+    gaps = [g for g in (step_interval(commits, i) for i in before) if g is not None]
     pace: float | None = statistics.median(gaps) if gaps else (
         statistics.median(commits[i].step_time_s for i in before) if before else None)
     back_at = None
@@ -322,7 +323,7 @@ def _lost_window(injected_at: float, fault_end: float | None, commits: list[_Com
         for j, c in enumerate(commits):
             if c.t < fault_end or j + BACK_WINDOW >= len(commits):
                 continue
-            window = [_interval(commits, j + k) for k in range(1, BACK_WINDOW + 1)]
+            window = [step_interval(commits, j + k) for k in range(1, BACK_WINDOW + 1)]
             if any(g is None for g in window):
                 continue
             gaps_after = [float(g) for g in window if g is not None]
@@ -344,7 +345,7 @@ def _lost_window(injected_at: float, fault_end: float | None, commits: list[_Com
     return _LostWindow(start, end, pace, back_at)
 
 
-def _lost_windows(windows: list[_LostWindow], commits: list[_Commit]) -> list[float]:
+def _lost_windows(windows: list[_LostWindow], commits: list[Commit]) -> list[float]:
     """Each window's lost seconds: its length less (steps gained) x pace, floored at zero.
 
     Where windows overlap, each stretch of time between two window edges is split evenly between
@@ -424,16 +425,16 @@ def compute(run_id: str, events: list[Event], controller_alive: bool | None = No
         for ev in events
         if ev.kind is EventKind.FAULT_INJECTED
     ]
-    commits = _commits(events)
+    committed = commits(events)
     windows = []
     for f in faults:
         # The fault ended when it was recovered from and, if it was reverted, reverted: a hang
         # the job got past at once (step m+1 was already reduced) still stalls it until then.
         ends = [t for t in (f.resumed_at, f.reverted_at) if t is not None]
         fault_end = max(ends) if ends and (f.recovered or f.reverted_at is not None) else None
-        windows.append(_lost_window(f.injected_at, fault_end, commits, end_t,
+        windows.append(_lost_window(f.injected_at, fault_end, committed, end_t,
                                     status == RunStatus.COMPLETED.value))
-    lost = _lost_windows(windows, commits)
+    lost = _lost_windows(windows, committed)
     # Without steps there is no pace to measure against: the restart time is what is known lost.
     lost = [x if f.step_known else (f.recovery_s or 0.0) for f, x in zip(faults, lost)]
     faults = [
@@ -460,59 +461,3 @@ def compute(run_id: str, events: list[Event], controller_alive: bool | None = No
         messages_rejected=sum(1 + int(ev.get("dropped_before", 0) or 0) + int(ev.get("unreported_before", 0) or 0)
                               for ev in events if ev.kind is EventKind.MESSAGE_REJECTED),
     )
-
-
-# --- Projection to cluster scale (`ffctl report --project gpus=N,mtbf=T`) ----------------------
-
-SECONDS_PER_DAY = 86400.0
-PROJECTION_FORMULA = [
-    "interruptions/day = 86400 / mtbf_s",
-    "lost GPU-h/day = interruptions/day x lost_s per fault x gpus / 3600",
-    "goodput = fault-free goodput x max(0, 1 - lost_s per fault / mtbf_s)",
-    "spare GPU-h/day = spare share x gpus x 24",
-]
-
-
-def project(reports: list[dict[str, Any]], gpus: int, mtbf_s: float) -> dict[str, Any]:
-    """What the measured runs imply for a job of `gpus` devices interrupted once every `mtbf_s`
-    seconds, per strategy measured (the runs' `to_dict()` reports in, a JSON-ready dict out).
-
-    Inputs taken from the runs, per strategy: lost_s per fault (the mean over the faults measured,
-    and by fault kind), the fault-free goodput (useful step time over the wall time no fault
-    lost), and the spare share (spare device-seconds held over the job's device-seconds). It
-    assumes an interruption at scale costs the whole job what one cost here, and that spares
-    scale with the job: a projection, not a measurement.
-    """
-    by_strategy: dict[str, list[dict[str, Any]]] = {}
-    for rep in reports:
-        by_strategy.setdefault(str(rep.get("strategy") or "-"), []).append(rep)
-    per_day = SECONDS_PER_DAY / mtbf_s
-    out = []
-    for strategy, reps in by_strategy.items():
-        faults = [f for rep in reps for f in rep.get("faults") or []]
-        kinds: dict[str, list[float]] = {}
-        for f in faults:
-            kinds.setdefault(str(f["kind"]), []).append(float(f.get("lost_s") or 0.0))
-        wall = sum(float(rep.get("wall_s") or 0.0) for rep in reps)
-        lost = sum(float(f.get("lost_s") or 0.0) for f in faults)
-        useful = sum(float(rep.get("goodput") or 0.0) * float(rep.get("wall_s") or 0.0) for rep in reps)
-        device_s = sum(float(rep.get("wall_s") or 0.0) * int(rep.get("world_size") or 0) for rep in reps)
-        spare_s = sum(float(rep.get("spare_gpu_hours") or 0.0) * 3600.0 for rep in reps)
-        base = useful / (wall - lost) if wall - lost > 0 else None
-        spare_share = spare_s / device_s if device_s > 0 else 0.0
-        per_fault = lost / len(faults) if faults else None
-        out.append({
-            "strategy": strategy,
-            "runs": [rep["run_id"] for rep in reps],
-            "faults": len(faults),
-            "lost_s_per_fault": per_fault,
-            "lost_s_by_kind": {k: sum(v) / len(v) for k, v in sorted(kinds.items())},
-            "fault_free_goodput": base,
-            "spare_share": spare_share,
-            "goodput": (base * max(0.0, 1.0 - per_fault / mtbf_s)
-                        if base is not None and per_fault is not None else None),
-            "lost_gpu_hours_per_day": per_day * per_fault * gpus / 3600.0 if per_fault is not None else None,
-            "spare_gpu_hours_per_day": spare_share * gpus * 24.0,
-        })
-    return {"gpus": gpus, "mtbf_s": mtbf_s, "interruptions_per_day": per_day,
-            "formula": list(PROJECTION_FORMULA), "strategies": out}

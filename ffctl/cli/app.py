@@ -11,7 +11,7 @@ except ImportError:  # pragma: no cover - older typer uses click itself
     from click import exceptions as click_exc  # type: ignore[no-redef]
 
 from ffctl import __version__
-from ffctl.cli import agent_cmd, bench, doctor, inject, launch, report, scenario
+from ffctl.cli import agent_cmd, bench, doctor, inject, launch, project, report, scenario
 from ffctl.errors import EXIT_BAD_INPUT, EXIT_INFRA, BadInput, InfraError
 
 app = typer.Typer(
@@ -21,6 +21,7 @@ app = typer.Typer(
 launch.register(app)
 inject.register(app)
 report.register(app)
+project.register(app)
 agent_cmd.register(app)
 # Every command is registered unconditionally: a command that failed to import (a missing
 # dependency) must fail loudly, not vanish from `ffctl --help`.

@@ -11,10 +11,10 @@ import typer
 from ffctl.render import html as html_page
 from ffctl.render import make_console
 from ffctl.errors import BadInput
-from ffctl.render.report import (markdown_comparison, markdown_projection, markdown_report, markdown_run_list,
-                                 render_comparison, render_projection, render_report, render_run_list)
+from ffctl.render.report import (markdown_comparison, markdown_report, markdown_run_list, render_comparison,
+                                 render_report, render_run_list)
 from runs.events import RunStatus
-from runs.metrics import compute, project
+from runs.metrics import compute
 from runs.store import RunStore, RunStoreError, list_runs, open_run
 
 
@@ -43,7 +43,7 @@ def left_behind(record: RunStore) -> dict[str, Any]:
             "remove": f"ffctl inject revert --all --run {record.run_id}"}
 
 
-def _run_report(record: RunStore) -> dict[str, Any]:
+def run_report(record: RunStore) -> dict[str, Any]:
     rep = compute(record.run_id, record.events(), record.controller_alive()).to_dict()
     if rep["status"] == RunStatus.INCOMPLETE.value:
         rep["left"] = left_behind(record)
@@ -58,35 +58,6 @@ def run_summary(rep: dict[str, Any]) -> dict[str, Any]:
         "faults": len(rep["faults"]), "lost_s": sum(float(f.get("lost_s") or 0.0) for f in rep["faults"]),
         "lost_gpu_hours_total": rep["lost_gpu_hours_total"], "goodput": rep["goodput"],
     }
-
-
-_DURATION_UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
-_MAX_GPUS = 100_000_000
-
-
-def parse_project(text: str) -> tuple[int, float]:
-    """`gpus=N,mtbf=T` (T in seconds, or with a unit: 90m, 3h, 1d) -> (gpus, mtbf seconds)."""
-    fields: dict[str, str] = {}
-    for part in text.split(","):
-        key, sep, value = part.partition("=")
-        key, value = key.strip(), value.strip()
-        if not sep or key not in ("gpus", "mtbf") or key in fields:
-            raise BadInput(f"--project {text!r}: expected gpus=N,mtbf=DURATION (e.g. gpus=16384,mtbf=3h)")
-        fields[key] = value
-    if set(fields) != {"gpus", "mtbf"}:
-        raise BadInput(f"--project {text!r}: needs both gpus= and mtbf= (e.g. gpus=16384,mtbf=3h)")
-    gpus_text = fields["gpus"].replace("_", "")
-    if not gpus_text.isdigit() or not 0 < int(gpus_text) <= _MAX_GPUS:
-        raise BadInput(f"--project gpus={fields['gpus']!r}: a whole number of GPUs from 1 to {_MAX_GPUS}")
-    number = fields["mtbf"].rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = fields["mtbf"][len(number):]
-    try:
-        mtbf = float(number) * _DURATION_UNITS[unit]
-    except (ValueError, KeyError):
-        mtbf = float("nan")
-    if not (mtbf > 0 and mtbf < float("inf")):
-        raise BadInput(f"--project mtbf={fields['mtbf']!r}: a positive duration in s, m, h or d (e.g. 3h)")
-    return int(gpus_text), mtbf
 
 
 def _write(path: Path, page: str, console: Any) -> None:
@@ -110,9 +81,7 @@ def register(app: typer.Typer) -> None:
             help="Also write one self-contained HTML page: the tables, a timeline and the loss curve "
                  "(needs the html extra: pip install 'ffctl[html]').")] = None,
         runs_dir: Annotated[Path, typer.Option("--runs-dir", envvar="FFCTL_RUNS_DIR")] = Path("ffctl-runs"),
-        project_to: Annotated[Optional[str], typer.Option(
-            "--project", metavar="gpus=N,mtbf=T",
-            help="Project the runs' measured costs to a job of N GPUs interrupted once every T (e.g. 3h).")] = None,
+        project_to: Annotated[Optional[str], typer.Option("--project", hidden=True)] = None,
     ) -> None:
         """Show each fault's detection and recovery time, lost time, lost steps and lost GPU-hours.
 
@@ -123,9 +92,10 @@ def register(app: typer.Typer) -> None:
         """
         if as_json and markdown:
             raise BadInput("--json and --markdown: choose one")
-        projection_of = parse_project(project_to) if project_to is not None else None
-        if projection_of is not None and not runs:
-            raise BadInput("--project needs the runs to project from: ffctl report RUN [RUN...] --project ...")
+        if project_to is not None:
+            # The projection grew into its own command (fleet presets, Daly's model, several sizes).
+            raise BadInput(f"--project {project_to!r}: projection is `ffctl project RUN... --mtbf T@N --gpus N` "
+                           "(or --fleet llama3|rsc1|rsc2) now")
         if html is not None:
             html_page.require_matplotlib()
             if not html.parent.is_dir() or html.is_dir():
@@ -140,7 +110,7 @@ def register(app: typer.Typer) -> None:
                 raise BadInput(str(exc)) from None
         console = make_console(quiet=as_json or markdown)
         if not records:
-            listed = [_run_report(record) for record in list_runs(runs_dir)]
+            listed = [run_report(record) for record in list_runs(runs_dir)]
             if as_json:
                 typer.echo(json.dumps([run_summary(r) for r in listed], indent=2))
             elif markdown:
@@ -149,23 +119,17 @@ def register(app: typer.Typer) -> None:
             if html is not None:
                 _write(html, html_page.run_list_html(listed, str(runs_dir)), console)
             return
-        reports = [_run_report(record) for record in records]
-        proj = project(reports, *projection_of) if projection_of is not None else None
+        reports = [run_report(record) for record in records]
         if as_json:
-            shown: Any = reports[0] if len(reports) == 1 else reports
-            typer.echo(json.dumps(shown if proj is None else {"runs": reports, "projection": proj}, indent=2))
+            typer.echo(json.dumps(reports[0] if len(reports) == 1 else reports, indent=2))
         elif markdown:
             typer.echo(markdown_report(reports[0]) if len(reports) == 1 else markdown_comparison(reports), nl=False)
-            if proj is not None:
-                typer.echo(markdown_projection(proj), nl=False)
         if len(reports) == 1:
             render_report(reports[0], console)
         else:
             render_comparison(reports, console)
-        if proj is not None:
-            render_projection(proj, console)
         if html is not None:
-            page = html_page.report_html(reports, {r.run_id: r.events() for r in records}, proj)
+            page = html_page.report_html(reports, {r.run_id: r.events() for r in records})
             _write(html, page, console)
         if any(r["status"] == RunStatus.INCOMPLETE.value for r in reports):
             raise typer.Exit(1)

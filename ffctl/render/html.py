@@ -1,11 +1,13 @@
-"""`ffctl report --html FILE`: one self-contained HTML page with the report's tables and two plots.
+"""`ffctl report --html FILE` and `ffctl project --html FILE`: self-contained HTML pages with the
+tables and plots.
 
-The page holds everything it shows: the tables of the terminal report (summary, faults, each
-fault's figures and recovery breakdown, notes; runs side by side and the projection when there
-are several runs) and, per run, two matplotlib figures embedded as base64 PNG: a timeline of the
-job's progress (steps per second) with each fault's recovery phases shaded, and the loss curve
-with a marker at every fault. Nothing is fetched when the page opens, so it can be attached to a
-CI job or mailed as it is.
+A report page holds the tables of the terminal report (summary, faults, each fault's figures and
+recovery breakdown, notes; runs side by side when there are several) and, per run, two
+matplotlib figures embedded as base64 PNG: a timeline of the job's progress (steps per second)
+with each fault's recovery phases shaded, and the loss curve with a marker at every fault. A
+projection page holds ETTR against GPU count (a line per strategy, the preset fleets marked),
+the projection's tables, notes and formulas. Nothing is fetched when a page opens, so it can be
+attached to a CI job or mailed as it is.
 
 matplotlib is an optional extra (`pip install 'ffctl[html]'`): it is imported only here, only
 when a page is drawn, and with the Agg backend so no display is needed. ffctl's own code never
@@ -21,9 +23,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable
 
 from ffctl.errors import BadInput
-from ffctl.render.report import (BREAKDOWN, FAULT_OVERVIEW, breakdown_row, comparison_rows, fault_fields,
-                                 fault_overview_rows, projection_rows, projection_title, run_row, status_notes,
-                                 summary_fields)
+from ffctl.render.report import (BREAKDOWN, FAULT_OVERVIEW, PROJECTION_HEADERS, breakdown_row, comparison_rows,
+                                 fault_fields, fault_overview_rows, fleet_notes, fleet_rows, fleet_title, input_rows,
+                                 run_row, status_notes, summary_fields)
 from runs.events import Event, EventKind
 
 if TYPE_CHECKING:
@@ -347,25 +349,76 @@ def document(title: str, body: str) -> str:
             f"<style>{_STYLE}</style></head><body><h1>{_e(title)}</h1>{body}</body></html>\n")
 
 
-def report_html(reports: list[dict[str, Any]], events: dict[str, list[Event]],
-                projection: dict[str, Any] | None = None) -> str:
+def report_html(reports: list[dict[str, Any]], events: dict[str, list[Event]]) -> str:
     """The page for one run, or for several: side by side first, then each run on its own."""
     if len(reports) == 1:
-        return document(f"ffctl report: {reports[0]['run_id']}",
-                        run_section(reports[0], events[reports[0]["run_id"]]) + _projection(projection))
+        return document(f"ffctl report: {reports[0]['run_id']}", run_section(reports[0], events[reports[0]["run_id"]]))
     body = ["<h2>runs compared</h2>",
-            grid_table(["run"] + [r["run_id"] for r in reports], comparison_rows(reports)), _projection(projection)]
+            grid_table(["run"] + [r["run_id"] for r in reports], comparison_rows(reports))]
     body += [run_section(r, events[r["run_id"]]) for r in reports]
     return document(f"ffctl report: {len(reports)} runs", "".join(body))
 
 
-def _projection(proj: dict[str, Any] | None) -> str:
-    if proj is None:
-        return ""
-    headers = ["strategy"] + [p["strategy"] for p in proj["strategies"]]
-    formula = "".join(f"<li><code>{_e(line)}</code></li>" for line in proj["formula"])
-    return (f"<h2>{_e(projection_title(proj))}</h2>" + grid_table(headers, projection_rows(proj))
-            + f"<ul>{formula}</ul>")
+# Okabe-Ito again: a colour and a marker per strategy, a marker per preset fleet.
+STRATEGY_STYLES: dict[str, tuple[str, str]] = {
+    "peer": ("#0072B2", "o"), "restart-memory": ("#009E73", "s"), "restart-disk": ("#D55E00", "^"),
+}
+PRESET_MARKERS = ("D", "P", "X", "v", "*")
+
+
+def ettr_png(doc: dict[str, Any]) -> bytes:
+    """ETTR (Daly's complete model) against GPU count on a log axis: a line per strategy for the
+    fleet asked, points at the counts asked, and each preset fleet at the size it was measured at,
+    every strategy's ETTR there under that preset's rate."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(10, 4.2))
+    for i, strategy in enumerate(doc["strategies"]):
+        colour, marker = STRATEGY_STYLES.get(strategy["strategy"], (f"C{i}", "o"))
+        curve = [(c["gpus"], c["ettr_daly"]) for c in strategy["curve"] if c["ettr_daly"] is not None]
+        if not curve:
+            continue
+        ax.plot([g for g, _ in curve], [e for _, e in curve], color=colour, linewidth=1.6,
+                label=f"{strategy['strategy']}")
+        asked = [(p["gpus"], p["ettr_daly"]) for p in strategy["projections"] if p["ettr_daly"] is not None]
+        ax.plot([g for g, _ in asked], [e for _, e in asked], linestyle="none", marker=marker, color=colour)
+    for j, preset in enumerate(doc.get("presets") or []):
+        marker = PRESET_MARKERS[j % len(PRESET_MARKERS)]
+        ax.axvline(preset["gpus"], color="#999999", linestyle=":", linewidth=0.8)
+        first = True
+        for i, strategy in enumerate(doc["strategies"]):
+            ettr = preset["ettr"].get(strategy["strategy"])
+            if ettr is None:
+                continue
+            colour = STRATEGY_STYLES.get(strategy["strategy"], (f"C{i}", "o"))[0]
+            ax.plot([preset["gpus"]], [ettr], linestyle="none", marker=marker, markersize=8, markerfacecolor="none",
+                    markeredgecolor=colour,
+                    label=(f"{preset['label']} ({preset['gpus']:,} GPUs, MTBF {preset['mtbf_h']:.3g} h)"
+                           if first else None))
+            first = False
+    ax.set_xscale("log")
+    ax.set_ylim(0, 1.02)
+    ax.set_xlabel("GPUs")
+    ax.set_ylabel("ETTR (Daly's complete model)")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    return _png(fig)
+
+
+def projection_html(doc: dict[str, Any]) -> str:
+    """`ffctl project --html`: the plot, the inputs, a table per strategy, the notes and formulas."""
+    parts = [f"<p>{_e(fleet_title(doc))}</p>",
+             _figure(ettr_png(doc), "ETTR against GPU count",
+                     "ETTR (Daly's complete model) against GPU count: a line per strategy for the fleet asked, "
+                     "filled points at the counts asked; hollow markers: each preset fleet at the size it was "
+                     "measured at, under its own failure rate (dotted lines)."),
+             "<h2>inputs from the runs</h2>",
+             grid_table(["measured"] + [s["strategy"] for s in doc["strategies"]], input_rows(doc))]
+    for strategy in doc["strategies"]:
+        parts += [f"<h2>{_e(strategy['strategy'])}</h2>", grid_table(PROJECTION_HEADERS, fleet_rows(strategy), left=0)]
+    parts.append(_notes(fleet_notes(doc)))
+    parts.append("<h2>formulas</h2><ul>" + "".join(f"<li><code>{_e(line)}</code></li>" for line in doc["formulas"])
+                 + "</ul>")
+    return document("ffctl project", "".join(parts))
 
 
 def run_list_html(reports: list[dict[str, Any]], runs_dir: str) -> str:

@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 from rich import box
 from rich.console import Console
+from rich.padding import Padding
 from rich.table import Table
 
 BREAKDOWN = ("detect", "decide", "spawn", "rendezvous", "restore", "replay")
@@ -226,45 +227,108 @@ def render_comparison(reports: list[dict[str, Any]], console: Console) -> None:
             console.print(f"{r['run_id']}: {line}", markup=False, highlight=False, soft_wrap=True)
 
 
-PROJECTION_FIELDS: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
-    ("runs", lambda p: str(len(p["runs"]))),
-    ("faults measured", lambda p: str(p["faults"])),
-    ("lost s per fault", lambda p: _s(p["lost_s_per_fault"])),
-    ("fault-free goodput", lambda p: _s(p["fault_free_goodput"], 3)),
-    ("spare share", lambda p: _s(p["spare_share"], 3)),
-    ("goodput", lambda p: _s(p["goodput"], 3)),
-    ("lost GPU-h/day", lambda p: _s(p["lost_gpu_hours_per_day"], 1)),
-    ("spare GPU-h/day", lambda p: _s(p["spare_gpu_hours_per_day"], 1)),
-]
+# --- `ffctl project`: measured costs projected to a fleet ----------------------------------
 
 
 def _mtbf_text(seconds: float) -> str:
     for unit, size in (("d", 86400.0), ("h", 3600.0), ("min", 60.0)):
         if seconds >= size:
-            return f"{seconds / size:g} {unit} ({seconds:g} s)"
+            return f"{seconds / size:g} {unit}"
     return f"{seconds:g} s"
 
 
-def projection_rows(proj: dict[str, Any]) -> list[list[str]]:
-    rows = [[name] + [get(p) for p in proj["strategies"]] for name, get in PROJECTION_FIELDS]
-    kinds = sorted({k for p in proj["strategies"] for k in p["lost_s_by_kind"]})
-    rows += [[f"lost s, {k}"] + [_s(p["lost_s_by_kind"].get(k)) for p in proj["strategies"]] for k in kinds]
+def _sig(value: float | None) -> str:
+    """Three significant digits, and whole numbers with thousands separators from 100 on."""
+    if value is None:
+        return "-"
+    return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.3g}"
+
+
+def _n(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:,.{digits}f}"
+
+
+def fleet_title(doc: dict[str, Any]) -> str:
+    """The fleet projected to, in one line."""
+    fleet = doc["fleet"]
+    if fleet["failures_per_1000_node_days"] is not None:
+        rate = (f"{fleet['failures_per_1000_node_days']:.3g} failures per 1,000 node-days, "
+                f"{fleet['gpus_per_node']} GPUs per node")
+    elif fleet["mtbf_gpus"] is not None:
+        rate = f"MTBF {_mtbf_text(fleet['mtbf_s'])} at {fleet['mtbf_gpus']:,} GPUs, scaled by the GPU count"
+    else:
+        rate = f"MTBF {_mtbf_text(fleet['mtbf_s'])} at every GPU count"
+    return f"projected to fleet {fleet['name']}: {rate}; {doc['spares_per_1000']:g} spare GPUs per 1,000"
+
+
+def fleet_notes(doc: dict[str, Any]) -> list[str]:
+    """What the rate counts and where it comes from, which ETTR is the headline, and what each
+    strategy's inputs lacked."""
+    fleet = doc["fleet"]
+    lines = [f"population: {fleet['population']}"]
+    if fleet.get("source"):
+        lines.append(f"source: {fleet['source']}")
+    lines.append("headline ETTR: Daly's complete model (\"ETTR Daly\"); the first-order form beside it")
+    if doc.get("replace_s"):
+        lines.append(f"without a spare, a node takes {doc['replace_s']:g} s to replace")
+    return lines + list(doc["notes"])
+
+
+PROJECTION_HEADERS = ["GPUs", "MTBF h", "ETTR Daly", "ETTR 1st", "lost GPU-h/d", "spare GPU-h/d", "ckpt s"]
+
+
+def fleet_rows(strategy: dict[str, Any]) -> list[list[str]]:
+    """A strategy's projection, a row per GPU count under PROJECTION_HEADERS."""
+    return [[f"{p['gpus']:,}", _sig(p["mtbf_h"]), _s(p["ettr_daly"], 3), _s(p["ettr_first_order"], 3),
+             _n(p["lost_gpu_hours_per_day"]), _n(p["spare_gpu_hours_per_day"]), _n(p["ckpt_interval_s"])]
+            for p in strategy["projections"]]
+
+
+def _by_kind_rows(doc: dict[str, Any], key: str, label: str) -> list[list[str]]:
+    kinds = sorted({k for s in doc["strategies"] for k in s["inputs"][key]})
+    rows = []
+    for kind in kinds:
+        for which, said in (("with_spare", "spare"), ("without_spare", "no spare")):
+            cells = [_s((s["inputs"][key].get(kind) or {}).get(which)) for s in doc["strategies"]]
+            if any(c != "-" for c in cells):
+                rows.append([f"{label} {kind}, {said}"] + cells)
     return rows
 
 
-def projection_title(proj: dict[str, Any]) -> str:
-    return (f"projected to {proj['gpus']:,} GPUs, one interruption every {_mtbf_text(proj['mtbf_s'])}: "
-            f"{proj['interruptions_per_day']:.2f} a day")
+INPUT_FIELDS: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
+    ("runs", lambda s: str(len(s["runs"]))),
+    ("step s", lambda s: _s(s["inputs"]["step_s"], 4)),
+    ("snapshot overhead", lambda s: _s(s["inputs"]["snapshot_overhead"], 3)),
+    ("blocking save s", lambda s: _s(s["inputs"]["blocking_save_s"], 3)),
+    ("checkpoint write s", lambda s: _s(s["inputs"]["ckpt_write_s"], 3)),
+    ("detection s", lambda s: _s(s["inputs"]["detection_s"])),
+    ("faults used", lambda s: str(s["inputs"]["faults"])),
+    ("R s", lambda s: _s(s["projections"][0]["restart_s"]) if s["projections"] else "-"),
+]
 
 
-def render_projection(proj: dict[str, Any], console: Console) -> None:
-    """Per strategy measured: its inputs from the runs and what they project to, then the formula."""
+def input_rows(doc: dict[str, Any]) -> list[list[str]]:
+    """What each strategy's runs measured, a column per strategy."""
+    rows = [[name] + [get(s) for s in doc["strategies"]] for name, get in INPUT_FIELDS]
+    return rows + _by_kind_rows(doc, "lost_s_by_kind", "lost s")
+
+
+def render_fleet_projection(doc: dict[str, Any], console: Console) -> None:
+    """The measured inputs per strategy, a table per strategy, then notes and the formulas."""
+    # Prose is word-wrapped to the console (80 columns in a pipe); the tables never cut a value.
+    console.print(fleet_title(doc), style="bold", markup=False, highlight=False)
+    headers = ["measured"] + [s["strategy"] for s in doc["strategies"]]
+    _table_or_blocks(console, "inputs from the runs", headers, input_rows(doc))
+    for strategy in doc["strategies"]:
+        console.print()
+        _table_or_blocks(console, strategy["strategy"], PROJECTION_HEADERS, fleet_rows(strategy), left=0)
     console.print()
-    console.print(projection_title(proj), style="bold", markup=False, highlight=False)
-    headers = ["strategy"] + [p["strategy"] for p in proj["strategies"]]
-    _table_or_blocks(console, "per strategy", headers, projection_rows(proj))
-    for line in proj["formula"]:
-        console.print(f"  {line}", markup=False, highlight=False)
+    for line in fleet_notes(doc):
+        console.print(line, markup=False, highlight=False)
+    console.print()
+    console.print("formulas (docs/projection.md):", markup=False, highlight=False)
+    for line in doc["formulas"]:
+        console.print(Padding(line, (0, 0, 0, 2), expand=False), markup=False, highlight=False)
 
 
 # --- Markdown (GitHub-flavoured), for CI summaries ------------------------------------------
@@ -314,10 +378,14 @@ def markdown_comparison(reports: list[dict[str, Any]]) -> str:
     return md_table(["run"] + [f"`{r['run_id']}`" for r in reports], comparison_rows(reports)) + "\n"
 
 
-def markdown_projection(proj: dict[str, Any]) -> str:
-    headers = ["strategy"] + [p["strategy"] for p in proj["strategies"]]
-    return ("\n#### " + projection_title(proj) + "\n\n" + md_table(headers, projection_rows(proj)) + "\n\n"
-            + "\n".join(f"- `{line}`" for line in proj["formula"]) + "\n")
+def markdown_fleet_projection(doc: dict[str, Any]) -> str:
+    parts = [f"### {fleet_title(doc)}", "",
+             md_table(["measured"] + [s["strategy"] for s in doc["strategies"]], input_rows(doc))]
+    for strategy in doc["strategies"]:
+        parts += ["", f"#### {strategy['strategy']}", "", md_table(PROJECTION_HEADERS, fleet_rows(strategy), left=0)]
+    parts += [""] + [f"- {line}" for line in fleet_notes(doc)]
+    parts += ["", "Formulas (docs/projection.md):", ""] + [f"- `{line}`" for line in doc["formulas"]]
+    return "\n".join(parts) + "\n"
 
 
 def status_notes(report: dict[str, Any]) -> list[str]:

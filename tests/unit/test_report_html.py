@@ -73,13 +73,12 @@ def test_a_run_with_two_faults_gets_its_tables_and_two_plots(runs_dir: Path, tmp
 
 def test_compared_runs_get_the_comparison_and_each_run_s_plots(runs_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "both.html"
-    code, text = run_cli(["report", LONG_ID, "old-clean", "--project", "gpus=16384,mtbf=3h", "--html", str(out)],
-                         runs_dir)
+    code, text = run_cli(["report", LONG_ID, "old-clean", "--html", str(out)], runs_dir)
     assert code == 0, text
     page = out.read_text()
     assert_self_contained(page)
     assert len(images(page)) == 4
-    assert "runs compared" in page and "16,384 GPUs" in page and "lost GPU-h/day = " in page
+    assert "runs compared" in page
     assert page.index("runs compared") < page.index(f"run {LONG_ID}") < page.index("run old-clean")
 
 
