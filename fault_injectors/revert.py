@@ -5,7 +5,10 @@ Found by owner tag, never by stored state:
    (SIGUSR1), which also resumes ranks a guarded hang-rank stopped; then waited for;
 2. iptables/ip6tables: every jump to a `FFCTL-*` chain, then the chains;
 3. tc: every root qdisc with the reserved handle `ffc1:`, on every interface;
-4. links whose alias starts with `ffctl-down:` are brought up and get their old alias back.
+4. links whose alias starts with `ffctl-down:` are brought up and get their old alias back;
+5. shared memory: each run directory of ours (`/dev/shm/ffctl-<run>-<key>/`, see `runs.shm`) that
+   no live process holds (none of its lock files is locked) is removed with its slots, fault
+   files and FIFOs, one line each (what a controller or agent killed with SIGKILL left behind).
 
 Each step is a script that succeeds when there is nothing to remove, so the whole thing is
 idempotent. Run it once per host and once per sandbox namespace (`netns=`).
@@ -18,6 +21,7 @@ from typing import Callable
 from fault_injectors import deadman, network
 from fault_injectors.plan import HostCommand
 from fault_injectors.transport import CommandResult, Transport
+from runs.shm import SHM_ROOT
 
 HOST_NODE = -1  # HostCommand.node for commands that belong to a host, not to a node of a run
 
@@ -68,12 +72,39 @@ done
 exit "$rc"
 """
 
+# $1 the shared-memory root, $2 a run id ('' for every run). Only a real directory of ours, named
+# as a run's is (ffctl-<run>-<32 hex>), mode 0700, none of whose locks a live process holds (an
+# agent's node claim, the launcher's hold: flock, released by the kernel when its holder dies).
+# Without flock(1) nothing can be shown dead and nothing is removed.
+SHM_SWEEP = r"""rc=0
+for d in "$1"/ffctl-*; do
+  [ -d "$d" ] && [ ! -L "$d" ] && [ -O "$d" ] || continue
+  name=${d##*/}; key=${name##*-}; run=${name#ffctl-}; run=${run%-"$key"}
+  [ "${#key}" -eq 32 ] && [ -n "$run" ] && [ "$run" != "$name" ] || continue
+  case $key in *[!0-9a-f]*) continue ;; esac
+  [ -z "$2" ] || [ "$run" = "$2" ] || continue
+  [ "$(stat -c %a -- "$d" 2>/dev/null)" = 700 ] || continue
+  busy=0
+  for l in "$d"/*.lock; do
+    [ -f "$l" ] && [ ! -L "$l" ] || continue
+    flock -n "$l" true 2>/dev/null || { busy=1; break; }
+  done
+  [ "$busy" = 0 ] || continue
+  n=0
+  for f in "$d"/ffctl-"$run"-n*-r*-s[01]; do [ -f "$f" ] && n=$((n + 1)); done
+  rm -rf -- "$d" || { rc=1; continue; }
+  echo "removed $d (run $run, $n snapshot slots)"
+done
+exit "$rc"
+"""
+
 
 STEP_NAMES = {
     FIRE_DEADMEN: "dead man's switches",
     IPTABLES_SWEEP: "iptables chains",
     TC_SWEEP: "tc qdiscs",
     LINK_SWEEP: "downed links",
+    SHM_SWEEP: "shared memory of dead runs",
 }
 
 
@@ -84,19 +115,30 @@ class RevertError(RuntimeError):
 def revert_all_plan(host: str, netns: str | None = None, run_id: str | None = None) -> list[HostCommand]:
     """Commands that remove every ffctl leftover on `host` (inside `netns` if given).
 
-    `run_id` narrows which dead man's switches are fired to one run's; chains, qdiscs and
-    downed links are removed whatever run they belong to.
+    `run_id` narrows which dead man's switches are fired and which dead runs' shared memory is
+    removed to one run's; chains, qdiscs and downed links are removed whatever run they belong
+    to. Shared memory is the host's, swept from the host (not from each namespace).
     """
     def cmd(script: str, *args: str, where: str | None = netns) -> HostCommand:
         return HostCommand(HOST_NODE, host, ("sh", "-c", script, "sh", *args), netns=where)
 
-    return [
+    plan = [
         # Processes are seen from every namespace: the switches are fired from the host's own.
         cmd(FIRE_DEADMEN, deadman.pattern(run_id), where=None),
         cmd(IPTABLES_SWEEP, network.CHAIN_PREFIX),
         cmd(TC_SWEEP, network.QDISC_HANDLE),
         cmd(LINK_SWEEP, network.LINK_TAG_PREFIX),
     ]
+    if netns is None:
+        plan.append(cmd(SHM_SWEEP, SHM_ROOT, run_id or ""))
+    return plan
+
+
+def removed_lines(cmd: HostCommand, result: CommandResult) -> list[str]:
+    """What a step says it removed (the shared-memory sweep's lines)."""
+    if cmd.argv[2] != SHM_SWEEP:
+        return []
+    return [line for line in result.stdout.splitlines() if line.startswith("removed ")]
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from fault_injectors.plan import HostCommand
-from fault_injectors.revert import FIRE_DEADMEN, STEP_NAMES, RevertError, revert_all_plan
+from fault_injectors.revert import FIRE_DEADMEN, SHM_SWEEP, STEP_NAMES, RevertError, removed_lines, revert_all_plan
 from fault_injectors.transport import LocalTransport, Transport, TransportError
 from ffctl.errors import BadInput, InfraError
 
@@ -75,11 +75,12 @@ class RevertPlan:
 
 
 def _commands(host: str, netns: str | None, run_id: str | None) -> tuple[HostCommand, ...]:
-    """Scoped to one run, fire that run's switches (each reverts its own fault) and leave other
-    runs' rules alone; otherwise remove everything ffctl's owner tags mark."""
+    """Scoped to one run, fire that run's switches (each reverts its own fault), remove its shared
+    memory if it is dead and leave other runs' rules alone; otherwise remove everything ffctl's
+    owner tags mark."""
     plan = revert_all_plan(host, netns, run_id)
     if run_id is not None and netns is None:
-        plan = [c for c in plan if c.argv[2] == FIRE_DEADMEN]
+        plan = [c for c in plan if c.argv[2] in (FIRE_DEADMEN, SHM_SWEEP)]
     return tuple(plan)
 
 
@@ -105,18 +106,27 @@ def plan_revert(hostfile: Path | None, run_id: str | None = None) -> RevertPlan:
     return RevertPlan(run_id, tuple(places), prefix, namespaces)
 
 
-def _run_place(place: Place, transport_for: Callable[[HostCommand], Transport]) -> None:
-    """Every command runs even when one fails; then RevertError names the first failure."""
+def _run_place(place: Place, transport_for: Callable[[HostCommand], Transport]) -> list[str]:
+    """Every command runs even when one fails; then RevertError names the first failure. Returns
+    what the steps say they removed."""
     failed = []
+    removed: list[str] = []
     where = place.host + (f" (netns {place.netns})" if place.netns else "")
     for cmd in place.commands:
         result = transport_for(cmd).run(cmd.argv, timeout=60.0)
+        removed += removed_lines(cmd, result)
         if not result.ok and not cmd.allow_fail:
             lines = (result.stderr or result.stdout).strip().splitlines()
             detail = lines[-1] if lines else f"exit {result.returncode}"
             failed.append(f"on {where}: {STEP_NAMES.get(cmd.argv[2], 'a revert step')} failed: {detail}")
     if failed:
         raise RevertError(failed[0] + (f" (and {len(failed) - 1} more)" if len(failed) > 1 else ""))
+    return removed
+
+
+def _outcome(name: str, removed: list[str]) -> str:
+    """One line per place: what was removed there, or `clean`."""
+    return f"{name}: " + ("; ".join(removed) if removed else "clean")
 
 
 def execute_revert(plan: RevertPlan) -> list[str]:
@@ -129,9 +139,9 @@ def execute_revert(plan: RevertPlan) -> list[str]:
     for place in plan.places:
         if place.entry is None:
             try:
-                _run_place(place, lambda cmd: LocalTransport(LOCAL, cmd.netns))
+                removed = _run_place(place, lambda cmd: LocalTransport(LOCAL, cmd.netns))
                 if place.netns is None:
-                    lines.append(f"{place.name}: clean")
+                    lines.append(_outcome(place.name, removed))
             except (RevertError, TransportError) as exc:
                 failures.append(str(exc))
             continue
@@ -139,8 +149,7 @@ def execute_revert(plan: RevertPlan) -> list[str]:
 
         ssh = SSHTransport(place.entry)
         try:
-            _run_place(place, lambda cmd: ssh)
-            lines.append(f"{place.name}: clean")
+            lines.append(_outcome(place.name, _run_place(place, lambda cmd: ssh)))
         except (RevertError, TransportError) as exc:
             failures.append(str(exc))
         finally:
