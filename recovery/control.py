@@ -17,6 +17,14 @@ timestamp outside a window, and, per sender, any sequence number not above the l
 raises out of a receiver. What a queue message may hold is typed in `recovery.messages`: `send`
 takes one of its messages, and a consumer decodes what it receives (`messages.decode`) before
 it uses a field.
+
+The store itself is hostile ground: anyone may overwrite or delete any key, including the ones
+that carry no seal (a queue's counter). So nothing here parses a value the server would parse
+for us (its `add` drops the connection of whoever asks it to count a value that is not a number:
+a producer reserves an index with a compare-and-set instead), nothing blocks on a key that may
+have been deleted (`read` answers at once), a queue's counter is only a hint (its consumer walks
+a bounded stretch per poll, and repairs a counter that is garbage, missing or gone back), and
+values read more than once only move forward (the current generation never goes back).
 """
 from __future__ import annotations
 
@@ -25,9 +33,11 @@ import hashlib
 import hmac
 import json
 import math
+import re
 import secrets
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch.distributed as dist
@@ -164,56 +174,192 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+# -- reading hostile ground -------------------------------------------------------------------------
+# What `read` gets back for a key that is not there: a compare-and-set whose expected value is
+# not the key's answers the value, and for a missing key the expected one. Random per process,
+# so nobody else can write it.
+_ABSENT = b"\x00ffctl-absent\x00" + secrets.token_hex(8).encode()
+
+
+def read(store: dist.Store, key: str) -> bytes | None:
+    """The value at `key`, or None when there is none: at once, whatever anyone did to the key.
+
+    A `get` of a missing key blocks for the connection's whole timeout (a stranger deleting a
+    key between our `check` and our `get` would freeze the reader), and a timed-out call leaves
+    torch's client connection out of step. A compare-and-set that never matches does neither."""
+    value = bytes(store.compare_set(key, _ABSENT, _ABSENT))
+    return None if value == _ABSENT else value
+
+
+# -- queue counters ---------------------------------------------------------------------------------
+# A queue's counter holds the last index reserved, as "<index>:<tag>" (the tag names who reserved
+# it, so a producer can tell its own compare-and-set succeeded) or as a plain number (what the
+# server's `add` writes). Nothing else is a count, and nothing here asks the server to parse it.
+_COUNTER = re.compile(rb"([0-9]{1,18})(?::[!-~]{1,80})?")
+# How long a producer waits for a queue's consumer to repair a counter that is not a count.
+SEND_WAIT_S = 5.0
+# Compare-and-set attempts per reservation: each failure answers the newer value, so only
+# producers reserving at the same instant make one try again.
+_CAS_TRIES = 10_000
+
+
+def parse_counter(raw: bytes | None) -> int | None:
+    """The index a counter value holds, or None for anything that is not one (missing too)."""
+    if raw is None:
+        return None
+    m = _COUNTER.fullmatch(raw)
+    return int(m.group(1)) if m else None
+
+
+@dataclass(frozen=True)
+class Blocked:
+    """A message that was not queued: its queue's counter was not a count (someone wrote it)
+    and its consumer did not repair it within `SEND_WAIT_S`. A value, never raised: the caller
+    decides whether a lost message matters."""
+
+    queue: str
+    reason: str
+    raw: bytes
+
+
+def _reserve(store: dist.Store, queue: str, tag: str, wait: float | None = None) -> int | Blocked:
+    """The next index of `queue`, reserved for this producer alone (`wait`: SEND_WAIT_S)."""
+    counter = f"{queue}/n"
+    deadline = time.monotonic() + (SEND_WAIT_S if wait is None else wait)
+    current = read(store, counter)
+    for _ in range(_CAS_TRIES):
+        if current is None:
+            # A queue nobody has used yet, or whose counter a stranger deleted: made here, at the
+            # first index. A consumer already further on sees its counter go back and repairs it.
+            want = f"1:{tag}".encode()
+            got = bytes(store.compare_set(counter, b"", want))
+            if got == want:
+                return 1
+            current = got
+            continue
+        n = parse_counter(current)
+        if n is None:
+            # Not a count: only the consumer knows where the queue stands, so it repairs it.
+            if time.monotonic() > deadline:
+                return Blocked(queue, "queue counter is not a count and was not repaired", current)
+            time.sleep(0.01)
+            current = read(store, counter)
+            continue
+        want = f"{n + 1}:{tag}".encode()
+        got = bytes(store.compare_set(counter, current, want))
+        if got == want:
+            return n + 1
+        # Another producer was first (its value comes back), or the counter is gone (the
+        # expected value comes back: compare_set answers it for a missing key).
+        current = None if got == current else got
+    return Blocked(queue, f"no index reserved in {_CAS_TRIES} tries", current or b"")
+
+
 # -- queues -----------------------------------------------------------------------------------------
-def send(store: dist.Store, queue: str, msg: Message, sealer: Sealer | None = None) -> None:
-    """Append `msg` to `queue`, sealed by `sealer` (unsealed only where no job token exists)."""
-    send_dict(store, queue, msg.to_dict(), sealer)
+_UNSEALED_TAG = f"unsealed/{secrets.token_hex(8)}"
 
 
-def send_dict(store: dist.Store, queue: str, msg: dict[str, Any], sealer: Sealer | None = None) -> None:
+def send(store: dist.Store, queue: str, msg: Message, sealer: Sealer | None = None) -> Blocked | None:
+    """Append `msg` to `queue`, sealed by `sealer` (unsealed only where no job token exists).
+    None once it is queued; `Blocked` when the queue's counter was tampered with and stayed so."""
+    return send_dict(store, queue, msg.to_dict(), sealer)
+
+
+def send_dict(store: dist.Store, queue: str, msg: dict[str, Any], sealer: Sealer | None = None) -> Blocked | None:
     """Append a value in wire form, unchecked: for what speaks the wire format directly (tests
     that forge a message, values that are not messages). Everything else sends a `Message`."""
     if sealer is None:
-        idx = store.add(f"{queue}/n", 1)
+        idx = _reserve(store, queue, _UNSEALED_TAG)
+        if isinstance(idx, Blocked):
+            return idx
         store.set(f"{queue}/{idx}", json.dumps(msg))
-        return
+        return None
     with sealer.lock:
         value = sealer.seal(queue, msg)
-        idx = store.add(f"{queue}/n", 1)
+        idx = _reserve(store, queue, sealer.sender)
+        if isinstance(idx, Blocked):
+            return idx
         store.set(f"{queue}/{idx}", value)
+    return None
 
 
 RejectHook = Callable[[str, int, str, bytes], None]  # (queue, index, reason, raw value)
+
+# Indices a consumer sets its counter past when it repairs it, and looks at again after it went
+# back: those a producer may have reserved unseen meanwhile, so none is handed out twice.
+REPAIR_MARGIN = 16
+# Indices a consumer walks per poll at most, whatever the counter says.
+MAX_WALK = 1024
+# How often a consumer reports its counter tampered with, at most (a stranger writing it in a
+# loop would otherwise turn each poll into a report).
+COUNTER_REPORT_S = 1.0
 
 
 class Receiver:
     """The single consumer of a queue. Never blocks, and one slow or dead producer holds nobody
     up: an index reserved but not yet written is passed over and looked at again on every poll
     (first, before newer ones), then given up after `gap_timeout` seconds (its producer died
-    between `add` and `set`, e.g. a rank SIGKILLed or SIGSTOPped mid-send).
+    between reserving and writing, e.g. a rank SIGKILLed or SIGSTOPped mid-send).
 
     Passing over it keeps each producer's own order: a producer sends one message at a time,
     so every index after its unwritten one belongs to someone else.
+
+    The consumer keeps its own place (`seen`) and takes the counter as a hint of how far to
+    read, never as a bound on work: at most `MAX_WALK` indices per poll, and a run of more than
+    `max_gap` unwritten indices is a counter pushed forward by someone who wrote nothing, skipped.
+    A counter that is not a count, is missing or went back is reported and repaired (set past
+    every index handed out so far), and the indices a producer may have reserved from the bad
+    value are looked at again.
 
     A value that does not open (with `opener`: sealing, sequence, window; without: JSON object)
     is handed to `on_reject` with the reason and dropped: what a queue holds never raises here."""
 
     def __init__(self, store: dist.Store, queue: str, gap_timeout: float = 2.0,
-                 opener: Opener | None = None, on_reject: RejectHook | None = None) -> None:
+                 opener: Opener | None = None, on_reject: RejectHook | None = None,
+                 max_gap: int = 256) -> None:
         self.store = store
         self.queue = queue
         self.seen = 0  # highest index looked at
+        self.high = 0  # highest counter value accepted: counters only move forward
         self.gap_timeout = gap_timeout
         self.opener = opener
         self.on_reject = on_reject
+        self.max_gap = max(max_gap, 2 * REPAIR_MARGIN)
+        self._counter = f"{queue}/n"
+        self._tag = f"consumer/{secrets.token_hex(8)}"
         self._missing: dict[int, float] = {}  # index -> when it was first found unwritten
+        self._reported_at = float("-inf")
+        self._unreported = 0
+        # Opened here, before any producer is told of the queue (a producer would make it too).
+        store.compare_set(self._counter, b"", f"0:{self._tag}".encode())
+
+    def _report(self, index: int, reason: str, raw: bytes) -> None:
+        if self.on_reject is not None:
+            self.on_reject(self.queue, index, reason, raw)
+
+    def _counter_refused(self, reason: str, raw: bytes) -> None:
+        """Report a tampered counter, at most once per COUNTER_REPORT_S (the rest are counted)."""
+        now = time.monotonic()
+        if now - self._reported_at < COUNTER_REPORT_S:
+            self._unreported += 1
+            return
+        if self._unreported:
+            reason += f" ({self._unreported} more since the last report)"
+        self._reported_at, self._unreported = now, 0
+        self._report(-1, reason, raw)
+
+    def _repair(self, raw: bytes | None) -> None:
+        """Set the counter past every index handed out so far (and a margin a producer may have
+        reserved unseen), unless someone changed it again meanwhile (the next poll looks)."""
+        value = f"{max(self.high, self.seen) + REPAIR_MARGIN}:{self._tag}".encode()
+        self.store.compare_set(self._counter, b"" if raw is None else raw, value)
 
     def _take(self, idx: int) -> dict[str, Any] | None | bool:
         """The message at `idx`; None if not written yet; False if written but refused."""
         key = f"{self.queue}/{idx}"
-        if not self.store.check([key]):
+        raw = read(self.store, key)
+        if raw is None:
             return None
-        raw = self.store.get(key)
         self.store.delete_key(key)
         try:
             if self.opener is not None:
@@ -226,9 +372,31 @@ class Receiver:
             reason = exc.reason
         except (ValueError, UnicodeDecodeError) as exc:
             reason = f"not JSON: {str(exc)[:80]}"
-        if self.on_reject is not None:
-            self.on_reject(self.queue, idx, reason, bytes(raw))
+        self._report(idx, reason, raw)
         return False
+
+    def _produced(self, now: float) -> int:
+        """How far to read this poll: the counter, checked. One that is not a count, is missing
+        or went back is reported and repaired, and nothing new is read until it holds again."""
+        raw = read(self.store, self._counter)
+        n = parse_counter(raw)
+        if n is None:
+            why = "missing (deleted)" if raw is None else "not a count"
+            self._counter_refused(f"queue counter {self._counter} is {why}", raw or b"")
+            self._repair(raw)
+            return self.seen
+        if n < self.high:
+            self._counter_refused(f"queue counter {self._counter} went back from {self.high} to {n}",
+                                  raw or b"")
+            # Producers that reserved from the bad value wrote where messages were read before,
+            # up to the value seen now (and just above, until the repair lands): those indices
+            # are looked at again (a message there now is a new one).
+            for idx in range(max(1, n - REPAIR_MARGIN + 1), min(n + REPAIR_MARGIN, self.seen) + 1):
+                self._missing.setdefault(idx, now)
+            self._repair(raw)
+            return self.seen
+        self.high = n
+        return n
 
     def poll(self, max_items: int = 1000) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
@@ -241,26 +409,53 @@ class Receiver:
                 del self._missing[idx]
             elif now - self._missing[idx] >= self.gap_timeout:
                 del self._missing[idx]  # its producer died between reserving and writing
-        produced = self.store.add(f"{self.queue}/n", 0)
-        while self.seen < produced and len(out) < max_items:
+        produced = self._produced(now)
+        walked = run = 0
+        while self.seen < produced and len(out) < max_items and walked < MAX_WALK:
             self.seen += 1
+            walked += 1
             msg = self._take(self.seen)
             if msg is None:
                 self._missing[self.seen] = now  # still in flight: look again next poll
-            elif msg is not False:
+                run += 1
+                if run > self.max_gap:
+                    self._skip(produced, run)
+                    break
+                continue
+            run = 0
+            if msg is not False:
                 out.append(msg)  # type: ignore[arg-type]
         return out
 
+    def _skip(self, produced: int, run: int) -> None:
+        """More indices in a row were reserved and left unwritten than producers can have in
+        flight: the counter was pushed forward by someone who wrote nothing. The first few of
+        the run stay watched (producers in flight when it happened), the rest are given up, and
+        reading goes on just below the counter (where producers reserve from now on)."""
+        start = self.seen - run + 1
+        for idx in range(start + REPAIR_MARGIN, self.seen + 1):
+            self._missing.pop(idx, None)
+        skipped_to = max(self.seen, produced - REPAIR_MARGIN)
+        self._counter_refused(f"queue counter {self._counter} jumped to {produced} with nothing written "
+                              f"after index {start - 1}: indices up to {skipped_to} skipped",
+                              str(produced).encode())
+        self.seen = skipped_to
 
-def publish_plan(store: dist.Store, gen: int, plan: dict[str, Any], sealer: Sealer | None = None) -> None:
+
+def publish_plan(store: dist.Store, gen: int, plan: dict[str, Any],
+                 sealer: Sealer | None = None) -> dict[str, bytes]:
+    """Publish generation `gen`'s plan and make it the current one. Returns what was written
+    (key -> value), so the publisher can tell later whether someone changed it."""
     if sealer is None:
-        store.set(gen_plan_key(gen), json.dumps(plan))
-        store.set(GEN_KEY, str(gen))
-        return
+        values = {gen_plan_key(gen): json.dumps(plan).encode(), GEN_KEY: str(gen).encode()}
+        for key, value in values.items():
+            store.set(key, value)
+        return values
+    values = {gen_plan_key(gen): sealer.seal(gen_plan_key(gen), {"type": "plan", **plan}).encode(),
+              GEN_KEY: sealer.seal(GEN_KEY, {"type": "gen", "gen": gen}).encode()}
     # One round trip: the plan and the pointer to it land together.
-    store.multi_set([gen_plan_key(gen), GEN_KEY],
-                    [sealer.seal(gen_plan_key(gen), {"type": "plan", **plan}),
-                     sealer.seal(GEN_KEY, {"type": "gen", "gen": gen})])
+    store.multi_set(list(values), list(values.values()))
+    return values
 
 
 def abort_values(sealer: Sealer, gen: int, world_size: int) -> tuple[list[str], list[str]]:
@@ -272,35 +467,68 @@ def abort_values(sealer: Sealer, gen: int, world_size: int) -> tuple[list[str], 
 class _Reader:
     """Reads values that are read more than once (plans, the current generation): a value that
     does not open is reported once (per distinct value) and treated as not there yet, so the
-    genuine value, written over it, is still found."""
+    genuine value, written over it, is still found. The current generation only moves forward:
+    a genuine but older one (written back by someone who kept it) is refused like a forgery."""
+
+    _MAX_REPORTED = 1024
 
     def __init__(self, opener: Opener | None, on_reject: RejectHook | None) -> None:
         self.opener = opener
         self.on_reject = on_reject
+        self.newest_gen = -1  # the highest generation accepted from GEN_KEY
         self._reported: set[tuple[str, bytes]] = set()
 
+    def _refuse(self, key: str, reason: str, raw: bytes) -> None:
+        if (key, raw) in self._reported or self.on_reject is None:
+            return
+        if len(self._reported) >= self._MAX_REPORTED:
+            self._reported.clear()  # bounded memory: at worst a value is reported again
+        self._reported.add((key, raw))
+        self.on_reject(key, -1, reason, raw)
+
     def read(self, store: dist.Store, key: str, kind: str) -> dict[str, Any] | None:
-        raw = store.get(key)
-        if self.opener is None:
-            return json.loads(raw) if kind == "plan" else {"gen": int(raw)}
+        raw = read(store, key)
+        if raw is None:
+            return None
         try:
-            msg = self.opener.open(raw, key, replay=False)
-            if msg.get("type") != kind:
+            if self.opener is None:
+                msg = json.loads(raw) if kind == "plan" else {"type": "gen", "gen": int(raw)}
+                if not isinstance(msg, dict):
+                    raise Rejected("not a JSON object")
+            else:
+                msg = self.opener.open(raw, key, replay=False)
+            if msg.get("type", kind) != kind:
                 raise Rejected(f"a {short_repr(str(msg.get('type')), 30)} where a {kind} belongs")
-            if kind == "gen" and not _is_int(msg.get("gen")):
-                raise Rejected("gen is not an int")
+            if kind == "gen":
+                gen = msg.get("gen")
+                if not _is_int(gen):
+                    raise Rejected("gen is not an int")
+                if gen < self.newest_gen:
+                    raise Rejected(f"generation went back from {self.newest_gen} to {gen}")
+                self.newest_gen = gen
             return msg
         except Rejected as exc:
-            if (key, bytes(raw)) not in self._reported and self.on_reject is not None:
-                self._reported.add((key, bytes(raw)))
-                self.on_reject(key, -1, exc.reason, bytes(raw))
+            self._refuse(key, exc.reason, raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            self._refuse(key, f"not a {kind}: {str(exc)[:80]}", raw)
+        return None
+
+    def plan(self, store: dist.Store, gen: int) -> dict[str, Any] | None:
+        """Generation `gen`'s genuine, well-formed plan, or None (not there, or refused)."""
+        key = gen_plan_key(gen)
+        plan = self.read(store, key, "plan")
+        if plan is None:
             return None
+        if self.opener is not None and (plan.get("gen") != gen or not _is_int(plan.get("world_size"))
+                                        or not isinstance(plan.get("sources"), dict)):
+            self._refuse(key, f"sealed plan of generation {gen} is malformed", short_repr(plan).encode())
+            return None
+        return plan
 
 
 def current_gen(store: dist.Store, opener: Opener | None = None, on_reject: RejectHook | None = None,
                 _reader: _Reader | None = None) -> int:
-    if not store.check([GEN_KEY]):
-        return -1
+    """The current generation as GEN_KEY says, or -1 (missing, refused, or older than one seen)."""
     msg = (_reader or _Reader(opener, on_reject)).read(store, GEN_KEY, "gen")
     return -1 if msg is None else int(msg["gen"])
 
@@ -309,30 +537,47 @@ def wait_plan(store: dist.Store, gen: int, timeout: float, opener: Opener | None
               on_reject: RejectHook | None = None, _reader: _Reader | None = None) -> dict[str, Any]:
     """Block until a genuine plan of `gen` is published (or raise TimeoutError)."""
     deadline = time.monotonic() + timeout
-    key = gen_plan_key(gen)
     reader = _reader or _Reader(opener, on_reject)
     while True:
-        if store.check([key]):
-            plan = reader.read(store, key, "plan")
-            if plan is not None:
-                if opener is not None and (plan.get("gen") != gen or not _is_int(plan.get("world_size"))
-                                           or not isinstance(plan.get("sources"), dict)):
-                    raise Rejected(f"sealed plan of generation {gen} is malformed")
-                return plan
+        plan = reader.plan(store, gen)
+        if plan is not None:
+            return plan
         if time.monotonic() > deadline:
             raise TimeoutError(f"no plan for generation {gen} after {timeout:g}s")
         time.sleep(0.01)
 
 
+# Generations looked for above the newest one found, per look: more than any recovery opens
+# while a rank waits (each takes a failure), and a bound on what a forged pointer can cost.
+PLAN_PROBE = 64
+
+
+def _newest_from(store: dist.Store, start: int, reader: _Reader) -> tuple[int, dict[str, Any]] | None:
+    """The newest generation from `start` on whose genuine plan is published, and that plan."""
+    found = None
+    for gen in range(start, start + PLAN_PROBE):
+        plan = reader.plan(store, gen)
+        if plan is None:
+            break
+        found = (gen, plan)
+    return found
+
+
 def newest_plan(store: dist.Store, at_least: int, timeout: float, opener: Opener | None = None,
                 on_reject: RejectHook | None = None) -> tuple[int, dict[str, Any]]:
-    """The newest generation >= `at_least` and its plan, waiting up to `timeout`."""
+    """The newest generation >= `at_least` and its plan, waiting up to `timeout`.
+
+    GEN_KEY is only a hint of where to look: anyone may delete it, or write back an older
+    genuine value, so the plans themselves (sealed, each bound to its generation) are looked for
+    from the hint (or from `at_least`) upward."""
     deadline = time.monotonic() + timeout
     reader = _Reader(opener, on_reject)
     while True:
-        gen = current_gen(store, _reader=reader)
-        if gen >= at_least:
-            return gen, wait_plan(store, gen, max(0.1, deadline - time.monotonic()), opener, _reader=reader)
+        hint = current_gen(store, _reader=reader)
+        found = _newest_from(store, hint, reader) if hint > at_least else None
+        found = found or _newest_from(store, at_least, reader)
+        if found is not None:
+            return found
         if time.monotonic() > deadline:
             raise TimeoutError(f"no generation >= {at_least} after {timeout:g}s")
         time.sleep(0.01)

@@ -95,7 +95,10 @@ class AbortWatcher:
         if self._opener is None:
             return True
         try:
-            raw = self._store.get(self.key)
+            # Read without blocking: a stranger may delete the key as soon as it is set.
+            raw = control.read(self._store, self.key)
+            if raw is None:
+                return False
             self._opener.open(raw, self.key, replay=False)
             return True
         except control.Rejected as exc:
@@ -106,7 +109,7 @@ class AbortWatcher:
                     pass
             while not self._stop.wait(FORGED_POLL_S):
                 try:
-                    if self._store.get(self.key) != raw:
+                    if control.read(self._store, self.key) != raw:
                         break
                 except Exception:  # noqa: BLE001 - the controller is gone
                     return True

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -38,7 +39,11 @@ from recovery.snapshot import Capture, StateEntry, capture
 
 T = TypeVar("T")
 CONTINUED = "continued"  # a survivor kept its state and goes on with the step it was in
-PLAN_TIMEOUT = 600.0
+# How long a rank waits for the next generation's plan: the controller publishes one within
+# about 90 s of a failure at most (abort 5 s, inventory 10 s, an agent restarted 60 s, teardown
+# 15 s). Past twice that the rank gives up and exits with the reason, a failure the controller
+# sees, rather than wait on a plan a stranger may be keeping from it.
+PLAN_TIMEOUT = 180.0
 ACK_TIMEOUT = 2.0
 ACK_POLL_S = 0.001
 ERROR_TRACE_LINES = 20
@@ -287,7 +292,12 @@ class Job:
         """Report a message of `kind` (every one from a rank names the rank and its node)."""
         msg = kind(rank=self.env.rank, node=self.env.node, **fields)  # type: ignore[call-arg]
         with self._send_lock:
-            control.send(self.store, control.CTL_QUEUE, msg, self._sealer)
+            blocked = control.send(self.store, control.CTL_QUEUE, msg, self._sealer)
+        if blocked is not None:
+            # The controller's queue counter was tampered with and not repaired: nobody reads
+            # the queue now, so the rank's log is the only place left to say so.
+            print(f"ffctl rank {self.env.rank}: {msg.kind.value} not sent: {blocked.reason}",
+                  file=sys.stderr, flush=True)
 
     def _abort_seen(self, gen: int) -> SeenHook:
         msg = messages.AbortSeen(rank=self.env.rank, node=self.env.node, gen=gen)

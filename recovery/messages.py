@@ -57,6 +57,9 @@ class Kind(str, Enum):
     # A sender that refused something it read (an agent's queue, an abort flag, a plan).
     REJECTED = "rejected"
     TRAINING = "training"
+    # An agent's sign of life: written to its own key (`hb/<node>`), and sent on `ctl/q` too
+    # while someone else writes over that key.
+    HEARTBEAT = "heartbeat"
 
 
 class CommandKind(str, Enum):
@@ -505,6 +508,16 @@ class Refusal(Message):
     node: int | None = _optional(_node)
     rank: int | None = _optional(_rank)
     unreported: int | None = _optional(_nat)  # refused since the last report, not sent one by one
+
+
+@_report(Kind.HEARTBEAT)
+class Heartbeat(Message):
+    """Agent incarnation `incarnation` of `node` is alive; `beat` counts its heartbeats. Sealed
+    like every value, so only a newer one from the same agent process counts as news."""
+
+    node: int = _field(_node)
+    incarnation: int = _field(_nat)
+    beat: int = _field(_nat)
 
 
 # Commands to an agent.

@@ -153,6 +153,8 @@ class Agent:
         self.inbox = control.Receiver(self.store, control.agent_queue(cfg.node, cfg.incarnation),
                                       opener=control.Opener(cfg.token), on_reject=self._rejected)
         self.limits = control.Limits(MAX_RANKS, cfg.nnodes)
+        self.beats = 0
+        self._last_beat: bytes | None = None  # the sealed value of our last heartbeat
         self.workers: dict[int, Worker] = {}
         self.spares: list[subprocess.Popen[bytes] | ForkedSpare] = []
         self.warm: set[subprocess.Popen[bytes]] = set()
@@ -453,7 +455,33 @@ class Agent:
     def _report(self, kind: type[messages.Message], **fields: Any) -> None:
         """Report a message of `kind` to the controller (every one from an agent names its node)."""
         msg = kind(node=self.cfg.node, **fields)  # type: ignore[call-arg]
-        control.send(self.store, control.CTL_QUEUE, msg, self.sealer)
+        blocked = control.send(self.store, control.CTL_QUEUE, msg, self.sealer)
+        if blocked is not None:
+            # The controller's queue counter was tampered with and not repaired: the controller
+            # is not reading it, so there is nobody to tell but our log.
+            print(f"ffctl agent {self.cfg.node}: {msg.kind.value} not sent: {blocked.reason}: "
+                  f"{control.short_repr(blocked.raw)}", file=sys.stderr, flush=True)
+
+    def _beat(self) -> None:
+        """Write a sealed heartbeat to our key. If our last one is no longer there, someone
+        wrote over (or deleted) it, and may do so again before the controller reads the next:
+        the controller is told, and this beat also goes by the queue, which nobody can write
+        over."""
+        key = control.heartbeat_key(self.cfg.node)
+        if self._last_beat is not None:
+            found = control.read(self.store, key)
+            if found != self._last_beat:
+                self._rejected(key, -1, "heartbeat key deleted" if found is None else
+                               "heartbeat key written over by someone else", found or b"")
+        else:
+            found = None
+        self.beats += 1
+        beat = messages.Heartbeat(node=self.cfg.node, incarnation=self.cfg.incarnation, beat=self.beats)
+        value = self.sealer.seal(key, beat.to_dict()).encode()
+        self.store.set(key, value)
+        if self._last_beat is not None and found != self._last_beat:
+            self._report(messages.Heartbeat, incarnation=self.cfg.incarnation, beat=self.beats)
+        self._last_beat = value
 
     def _report_kind(self, kind: str, **fields: Any) -> None:
         # The replicator names what it reports by its wire kind: it knows nothing of the agent.
@@ -558,7 +586,7 @@ class Agent:
                     self._spawn_held()
                     now = time.monotonic()
                     if now - last_beat >= HEARTBEAT_S:
-                        self.store.add(control.heartbeat_key(self.cfg.node), 1)
+                        self._beat()
                         last_beat = now
                     self._scan_steps()
                     self._reap()

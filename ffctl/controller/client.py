@@ -33,14 +33,18 @@ def request(record: RunStore, spec_text: str, dry_run: bool, timeout: float = 30
         raise BadInput(f"run {record.run_id!r}: cannot read its token file ({exc.strerror})") from None
     sealer, opener = control.Sealer(token, "inject"), control.Opener(token)
     req = secrets.token_hex(8)
-    control.send(store, control.CTL_QUEUE, messages.InjectRequest(spec=spec_text, req=req, dry_run=dry_run), sealer)
+    blocked = control.send(store, control.CTL_QUEUE, messages.InjectRequest(spec=spec_text, req=req, dry_run=dry_run),
+                           sealer)
+    if blocked is not None:
+        raise InfraError(f"controller of run {record.run_id!r}: request not sent ({blocked.reason})")
     key = f"inject/reply/{req}"
     deadline = time.monotonic() + timeout
     refused = ""
     while True:
-        if store.check([key]):
+        raw = control.read(store, key)  # never blocks, whoever deletes the key meanwhile
+        if raw is not None:
             try:
-                reply: dict[str, Any] = opener.open(store.get(key), key, replay=False)
+                reply: dict[str, Any] = opener.open(raw, key, replay=False)
                 break
             except control.Rejected as exc:
                 refused = exc.reason  # not the controller's: wait for its own answer

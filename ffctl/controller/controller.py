@@ -43,6 +43,14 @@ AGENT_START_TIMEOUT = 60.0
 PHASE_TIMEOUT = 120.0
 STARTUP_HANG_S = 120.0
 STARTUP_HEARTBEAT_S = 10.0
+# How often each node's heartbeat key is read (its agent beats every 0.2 s).
+HEARTBEAT_READ_S = 0.05
+# How often the keys the controller owns (the current generation and its plan) are checked, and
+# written again if someone changed or deleted them.
+GUARD_S = 0.1
+# How long the control store may fail every call before the run is given up (a store error is
+# recorded and the connection opened again; the server is this process, so it is not gone).
+STORE_LOST_S = 60.0
 
 
 class Controller:
@@ -72,7 +80,11 @@ class Controller:
         self._view_at = 0.0
         self.injector = Injector(self, self.job, transport_for or nodes.transport_for,
                                  scheduled=[s for s in spec.injects], chaos=spec.chaos, hang_min_s=spec.hang_min_s)
-        self.store: dist.TCPStore | None = None
+        self.store: dist.TCPStore | None = None  # what the controller calls the store through
+        self._server: dist.TCPStore | None = None  # the store's server (this process hosts it)
+        self._guarded: dict[str, bytes] = {}  # key -> the value the controller last wrote there
+        self._guard_at = 0.0
+        self._store_failing_since: float | None = None
         self._rdzv_stores: dict[int, dist.TCPStore] = {}  # gen -> an unchanged script's rendezvous store
         self.inbox: control.Receiver | None = None
         # An unchanged script gets torchrun's restart: every worker stopped and the group started
@@ -151,13 +163,18 @@ class Controller:
         return int(store.port)
 
     def _start_store(self) -> None:
-        self.store = self._listen_store()
+        self.store = self._server = self._listen_store()
         # Everything the store carries is sealed with the job token, which never travels in it.
         self.sealer = control.Sealer(self.token, "controller")
         self.limits = control.Limits(self.spec.world_size, self.spec.nnodes)
         self._rejects = Throttle(self.REJECTS_PER_S)
+        # Heartbeats are opened apart from the queue: each channel's sequence only goes up.
+        self._hb_opener = control.Opener(self.token)
+        # Every rank and agent may be mid-send at once: only a longer run of unwritten indices
+        # is a counter pushed forward by a stranger.
+        gap = max(256, 4 * (self.spec.world_size + self.spec.nnodes))
         self.inbox = control.Receiver(self.store, control.CTL_QUEUE, opener=control.Opener(self.token),
-                                      on_reject=self._rejected)
+                                      on_reject=self._rejected, max_gap=gap)
         # Who and where the controller is, so a report can tell a live run from one whose
         # controller was killed; and what the backend leaves if it is (a sandbox's namespaces).
         self.rec.update_run_info(controller={"address": self.spec.address, "port": self.store.port,
@@ -226,7 +243,12 @@ class Controller:
 
     def send(self, node: int, msg: messages.Message) -> None:
         assert self.store is not None
-        control.send(self.store, control.agent_queue(node, self._incarnation.get(node, 0)), msg, self.sealer)
+        blocked = control.send(self.store, control.agent_queue(node, self._incarnation.get(node, 0)), msg,
+                               self.sealer)
+        if blocked is not None:
+            # The agent's queue counter was tampered with and its agent did not repair it: the
+            # command is lost, and the phase waiting on it times out and says so.
+            self._rejected(blocked.queue, -1, f"{msg.kind.value} not sent: {blocked.reason}", blocked.raw)
 
     def abort_generation(self, gen: int) -> None:
         assert self.store is not None
@@ -256,11 +278,48 @@ class Controller:
 
     def pump(self) -> None:
         assert self.inbox is not None
-        for msg in self.inbox.poll():
-            self._handle(msg)
-        self._check_nodes()
+        try:
+            for msg in self.inbox.poll():
+                self._handle(msg)
+            self._check_nodes()
+            self._guard()
+            self._store_failing_since = None
+        except RuntimeError as exc:  # torch's store errors (DistError is one)
+            self._store_failed(exc)
         # Faults end on time even while a recovery waits on them (a partition, a downed link).
         self.injector.revert_due()
+
+    def _store_failed(self, exc: RuntimeError) -> None:
+        """A store call failed: recorded, then, after a short wait, a fresh connection to our own
+        server. Only a store that fails every call for STORE_LOST_S ends the run (with a reason)."""
+        now = time.monotonic()
+        if self._store_failing_since is None:
+            self._store_failing_since = now
+        first = (str(exc).splitlines() or [""])[0][:200]
+        self._rejected("store", -1, f"control store error: {type(exc).__name__}: {first}", b"")
+        if now - self._store_failing_since > STORE_LOST_S:
+            raise FatalRun(f"the control store failed every call for {STORE_LOST_S:g}s: {first}")
+        time.sleep(0.05)
+        assert self._server is not None and self.inbox is not None
+        try:
+            self.store = control.connect(self.spec.address, int(self._server.port), timeout=30.0)
+        except RuntimeError:
+            return  # tried again on the next failure
+        self.inbox.store = self.store
+
+    def _guard(self) -> None:
+        """Write again what someone changed or deleted of the keys the controller owns (the
+        current generation's pointer and plan): a rank joining later must find them."""
+        now = time.monotonic()
+        if now - self._guard_at < GUARD_S or self.store is None:
+            return
+        self._guard_at = now
+        for key, value in self._guarded.items():
+            raw = control.read(self.store, key)
+            if raw != value:
+                why = "deleted" if raw is None else "overwritten"
+                self._rejected(key, -1, f"{key} {why} by someone else: written again", raw or b"")
+                self.store.set(key, value)
 
     def _handle(self, raw: dict[str, Any]) -> None:
         # Every field is checked before any is used: a sealed message from one of our own
@@ -394,6 +453,16 @@ class Controller:
     def _on_training(self, msg: messages.Training) -> None:
         self.training_api = msg.api
 
+    def _on_heartbeat(self, msg: messages.Heartbeat) -> None:
+        # From the node's key (`_read_heartbeat`) or, while that key is written over, the queue;
+        # sealed either way, and news only when newer than the last from its agent process.
+        st = self.job.nodes[msg.node]
+        current = self._incarnation.get(msg.node, 0)
+        if msg.incarnation != current:
+            raise ValueError(f"heartbeat of agent incarnation {msg.incarnation}, node {msg.node} runs {current}")
+        if st.up:
+            st.hb_seen = time.monotonic()
+
     def training_path(self) -> str:
         """Which path the run took, for the record: "built-in", "ddp" or "library" (a script on
         the recovery library, by what its ranks said) or "script" (an unchanged script)."""
@@ -456,6 +525,7 @@ class Controller:
         messages.Kind.INJECT_REQUEST: lambda self, msg: self._adhoc_inject(msg),
         messages.Kind.REJECTED: _on_refusal,
         messages.Kind.TRAINING: _on_training,
+        messages.Kind.HEARTBEAT: _on_heartbeat,
     }
 
     def _ever_announced(self, rank: int) -> bool:
@@ -485,13 +555,32 @@ class Controller:
                 self.record(EventKind.NODE_LOST, node=n, reason="agent-exit")
                 self._fail(Failure(Cause.NODE_LOST, nodes={n}))
                 continue
-            value = self.store.add(control.heartbeat_key(n), 0)
-            if value != st.hb_value:
-                st.hb_value, st.hb_seen = value, now
-            elif now - st.hb_seen > self._heartbeat_limit():
+            if now - st.hb_read_at >= HEARTBEAT_READ_S:
+                st.hb_read_at = now
+                self._read_heartbeat(st)
+            if now - st.hb_seen > self._heartbeat_limit():
                 st.up = False
                 self.record(EventKind.NODE_LOST, node=n, reason="heartbeat")
                 self._fail(Failure(Cause.NODE_LOST, nodes={n}))
+
+    def _read_heartbeat(self, st: NodeState) -> None:
+        """Take the node's heartbeat key: a sealed beat of its current agent, newer than the last
+        one, is a sign of life; anything else there is refused and recorded (once per value)."""
+        assert self.store is not None
+        key = control.heartbeat_key(st.node)
+        raw = control.read(self.store, key)
+        if raw is None or raw == st.hb_raw:
+            return  # no beat yet, or none since the last read (a deleted key: its agent says so)
+        st.hb_raw = raw
+        try:
+            beat = messages.Heartbeat.from_dict(self._hb_opener.open(raw, key), self.limits)
+            if beat.node != st.node:
+                raise messages.DecodeError(f"heartbeat of node {beat.node} under {key}")
+            self._on_heartbeat(beat)
+        except (control.Rejected, messages.DecodeError) as exc:
+            self._rejected(key, -1, exc.reason, raw)
+        except (KeyError, ValueError) as exc:
+            self._rejected(key, -1, str(exc)[:200], raw)
 
     def _heartbeat_limit(self) -> float:
         # While the job starts, every host imports torch in several processes at once and an
@@ -584,7 +673,7 @@ class Controller:
                 "sources": {str(r): s for r, s in (decision.sources.items() if decision else [])}}
         self.job.gen = gen
         self.job.progress.open(gen, int(plan["restore_step"]))
-        control.publish_plan(self.store, gen, plan, self.sealer)
+        self._guarded = control.publish_plan(self.store, gen, plan, self.sealer)
         self._spawn(gen, respawn)
 
     def await_generation(self, gen: int, respawn: list[int], restore_step: int, source: RestoreSource) -> None:
@@ -705,7 +794,7 @@ class Controller:
         except Exception:
             pass
         self._rdzv_stores.clear()
-        self.store = None  # its server closes the listening socket
+        self.store = self._server = None  # its server closes the listening socket
 
 
 def uses_recovery_library(script: tuple[str, ...]) -> bool:

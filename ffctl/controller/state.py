@@ -52,8 +52,9 @@ class NodeState:
     pid: int = 0
     peer: tuple[str, int] | None = None
     up: bool = False
-    hb_value: int = -1
-    hb_seen: float = field(default_factory=time.monotonic)
+    hb_raw: bytes | None = None  # the heartbeat key's value as last read
+    hb_read_at: float = 0.0  # when it was last read (monotonic)
+    hb_seen: float = field(default_factory=time.monotonic)  # the last genuine, newer beat
     spares: int = -1  # warm (torch imported) spares
     spares_total: int = 0  # including those still warming up
     template: bool = False  # its worker template is warm: it starts a replacement in milliseconds

@@ -46,6 +46,7 @@ REPORTS: dict[Kind, dict[str, Any]] = {
     Kind.SPARES: {"node": 0, "count": 1, "total": 2, "template": True},
     Kind.SPAWNED: {"node": 1, "gen": 2, "pids": {"2": 501, "3": 502}, "how": {"2": "spare", "3": "cold"},
                    "start_s": {"2": 0.01, "3": 1.5}},
+    Kind.HEARTBEAT: {"node": 1, "incarnation": 2, "beat": 40},
     Kind.RANK_EXITED: {"node": 1, "rank": 3, "gen": 2, "pid": 502, "exitcode": -9, "expected": False,
                        "host": "h1", "log_tail": ["step 4", "Killed"]},
     Kind.REPLICATED: {"node": 0, "step": 9, "ranks": [0, 1]},
