@@ -292,11 +292,11 @@ class StrategyInputs:
 
     strategy: str
     runs: tuple[str, ...]
-    step_s: float | None  # steady-state step time (median interval)
+    step_s: float | None  # steady-state step time (mean interval)
     reference_step_s: float | None  # the same job's step time without per-step snapshots
     snapshot_overhead: float | None  # per-step strategies: step_s / reference_step_s - 1
     checkpoints: bool  # takes disk checkpoints: Daly's interval applies
-    blocking_save_s: float | None  # median interval after a checkpoint - step_s
+    blocking_save_s: float | None  # mean interval after a checkpoint - step_s
     ckpt_write_s: float | None  # median commit -> checkpoint complete on every rank
     detection_s: float | None  # mean over the faults that stop the job
     faults: int  # recovered faults that stop the job: what R is drawn from
@@ -339,14 +339,17 @@ def strategy_inputs(measures: Sequence[RunMeasure]) -> list[StrategyInputs]:
         by_strategy.setdefault(m.strategy, []).append(m)
     out = []
     for strategy, runs in by_strategy.items():
-        step_s = _median(x for m in runs for x in m.intervals)
+        # Means, not medians: commits reach the controller in bursts (a step is reported once its
+        # snapshot is durable), so single intervals swing between ~0 and two steps, and only their
+        # sum (the mean) is the job's pace.
+        step_s = _mean(x for m in runs for x in m.intervals)
         ref_pool = [x for m in runs for x in reference.get((m.world_size, m.job), [])]
-        ref_s = step_s if strategy in NO_STEP_SNAPSHOTS else _median(ref_pool)
+        ref_s = step_s if strategy in NO_STEP_SNAPSHOTS else _mean(ref_pool)
         overhead = None
         if strategy in PER_STEP_SNAPSHOTS and step_s is not None and ref_s:
             # Faster than the reference is noise of the machine, not a negative cost.
             overhead = max(0.0, step_s / ref_s - 1.0)
-        after = _median(x for m in runs for x in m.after_ckpt)
+        after = _mean(x for m in runs for x in m.after_ckpt)
         blocking = max(0.0, after - step_s) if after is not None and step_s is not None else None
         used = [f for m in runs for f in m.faults if f.stops_job and f.recovered]
         restart_by_kind = _by_kind(used, "restart_s")
@@ -390,20 +393,27 @@ class ProjectionSpec:
 
 
 def restart_cost(inputs: StrategyInputs, spares_per_1000: float, replace_s: float) -> tuple[float | None, str]:
-    """R and what it was measured as: with a spare when the fleet holds spares, else without one
-    (plus the time to replace the node); the other kind when only that was measured."""
-    with_, without = inputs.restart_s_with_spare, inputs.restart_s_without_spare
-    if spares_per_1000 > 0:
-        if with_ is not None:
-            return with_, "with a spare"
-        if without is not None:
-            return without, "without a spare (none measured with one)"
+    """R and what it was measured as. Per fault kind: its recovery with a spare when the fleet
+    holds spares, else without one, or the other way when only that was measured; a fleet without
+    spares also waits `replace_s` for each failed node. R is the mean over the kinds."""
+    prefer, other = ("with_spare", "without_spare") if spares_per_1000 > 0 else ("without_spare", "with_spare")
+    values, fallback = [], []
+    for kind, by in inputs.restart_s_by_kind.items():
+        value = by[prefer]
+        if value is None:
+            value = by[other]
+            fallback.append(kind)
+        if value is not None:
+            values.append(value + (replace_s if spares_per_1000 == 0 else 0.0))
+    if not values:
         return None, "no fault that stops the job measured"
-    if without is not None:
-        return without + replace_s, "without a spare" + (" + replace time" if replace_s else "")
-    if with_ is not None:
-        return with_ + replace_s, "with a spare (none measured without one)" + (" + replace time" if replace_s else "")
-    return None, "no fault that stops the job measured"
+    said = {"with_spare": "with a spare", "without_spare": "without a spare"}
+    basis = said[prefer]
+    if fallback:
+        basis += f" ({', '.join(fallback)} only {said[other]})"
+    if spares_per_1000 == 0 and replace_s:
+        basis += " + replace time"
+    return statistics.fmean(values), basis
 
 
 def _segment(inputs: StrategyInputs, mtbf_s: float) -> tuple[float | None, float | None, float | None]:

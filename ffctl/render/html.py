@@ -18,6 +18,7 @@ from __future__ import annotations
 import base64
 import html
 import io
+import math
 import statistics
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable
@@ -381,22 +382,25 @@ def ettr_png(doc: dict[str, Any]) -> bytes:
                 label=f"{strategy['strategy']}")
         asked = [(p["gpus"], p["ettr_daly"]) for p in strategy["projections"] if p["ettr_daly"] is not None]
         ax.plot([g for g, _ in asked], [e for _, e in asked], linestyle="none", marker=marker, color=colour)
+    shown: list[float] = [c["ettr_daly"] for s in doc["strategies"] for c in s["curve"] if c["ettr_daly"] is not None]
     for j, preset in enumerate(doc.get("presets") or []):
         marker = PRESET_MARKERS[j % len(PRESET_MARKERS)]
         ax.axvline(preset["gpus"], color="#999999", linestyle=":", linewidth=0.8)
-        first = True
+        # A grey stand-in carries the legend entry: the markers themselves take each strategy's colour.
+        ax.plot([], [], linestyle="none", marker=marker, markersize=8, markerfacecolor="none", markeredgecolor="#555555",
+                label=f"{preset['label']} ({preset['gpus']:,} GPUs, MTBF {preset['mtbf_h']:.3g} h)")
         for i, strategy in enumerate(doc["strategies"]):
             ettr = preset["ettr"].get(strategy["strategy"])
             if ettr is None:
                 continue
             colour = STRATEGY_STYLES.get(strategy["strategy"], (f"C{i}", "o"))[0]
             ax.plot([preset["gpus"]], [ettr], linestyle="none", marker=marker, markersize=8, markerfacecolor="none",
-                    markeredgecolor=colour,
-                    label=(f"{preset['label']} ({preset['gpus']:,} GPUs, MTBF {preset['mtbf_h']:.3g} h)"
-                           if first else None))
-            first = False
+                    markeredgecolor=colour)
+            shown.append(ettr)
+    # Zoomed to the values (ETTRs near 1 would otherwise be one flat band), 0 included when near.
+    low = min(shown, default=0.0)
+    ax.set_ylim(max(0.0, math.floor((low - 0.05) * 10) / 10), 1.0 + 0.01)
     ax.set_xscale("log")
-    ax.set_ylim(0, 1.02)
     ax.set_xlabel("GPUs")
     ax.set_ylabel("ETTR (Daly's complete model)")
     ax.grid(alpha=0.3, which="both")

@@ -5,8 +5,9 @@ Validation targets (docs/projection.md gives each source):
 - Meta's RSC-1: 6.50 failures per 1,000 node-days at 8 GPUs a node projects an MTTF of 1.80 h at
   16,384 GPUs and 0.225 h at 131,072 (within 2 %).
 - Llama 3: 419 unexpected interruptions of 16,384 GPUs in 54 days, an MTBF of 3.09 h.
-- FT-HSDP: at about 100k GPUs with an 18-minute MTBF, a 10-minute stall gives an ETTR of 44 % and a
-  3-minute one 80 % (the first-order form; within 4 points).
+- FT-HSDP (Salpekar et al., arXiv 2602.00277): at about 100k GPUs with an 18-minute MTBF, a
+  10-minute stall gives an ETTR of 44 % and a 3-minute one 80 % (the first-order form; within 4
+  points).
 - Daly (2006): with R = 10 min and delta = 5 min, optimal intervals of 117, 57 and 9.1 minutes at
   M = 24 h, 6 h and 15 min (within 1 min). Daly's higher-order estimate gives 116.7, 56.7 and
   9.14; Young's sqrt(2 delta M) gives 120, 60 and 12.2, and the first-order sqrt(2 delta M) -
@@ -213,6 +214,19 @@ def test_spare_or_not_picks_the_recovery_measured_that_way() -> None:
     assert bare["restart_basis"] == "without a spare + replace time"
     assert bare["projections"][0]["restart_s"] == pytest.approx(inputs.restart_s_without_spare + 600.0)
     assert bare["projections"][0]["ettr_daly"] < spared["projections"][0]["ettr_daly"]
+
+
+def test_a_kind_measured_only_the_other_way_still_counts() -> None:
+    # restart-disk restarts every rank: a kill-node's ranks may all start cold, a kill-rank's on spares.
+    rank = measured(fault_run(1000.0, "restart-disk", ckpt_every=5, kind="kill-rank"), "a")
+    node = measured(fault_run(2000.0, "restart-disk", ckpt_every=5, spare=False), "b")
+    (inputs,) = strategy_inputs([rank, node])
+    doc = project([rank, node], ProjectionSpec(Fleet.preset("llama3"), (16384,), 8.0))
+    (s,) = doc["strategies"]
+    assert s["restart_basis"] == "with a spare (kill-node only without a spare)"
+    by = inputs.restart_s_by_kind
+    assert s["projections"][0]["restart_s"] == pytest.approx(
+        (by["kill-rank"]["with_spare"] + by["kill-node"]["without_spare"]) / 2)
 
 
 def test_projection_point_figures() -> None:
