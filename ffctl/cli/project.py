@@ -132,20 +132,22 @@ def register(app: typer.Typer) -> None:
             help="The job's MTBF (e.g. 18m): at every GPU count, or with @N at N GPUs, scaled by N / GPUs.")] = None,
         gpus: Annotated[str, typer.Option("--gpus", metavar="N,N,...", help="GPU counts to project to.")]
             = ",".join(str(g) for g in DEFAULT_GPUS),
-        gpus_per_node: Annotated[int, typer.Option("--gpus-per-node", min=1, max=1024)] = DEFAULT_GPUS_PER_NODE,
+        gpus_per_node: Annotated[int, typer.Option(
+            "--gpus-per-node", min=1, max=1024, help="GPUs a node holds: rates count failures per node.")]
+            = DEFAULT_GPUS_PER_NODE,
         spares_per_1000: Annotated[float, typer.Option(
             "--spares-per-1000", metavar="K",
             help="Warm spare GPUs held per 1,000 (0: a failed node waits for its replacement).")]
             = DEFAULT_SPARES_PER_1000,
         replace_time: Annotated[Optional[str], typer.Option(
-            "--replace-time", metavar="T", help="Without a spare: the time a failed node takes to be replaced, "
-                                               "added to each recovery measured without one.")] = None,
+            "--replace-time", metavar="T", help="With --spares-per-1000 0: the time a failed node takes to be "
+                                               "replaced, added to every recovery (e.g. 10m).")] = None,
         as_json: Annotated[bool, typer.Option("--json", help="Print the projection as JSON.")] = False,
         markdown: Annotated[bool, typer.Option("--markdown", help="Print GitHub-flavoured Markdown.")] = False,
         html: Annotated[Optional[Path], typer.Option(
             "--html", metavar="FILE",
             help="Also write a self-contained HTML page with the tables and ETTR against GPU count "
-                 "(needs the html extra: pip install 'ffctl[html]').")] = None,
+                 "(needs the html extra: pip install 'ffctl\\[html]').")] = None,
     ) -> None:
         """Project measured recovery costs to a fleet: MTBF, ETTR, lost and spare GPU-hours per day."""
         if as_json and markdown:

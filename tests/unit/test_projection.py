@@ -191,6 +191,12 @@ def test_snapshot_overhead_against_the_same_job_without_per_step_snapshots() -> 
     doc = project([peer, other], ProjectionSpec(Fleet.preset("llama3")))
     assert any("snapshot overhead not measured" in n for n in doc["notes"])
     assert [s["strategy"] for s in doc["strategies"]] == ["peer"]  # `none` is only a reference
+    # Faster than its reference: shown as measured, taken as no cost.
+    quick = measured(fault_run(4000.0, "peer", step_s=0.4), "q", job="model small")
+    doc = project([quick, ref], ProjectionSpec(Fleet.preset("llama3")))
+    (s,) = doc["strategies"]
+    assert s["inputs"]["snapshot_overhead"] == pytest.approx(-0.2)
+    assert s["projections"][0]["delta_s"] == 0.0 and any("20.0% faster" in n for n in doc["notes"])
 
 
 def test_slowdowns_and_unrecovered_faults_are_not_failures() -> None:
