@@ -102,7 +102,7 @@ def _job(record: RunStore) -> str:
 def load_measures(runs_dir: Path, run_ids: list[str]) -> list[RunMeasure]:
     """Each run's measures; a run that does not exist or whose record holds no run is bad input."""
     out = []
-    for run_id in run_ids:
+    for run_id in dict.fromkeys(run_ids):  # a run named twice counts once
         try:
             record = open_run(runs_dir, run_id)
         except RunStoreError as exc:
