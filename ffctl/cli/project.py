@@ -107,11 +107,17 @@ def load_measures(runs_dir: Path, run_ids: list[str]) -> list[RunMeasure]:
             record = open_run(runs_dir, run_id)
         except RunStoreError as exc:
             raise BadInput(str(exc)) from None
-        events = record.events()
-        if not any(ev.kind is EventKind.RUN_STARTED for ev in events):
-            raise BadInput(f"run {run_id!r}: its record holds no run ({record.events_path} has no readable "
-                           "run_started event)")
-        out.append(measure_run(run_report(record), events, _job(record)))
+        try:
+            events = record.events()
+            if not any(ev.kind is EventKind.RUN_STARTED for ev in events):
+                raise BadInput(f"run {run_id!r}: its record holds no run ({record.events_path} has no readable "
+                               "run_started event)")
+            out.append(measure_run(run_report(record), events, _job(record)))
+        except (RunStoreError, ValueError, TypeError, KeyError) as exc:
+            # A record that reads but holds the wrong things (a step that is no number, a fault
+            # without an id) is as unusable as one that does not read.
+            why = " ".join(str(exc).split()) or type(exc).__name__
+            raise BadInput(f"run {run_id!r}: its record is unreadable: {why[:300]}") from None
     return out
 
 

@@ -360,6 +360,15 @@ def test_a_missing_or_garbage_run_is_bad_input(runs_dir: Path) -> None:
     code, text = run_cli(["project", "garbage", "--fleet", "llama3"], runs_dir)
     lines = text.strip().splitlines()
     assert code == 2 and len(lines) == 1 and "run 'garbage'" in lines[0], text
+    # JSON of the right shape with the wrong things in it.
+    wrong = runs_dir / "wrong-types"
+    wrong.mkdir()
+    (wrong / "run.json").write_text("{}")
+    (wrong / "events.jsonl").write_text('{"event": "run_started", "t": 1.0, "world_size": 2, "strategy": "peer"}\n'
+                                        '{"event": "step", "t": 2.0, "step": "seven"}\n')
+    code, text = run_cli(["project", "wrong-types", "--fleet", "llama3"], runs_dir)
+    lines = text.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "run 'wrong-types'" in lines[0], text
     code, text = run_cli(["project", "none-1", "--fleet", "llama3"], runs_dir)
     assert code == 2 and "no strategy with a recovery to project" in text
 
