@@ -392,7 +392,7 @@ class Receiver:
             # up to the value seen now (and just above, until the repair lands): those indices
             # are looked at again (a message there now is a new one).
             for idx in range(max(1, n - REPAIR_MARGIN + 1), min(n + REPAIR_MARGIN, self.seen) + 1):
-                self._missing.setdefault(idx, now)
+                self._watch(idx, now)
             self._repair(raw)
             return self.seen
         self.high = n
@@ -416,7 +416,7 @@ class Receiver:
             walked += 1
             msg = self._take(self.seen)
             if msg is None:
-                self._missing[self.seen] = now  # still in flight: look again next poll
+                self._watch(self.seen, now)  # still in flight: look again next poll
                 run += 1
                 if run > self.max_gap:
                     self._skip(produced, run)
@@ -426,6 +426,15 @@ class Receiver:
             if msg is not False:
                 out.append(msg)  # type: ignore[arg-type]
         return out
+
+    def _watch(self, idx: int, now: float) -> None:
+        """Look at `idx` again on every poll until `gap_timeout`. At most twice `max_gap` indices
+        are watched (each costs a read per poll; a run of `max_gap` fits, so `_skip` still finds
+        the start of it): beyond that, the oldest are given up. Producers in flight are far
+        fewer; only a counter tampered with again and again makes so many."""
+        self._missing.setdefault(idx, now)
+        while len(self._missing) > 2 * self.max_gap:
+            del self._missing[min(self._missing)]
 
     def _skip(self, produced: int, run: int) -> None:
         """More indices in a row were reserved and left unwritten than producers can have in

@@ -155,3 +155,17 @@ def test_the_generation_never_goes_back_and_its_pointer_is_only_a_hint() -> None
     store.delete_key(control.GEN_KEY)  # ...or when there is none
     assert control.newest_plan(store, 1, 1.0, opener, hook)[0] == 2
     assert time.monotonic() - t0 < 1.0
+
+
+def test_a_counter_tampered_with_in_a_loop_keeps_the_work_per_poll_bounded() -> None:
+    store = loopback_store()
+    reports: list[str] = []
+    rx = control.Receiver(store, Q, gap_timeout=5.0, on_reject=lambda q, i, reason, raw: reports.append(reason),
+                          max_gap=64)
+    for _ in range(200):  # garbage after every poll: each repair moves the counter on a margin
+        store.set(f"{Q}/n", "garbage")
+        rx.poll()
+    assert len(rx._missing) <= 2 * 64
+    assert len(reports) <= 2  # reported at most once a second, the rest counted
+    _send(store, 1)
+    assert _drain(rx, 1) == [1]
