@@ -42,6 +42,13 @@ class RunStoreError(Exception):
     """The run record cannot be created or read (bad run id, unwritable dir, unknown run)."""
 
 
+class CorruptRecord(RunStoreError, ValueError):
+    """A record file holds what ffctl never writes: bytes that are not UTF-8, a line that is not
+    a JSON object, JSON nested too deeply to read. Unlike a line torn by a kill (skipped), the
+    record cannot be trusted: `ffctl report` skips the run in a listing and refuses it by name.
+    A ValueError too, so readers that tolerate a bad run.json tolerate this."""
+
+
 def default_runs_dir() -> Path:
     return Path(os.environ.get("FFCTL_RUNS_DIR", DEFAULT_RUNS_DIR))
 
@@ -131,7 +138,17 @@ class RunStore:
         os.replace(tmp, self.path / name)
 
     def read_json(self, name: str) -> Any:
-        return json.loads((self.path / name).read_text())
+        """The JSON in `name`; CorruptRecord for anything that does not decode (not UTF-8, not
+        JSON, nested too deeply), OSError if it cannot be read."""
+        path = self.path / name
+        try:
+            return _loads(path.read_bytes().decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            raise CorruptRecord(f"{path}: not UTF-8 (byte {exc.start})") from None
+        except CorruptRecord as exc:
+            raise CorruptRecord(f"{path}: {exc}") from None
+        except ValueError as exc:
+            raise CorruptRecord(f"{path}: not JSON ({exc})") from None
 
     def update_run_info(self, **fields: Any) -> None:
         info = self.read_json("run.json")
@@ -182,19 +199,41 @@ class RunStore:
         return RunStatus(run_status(events, self.controller_alive()))
 
 
+def _loads(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except RecursionError:
+        # The decoder recurses once per nesting level: 100,000 brackets exhaust the stack.
+        raise CorruptRecord("JSON nested too deeply") from None
+
+
 def iter_events(path: Path) -> Iterator[Event]:
+    """The events of an events.jsonl. A line torn by a kill mid-write is skipped (every complete
+    line before it still counts); what no writer of ours produces, even torn, raises
+    CorruptRecord naming the line: bytes that are not UTF-8 (every line is ASCII JSON), a JSON
+    value that is not an object, nesting too deep to decode."""
     if not path.exists():
         return
-    with open(path) as fh:
-        for line in fh:
-            line = line.strip()
+    with open(path, "rb") as fh:
+        for n, raw in enumerate(fh, 1):
+            try:
+                line = raw.decode("utf-8").strip()
+            except UnicodeDecodeError as exc:
+                raise CorruptRecord(f"{path}: line {n} is not UTF-8 (byte {exc.start})") from None
             if not line:
                 continue
             try:
-                yield Event.from_json(line)
-            except (ValueError, KeyError):
-                # A line torn by a kill mid-write: every complete line before it still counts.
-                continue
+                obj = _loads(line)
+            except CorruptRecord as exc:
+                raise CorruptRecord(f"{path}: line {n}: {exc}") from None
+            except ValueError:
+                continue  # torn
+            if not isinstance(obj, dict):
+                raise CorruptRecord(f"{path}: line {n} is not a JSON object")
+            try:
+                yield Event(kind=EventKind(obj.pop("event")), t=float(obj.pop("t")), data=obj)
+            except (ValueError, KeyError, TypeError):
+                continue  # an event kind this version does not know, or no time: not ours to read
 
 
 def read_deadman_lines(run_path: Path) -> list[tuple[str, dict[str, Any]]]:
@@ -323,7 +362,10 @@ def list_runs(runs_dir: Path) -> list[RunStore]:
             if not path.is_dir() or not (path / "run.json").is_file():
                 continue
             store = RunStore(path)
-            first = next(iter_events(store.events_path), None)
+            try:
+                first = next(iter_events(store.events_path), None)
+            except CorruptRecord:
+                first = None  # listed all the same: its reader says what is wrong with it
             started = first.t if first is not None else (path / "run.json").stat().st_mtime
         except OSError:
             continue  # removed while listed, or unreadable: not a run to show

@@ -14,7 +14,7 @@ from ffctl.controller import client as inject_client
 from ffctl.render import make_console
 from ffctl.errors import EXIT_INFRA, EXIT_OK, BadInput
 from ffctl.render.report import render_plan
-from runs.store import RunStoreError, open_run, validate_run_id
+from runs.store import RunStore, RunStoreError, open_run, validate_run_id
 
 
 def register(app: typer.Typer) -> None:
@@ -70,13 +70,17 @@ def register(app: typer.Typer) -> None:
             record = open_run(runs_dir, run)
         except RunStoreError as exc:
             raise BadInput(str(exc)) from None
-        shape = _job_shape(record.read_json("run.json"))
+        info = _run_info(record)
+        shape = _job_shape(info)
         if shape is not None:
             try:
                 check_in_job(spec, shape[0] * shape[1], shape[0])
             except FaultSpecError as exc:
                 raise BadInput(f"inject {kind} into run {run}: {exc}") from None
-        reply = inject_client.request(record, spec_text, dry_run)
+        try:
+            reply = inject_client.request(record, spec_text, dry_run)
+        except RunStoreError as exc:  # its events are garbage: no status to go by
+            raise BadInput(f"run {run}: unreadable record: {exc}") from None
         if dry_run:
             render_plan(list(reply.get("plan", [])), console)
             return EXIT_OK
@@ -92,6 +96,22 @@ def _check_run_id(run: str) -> None:
         validate_run_id(run)
     except RunStoreError as exc:
         raise BadInput(f"--run: {exc}") from None
+
+
+def _run_info(record: RunStore) -> dict[str, Any]:
+    """run.json as far as injecting needs it: a JSON object whose controller endpoint (if any)
+    has an address and a port; anything else is one line, exit 2, never a traceback."""
+    try:
+        info = record.read_json("run.json")
+    except (OSError, ValueError) as exc:
+        raise BadInput(f"run {record.run_id}: cannot read run.json: {exc}") from None
+    if not isinstance(info, dict):
+        raise BadInput(f"run {record.run_id}: run.json is not a JSON object")
+    ctl = info.get("controller")
+    if ctl is not None and not (isinstance(ctl, dict) and isinstance(ctl.get("address"), str)
+                                and type(ctl.get("port")) is int and 0 < ctl["port"] < 65536):
+        raise BadInput(f"run {record.run_id}: run.json's controller endpoint is not an address and a port")
+    return info
 
 
 def _job_shape(info: Any) -> tuple[int, int] | None:

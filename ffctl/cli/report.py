@@ -15,7 +15,7 @@ from ffctl.render.report import (markdown_comparison, markdown_report, markdown_
                                  render_report, render_run_list)
 from runs.events import RunStatus
 from runs.metrics import compute
-from runs.store import RunStore, RunStoreError, list_runs, open_run
+from runs.store import CorruptRecord, RunStore, RunStoreError, list_runs, open_run
 
 
 def left_behind(record: RunStore) -> dict[str, Any]:
@@ -48,6 +48,20 @@ def run_report(record: RunStore) -> dict[str, Any]:
     if rep["status"] == RunStatus.INCOMPLETE.value:
         rep["left"] = left_behind(record)
     return rep
+
+
+def listed_reports(records: list[RunStore]) -> list[dict[str, Any]]:
+    """The reports of the runs of a listing; a run whose record cannot be read (garbage in its
+    events or run.json) is left out with one warning line on stderr, so that one bad directory
+    never hides every other run."""
+    listed = []
+    for record in records:
+        try:
+            listed.append(run_report(record))
+        except Exception as exc:  # noqa: BLE001 - whatever a hostile record trips, the listing goes on
+            why = " ".join(str(exc).split()) or type(exc).__name__
+            typer.echo(f"ffctl: warning: run {record.run_id!r} skipped: {why[:300]}", err=True)
+    return listed
 
 
 def run_summary(rep: dict[str, Any]) -> dict[str, Any]:
@@ -110,7 +124,7 @@ def register(app: typer.Typer) -> None:
                 raise BadInput(str(exc)) from None
         console = make_console(quiet=as_json or markdown)
         if not records:
-            listed = [run_report(record) for record in list_runs(runs_dir)]
+            listed = listed_reports(list_runs(runs_dir))
             if as_json:
                 typer.echo(json.dumps([run_summary(r) for r in listed], indent=2))
             elif markdown:
@@ -119,7 +133,10 @@ def register(app: typer.Typer) -> None:
             if html is not None:
                 _write(html, html_page.run_list_html(listed, str(runs_dir)), console)
             return
-        reports = [run_report(record) for record in records]
+        try:
+            reports = [run_report(record) for record in records]
+        except CorruptRecord as exc:
+            raise BadInput(f"unreadable run record: {exc}") from None
         if as_json:
             typer.echo(json.dumps(reports[0] if len(reports) == 1 else reports, indent=2))
         elif markdown:
