@@ -17,8 +17,12 @@ it again.
 
 A put names its own length, so the receiver caps it before allocating anything: at most
 `max_slot_bytes` for one (rank, slot) and `max_total_bytes` over every buffer it holds (by
-default a quarter and a half of the host's memory). A put over either is refused, logged, and its
-connection closed; nothing of it is allocated or read.
+default half the host's memory). The per-slot cap defaults to the size a slot of this job can
+have: twice the largest slot this node's own ranks wrote (the ring neighbour's ranks hold shards
+of the same state), at least 256 MiB (before any is written), at most a quarter of the memory; a
+put of gigabytes with the token would otherwise make the agent zero them and miss its
+heartbeats. A put over either is refused, logged, and its connection closed; nothing of it is
+allocated or read.
 
 Whatever the store refuses (a client that fails the token handshake, a malformed frame, a put over
 a cap, a copy whose checksum does not match) is logged and handed to `on_refused`, which the agent
@@ -37,6 +41,7 @@ import socketserver
 import struct
 import sys
 import threading
+import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,7 +85,11 @@ def recv_header(sock: socket.socket) -> dict[str, Any]:
     (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
     if n > 1 << 20:
         raise ChannelError("frame header too large")
-    header = json.loads(_recv_exact(sock, n))
+    try:
+        header = json.loads(_recv_exact(sock, n))
+    except RecursionError:
+        # A megabyte of brackets exhausts the decoder's stack: a malformed frame like any other.
+        raise ValueError("frame header nested too deeply") from None
     if not isinstance(header, dict):
         raise ValueError(f"frame header is a JSON {type(header).__name__}, not an object")
     return header
@@ -147,9 +156,11 @@ class PeerStore:
         self.token = token
         self.on_refused = on_refused
         self.reports = Throttle(self.REPORTS_PER_S)
-        memory = _physical_memory()
-        self.max_slot_bytes = max_slot_bytes if max_slot_bytes is not None else memory // 4
-        self.max_total_bytes = max_total_bytes if max_total_bytes is not None else memory // 2
+        self._memory = _physical_memory()
+        # None: derived from this node's own slots (`slot_cap`).
+        self.max_slot_bytes: int | None = max_slot_bytes
+        self.max_total_bytes = max_total_bytes if max_total_bytes is not None else self._memory // 2
+        self._cap, self._cap_at = 0, float("-inf")
         self.refused: list[str] = []  # why puts were refused, newest last (a few kept)
         self.local_slot = local_slot  # (rank, slot index) -> path of this node's slot file
         self.replicas: dict[tuple[int, int], _Replica] = {}  # (rank, slot) -> committed copy
@@ -207,9 +218,9 @@ class PeerStore:
         key = (rank, step % 2)
         if rank < 0 or step < 0 or not 0 <= meta_len <= length:
             self._refuse(f"put of rank {rank} step {step}: bad header (len {length}, meta_len {meta_len})")
-        if length > self.max_slot_bytes:
-            self._refuse(f"put of rank {rank} step {step}: {length} bytes over the cap of "
-                         f"{self.max_slot_bytes} per slot")
+        cap = self.slot_cap()
+        if length > cap:
+            self._refuse(f"put of rank {rank} step {step}: {length} bytes over the cap of {cap} per slot")
         with self.lock:
             buf = self._buffers.get(key)
             if buf is None or len(buf) < length:
@@ -230,6 +241,24 @@ class PeerStore:
         with self.lock:
             self._pending[key] = _Replica(step, crc, meta_len, length, buf)
         return {"ok": True}
+
+    SLOT_CAP_FLOOR = 256 << 20  # the per-slot cap before this node's ranks wrote a slot
+
+    def slot_cap(self) -> int:
+        """The largest put of one slot taken: `max_slot_bytes` if given, else twice this node's
+        largest slot (looked at once a second at most), within [SLOT_CAP_FLOOR, memory / 4]."""
+        if self.max_slot_bytes is not None:
+            return self.max_slot_bytes
+        now = time.monotonic()
+        if now - self._cap_at >= 1.0:
+            self._cap_at = now
+            try:
+                folder = self.local_slot(0, 0).parent
+                largest = max((p.stat().st_size for p in folder.iterdir() if p.is_file()), default=0)
+            except OSError:
+                largest = 0
+            self._cap = min(self._memory // 4, max(self.SLOT_CAP_FLOOR, 2 * largest))
+        return self._cap
 
     def _refuse(self, why: str) -> None:
         self.note_refusal(why)

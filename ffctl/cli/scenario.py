@@ -35,6 +35,12 @@ def register(app: typer.Typer) -> None:
         for flag, out in (("--junit", junit), ("--markdown", markdown)):
             if out is not None and not out.absolute().parent.is_dir():
                 raise BadInput(f"{flag} {str(out)!r}: folder {str(out.absolute().parent)!r} does not exist")
+            # Checked before any job runs: a directory, or a FIFO that writing would wait on
+            # forever, would otherwise lose the verdicts of jobs that ran for minutes.
+            if out is not None and out.is_dir():
+                raise BadInput(f"{flag} {str(out)!r} is a directory: name a file in it")
+            if out is not None and out.exists() and not out.is_file():
+                raise BadInput(f"{flag} {str(out)!r} is not a regular file")
         try:
             planned = plan_scenarios(scenarios, runs_dir, run_id, repeat)
         except lib.ScenarioError as exc:
@@ -60,12 +66,17 @@ def register(app: typer.Typer) -> None:
                 break
         dicts = [o.to_dict() for o in outcomes]
         render_summary(dicts, console)
-        if junit is not None:
-            junit.write_text(junit_xml(dicts))
-        if markdown is not None:
-            markdown.write_text(markdown_text(dicts))
+        unwritten = False
+        for flag, out, text in (("--junit", junit, junit_xml), ("--markdown", markdown, markdown_text)):
+            if out is None:
+                continue
+            try:
+                out.write_text(text(dicts), encoding="utf-8")
+            except OSError as exc:  # e.g. removed or made read-only while the jobs ran
+                typer.echo(f"ffctl: error: {flag} {str(out)!r}: {exc.strerror or exc}", err=True)
+                unwritten = True
         if any(o.interrupted for o in outcomes):
             return EXIT_INTERRUPTED
-        if any(o.error for o in outcomes):
+        if any(o.error for o in outcomes) or unwritten:
             return EXIT_INFRA
         return EXIT_OK if all(o.passed for o in outcomes) else EXIT_EXPECTATION

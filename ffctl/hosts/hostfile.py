@@ -16,9 +16,14 @@ naming the file, the line and the bad value.
 """
 from __future__ import annotations
 
+import errno
+import os
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
+
+USER_FILE_LIMIT = 1 << 20  # a hostfile or a scenario is a few lines; more is not one
 
 # Letters, digits, '.', '-', '_' cover DNS names, IPv4 literals and ssh_config aliases; a leading
 # '-' would read as an option to ssh or to a remote tool, so it is refused.
@@ -60,11 +65,41 @@ class HostEntry:
         return self.target
 
 
+def read_user_file(path: str | Path, limit: int = USER_FILE_LIMIT) -> str:
+    """The text of a file a user named (a hostfile, a scenario), at most `limit` bytes.
+
+    Opened without blocking and checked to be a regular file before a byte is read: a FIFO, a
+    device or a socket named by mistake (or on purpose) fails at once with an OSError saying so,
+    instead of waiting forever for a writer. UnicodeDecodeError when it is not UTF-8."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise IsADirectoryError(errno.EISDIR, "it is a directory")
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file (a FIFO, a device or a socket)")
+        if st.st_size > limit:
+            raise OSError(errno.EFBIG, f"larger than {limit} bytes")
+        os.set_blocking(fd, True)
+        chunks, size = [], 0
+        while size <= limit:
+            chunk = os.read(fd, limit + 1 - size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        if size > limit:
+            raise OSError(errno.EFBIG, f"larger than {limit} bytes")
+    finally:
+        os.close(fd)
+    return b"".join(chunks).decode("utf-8")
+
+
 def parse_hostfile(path: str | Path) -> list[HostEntry]:
     """Read and parse a hostfile; raises HostfileError (one line) on any problem."""
     p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8")
+        text = read_user_file(p)
     except FileNotFoundError:
         raise HostfileError(f"{p}: hostfile not found") from None
     except UnicodeDecodeError:

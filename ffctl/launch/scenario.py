@@ -53,6 +53,7 @@ from typing import Any
 from fault_injectors import FaultSpecError
 from fault_injectors.schedule import parse_chaos
 from fault_injectors.spec import MAX_DURATION_S, MAX_SEED, parse_injection
+from ffctl.hosts.hostfile import read_user_file
 from ffctl.launch.torchrun import FLAGS as TORCHRUN_FLAGS
 from ffctl.launch.torchrun import VALUE_DEFAULTS as TORCHRUN_VALUES
 from ffctl.launch.torchrun import TorchrunArgError, resolve
@@ -303,7 +304,7 @@ def _check(where: str, field: Field, value: Any) -> None:
 def load(path: Path) -> Scenario:
     """Read and check a scenario file: every key known, every value of its type and in range."""
     try:
-        text = path.read_text()
+        text = read_user_file(path)
     except FileNotFoundError:
         raise ScenarioError(f"scenario {str(path)!r} does not exist") from None
     except (OSError, UnicodeDecodeError) as exc:
@@ -317,6 +318,10 @@ def loads(text: str, path: Path) -> Scenario:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ScenarioError(f"{path}: not valid TOML: {exc}") from None
+    except RecursionError:
+        # The parser recurses once per nested array or inline table: 20,000 brackets exhaust
+        # the stack long before any scenario needs them.
+        raise ScenarioError(f"{path}: not valid TOML: arrays or tables nested too deeply") from None
     unknown = set(data) - set(SECTIONS)
     if unknown:
         raise ScenarioError(f"{path}: unknown section(s) {sorted(unknown)} (use name, [launch], [faults] and [expect])")

@@ -8,6 +8,7 @@ launch that could not run is an `<error>` case of its own.
 """
 from __future__ import annotations
 
+import re
 from typing import Any
 from xml.sax.saxutils import escape, quoteattr
 
@@ -83,8 +84,24 @@ def markdown(outcomes: list[dict[str, Any]]) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
+# What XML 1.0 allows no document to hold, not even escaped: C0 controls but tab, newline and
+# carriage return, lone surrogates, U+FFFE and U+FFFF. A scenario's name or a run's message may
+# carry them (TOML strings take \u001b and \u0000).
+_NOT_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ud800-\udfff\ufffe\uffff]")
+
+
+def _xml_legal(text: str) -> str:
+    r"""`text` with each character XML 1.0 forbids written out as `\xNN` (or `\uNNNN`)."""
+    return _NOT_XML.sub(lambda m: ascii(m.group())[1:-1], text)
+
+
 def junit(outcomes: list[dict[str, Any]]) -> str:
-    """JUnit XML as CI systems read it (Jenkins, GitLab, GitHub test-report actions)."""
+    """JUnit XML as CI systems read it (Jenkins, GitLab, GitHub test-report actions); always
+    well-formed, whatever the names and messages it quotes hold."""
+    return _xml_legal(_junit(outcomes))
+
+
+def _junit(outcomes: list[dict[str, Any]]) -> str:
     suites = []
     total = {"tests": 0, "failures": 0, "errors": 0}
     for o in outcomes:
