@@ -473,7 +473,7 @@ def abort_values(sealer: Sealer, gen: int, world_size: int) -> tuple[list[str], 
     return keys, [sealer.seal(k, {"type": "abort", "gen": gen}) for k in keys]
 
 
-class _Reader:
+class Reader:
     """Reads values that are read more than once (plans, the current generation): a value that
     does not open is reported once (per distinct value) and treated as not there yet, so the
     genuine value, written over it, is still found. The current generation only moves forward:
@@ -536,17 +536,17 @@ class _Reader:
 
 
 def current_gen(store: dist.Store, opener: Opener | None = None, on_reject: RejectHook | None = None,
-                _reader: _Reader | None = None) -> int:
+                _reader: Reader | None = None) -> int:
     """The current generation as GEN_KEY says, or -1 (missing, refused, or older than one seen)."""
-    msg = (_reader or _Reader(opener, on_reject)).read(store, GEN_KEY, "gen")
+    msg = (_reader or Reader(opener, on_reject)).read(store, GEN_KEY, "gen")
     return -1 if msg is None else int(msg["gen"])
 
 
 def wait_plan(store: dist.Store, gen: int, timeout: float, opener: Opener | None = None,
-              on_reject: RejectHook | None = None, _reader: _Reader | None = None) -> dict[str, Any]:
+              on_reject: RejectHook | None = None, _reader: Reader | None = None) -> dict[str, Any]:
     """Block until a genuine plan of `gen` is published (or raise TimeoutError)."""
     deadline = time.monotonic() + timeout
-    reader = _reader or _Reader(opener, on_reject)
+    reader = _reader or Reader(opener, on_reject)
     while True:
         plan = reader.plan(store, gen)
         if plan is not None:
@@ -561,7 +561,7 @@ def wait_plan(store: dist.Store, gen: int, timeout: float, opener: Opener | None
 PLAN_PROBE = 64
 
 
-def _newest_from(store: dist.Store, start: int, reader: _Reader) -> tuple[int, dict[str, Any]] | None:
+def _newest_from(store: dist.Store, start: int, reader: Reader) -> tuple[int, dict[str, Any]] | None:
     """The newest generation from `start` on whose genuine plan is published, and that plan."""
     found = None
     for gen in range(start, start + PLAN_PROBE):
@@ -573,14 +573,16 @@ def _newest_from(store: dist.Store, start: int, reader: _Reader) -> tuple[int, d
 
 
 def newest_plan(store: dist.Store, at_least: int, timeout: float, opener: Opener | None = None,
-                on_reject: RejectHook | None = None) -> tuple[int, dict[str, Any]]:
-    """The newest generation >= `at_least` and its plan, waiting up to `timeout`.
+                on_reject: RejectHook | None = None, reader: Reader | None = None) -> tuple[int, dict[str, Any]]:
+    """The newest generation >= `at_least` and its plan, waiting up to `timeout`. A `reader`
+    kept across calls (a rank keeps one for its life) refuses a generation pointer older than
+    any it has read before, and reports each refused value once.
 
     GEN_KEY is only a hint of where to look: anyone may delete it, or write back an older
     genuine value, so the plans themselves (sealed, each bound to its generation) are looked for
     from the hint (or from `at_least`) upward."""
     deadline = time.monotonic() + timeout
-    reader = _Reader(opener, on_reject)
+    reader = reader or Reader(opener, on_reject)
     while True:
         hint = current_gen(store, _reader=reader)
         found = _newest_from(store, hint, reader) if hint > at_least else None

@@ -103,6 +103,9 @@ class Job:
         # Every message to the controller is sealed; plans and abort flags are opened before use.
         self._sealer = control.Sealer(env.token, f"rank/{env.rank}")
         self._opener = control.Opener(env.token)
+        # One for the rank's life: the generation pointer it reads never goes back, and a forged
+        # value is reported once, however many recoveries see it.
+        self._plans = control.Reader(self._opener, self._rejected)
         self._send_lock = threading.Lock()  # step reports also go out from the snapshot thread
         self.group: Generation | None = None
         self.writer = SlotWriter(env.shm_dir, env.run_id, env.node, env.rank) if env.memory_snapshots else None
@@ -247,7 +250,8 @@ class Job:
         self.faults.install()
         self._send(messages.Training, gen=self.env.gen, api=self.api)
         try:
-            gen, plan = control.newest_plan(self.store, self.env.gen, PLAN_TIMEOUT, self._opener, self._rejected)
+            gen, plan = control.newest_plan(self.store, self.env.gen, PLAN_TIMEOUT, self._opener,
+                                            self._rejected, reader=self._plans)
             try:
                 start, _ = self._join(gen, plan)
             except PeerFailure as exc:
@@ -282,7 +286,8 @@ class Job:
         while True:
             self._settle_snapshot()
             self._send(messages.Aborted, gen=exc.gen, step=self.last_committed, reason=exc.reason)
-            gen, plan = control.newest_plan(self.store, exc.gen + 1, PLAN_TIMEOUT, self._opener, self._rejected)
+            gen, plan = control.newest_plan(self.store, exc.gen + 1, PLAN_TIMEOUT, self._opener,
+                                            self._rejected, reader=self._plans)
             try:
                 return self._join(gen, plan, in_step)
             except PeerFailure as again:

@@ -144,7 +144,7 @@ def test_the_generation_never_goes_back_and_its_pointer_is_only_a_hint() -> None
     plan = {"world_size": 2, "restore_step": 0, "sources": {}}
     old = control.publish_plan(store, 1, {"gen": 1, **plan}, sealer)[control.GEN_KEY]
     control.publish_plan(store, 2, {"gen": 2, **plan}, sealer)
-    reader = control._Reader(opener, hook)
+    reader = control.Reader(opener, hook)
     assert control.current_gen(store, _reader=reader) == 2
     store.set(control.GEN_KEY, old)  # the genuine pointer of generation 1, written back
     assert control.current_gen(store, _reader=reader) == -1
@@ -155,6 +155,14 @@ def test_the_generation_never_goes_back_and_its_pointer_is_only_a_hint() -> None
     store.delete_key(control.GEN_KEY)  # ...or when there is none
     assert control.newest_plan(store, 1, 1.0, opener, hook)[0] == 2
     assert time.monotonic() - t0 < 1.0
+    # A reader kept across waits (a rank's) refuses the old pointer in a later wait too, and
+    # reports that value no more than once.
+    reports.clear()
+    store.set(control.GEN_KEY, old)
+    assert control.newest_plan(store, 2, 1.0, opener, hook, reader=reader)[0] == 2
+    assert control.newest_plan(store, 2, 1.0, opener, hook, reader=reader)[0] == 2
+    assert reports == [], reports  # reported once already, above
+    assert control.current_gen(store, _reader=control.Reader(opener, hook)) == 1  # a fresh reader cannot tell
 
 
 def test_a_counter_tampered_with_in_a_loop_keeps_the_work_per_poll_bounded() -> None:
