@@ -1,4 +1,4 @@
-"""Steps read off a worker's console output: `ffctl launch --step-regex REGEX` for a script that
+r"""Steps read off a worker's console output: `ffctl launch --step-regex REGEX` for a script that
 prints its progress (`step 12 loss 3.41`) but does not call `recovery.report_step`.
 
 The agent follows each of its workers' logs from where the worker started writing, matches every
