@@ -7,7 +7,7 @@ output in files beside the record (a pipe nobody reads would stall it). Every pr
 inherits a marker variable unique to the job, so `Jobs.close` finds whatever is left (agents,
 ranks, spares, dead man's switches) even when the controller died, after first stopping the job
 as Ctrl-C would and removing what it set up (its network rules, qdiscs and sandbox namespaces,
-scoped to its own run ids; its snapshot files in /dev/shm). If the test process itself is killed,
+scoped to its own run ids; its run directories in /dev/shm). If the test process itself is killed,
 the kernel sends the controller SIGTERM (`PR_SET_PDEATHSIG`), which stops the job cleanly too.
 
 Only the standard library and the torch-free `runs` package are imported here at load time; the
