@@ -318,3 +318,31 @@ def test_a_real_launch_writes_nothing_of_the_attackers_and_leaves_nothing(plants
     left = [p.name for p in Path(shm.SHM_ROOT).iterdir()
             if p.name.startswith(f"ffctl-{run_id}") and p not in plants.paths]
     assert left == [], left
+
+
+@pytest.mark.parametrize("root_is", ["ours", "another user's", "world-writable", "a symlink"])
+def test_a_hosts_run_directory_is_made_only_in_a_runs_root_of_ours(root_is: str, tmp_path: Path) -> None:
+    """`--remote-runs-dir` (default /tmp/ffctl-runs) as the SSH backend prepares it on a host: in
+    a root another user owns or can write, that user could swap the run's directory for a
+    symlink and read or redirect its logs and checkpoints, so it is refused."""
+    from ffctl.hosts.ssh.nodes import MAKE_RUN_DIR
+
+    root = tmp_path / "ffctl-runs"
+    if root_is == "a symlink":
+        (tmp_path / "elsewhere").mkdir()
+        root.symlink_to(tmp_path / "elsewhere")
+    elif root_is != "ours":
+        root.mkdir()
+        if root_is == "another user's":
+            os.chown(root, NOBODY, NOBODY)
+        else:
+            root.chmod(0o1777)
+    run_dir, log_dir = root / "run1", root / "run1" / "logs" / "0"
+    made = subprocess.run(["sh", "-c", MAKE_RUN_DIR, "sh", str(root), str(run_dir), str(log_dir)],
+                          capture_output=True, text=True, timeout=30)
+    if root_is == "ours":
+        assert made.returncode == 0, made.stdout + made.stderr
+        assert (run_dir.stat().st_mode & 0o777) == 0o700 and log_dir.is_dir()
+    else:
+        assert made.returncode != 0 and not (tmp_path / "elsewhere" / "run1").exists(), made.stdout
+        assert not run_dir.exists() or root_is == "a symlink"

@@ -17,6 +17,7 @@ from ffctl.hosts.hostfile import HostEntry
 from ffctl.hosts.ssh import nodes as ssh_nodes
 from ffctl.spec import LaunchSpec
 from ffctl.hosts.ssh.nodes import (
+    MAKE_RUN_DIR,
     HostSetup,
     SSHNodes,
     check_master_addr,
@@ -197,7 +198,9 @@ def test_the_agent_config_goes_in_the_channel_environment(tmp_path: Path) -> Non
                       worker_argv=("train.py", "--x"), cwd="/home/me/proj", python="/local/python")
     proc = launcher.start(cfg)
     assert proc.pid == 4242
-    assert fakes[1].runs == [("mkdir", "-p", "-m", "700", "--", "/scratch/ffctl/run1/logs/1")]
+    # The run's directory made private, in a runs root of ours no other user can write to.
+    assert fakes[1].runs == [("sh", "-c", MAKE_RUN_DIR, "sh", "/scratch/ffctl", "/scratch/ffctl/run1",
+                              "/scratch/ffctl/run1/logs/1")]
     (argv, env, cwd), = fakes[1].started
     assert argv == ("/usr/bin/python3", "-m", "ffctl.agent")
     assert "s3cret" not in " ".join(argv)  # the token never reaches a command line

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import IO, Any, Callable, Sequence
 
 from fault_injectors.plan import HostCommand
+from fault_injectors.revert import SHM_SWEEP
 from fault_injectors.transport import CommandResult, LocalTransport, Transport, TransportError
 from ffctl import __version__
 from ffctl.agent.agent import CONFIG_ENV, TERM_GRACE_S, AgentConfig
@@ -55,6 +56,7 @@ from ffctl.hosts.ssh.transport import (
     SSHTransport,
     require_command,
 )
+from runs.shm import SHM_ROOT
 from runs.store import RunStore
 
 DEFAULT_REMOTE_RUNS_DIR = "/tmp/ffctl-runs"
@@ -109,6 +111,23 @@ def hosts_spec(spec: LaunchSpec) -> tuple[LaunchSpec, list[HostEntry]]:
 
 # --------------------------------------------------------------------------------------------
 # checking the hosts before anything starts
+
+
+# $1 the remote runs root, $2 the run's directory in it, $3 the node's log directory in that. The
+# root may hold other runs (`/tmp/ffctl-runs`) but must be a directory of ours that no other user
+# can write: in one they could write to, they could put a symlink or a directory of their own
+# where the run's directory goes and read or redirect its logs and checkpoints. Everything made
+# here is 0700 (umask).
+MAKE_RUN_DIR = r"""umask 077
+mkdir -p -- "$1" || exit 1
+[ -d "$1" ] && [ ! -L "$1" ] || { echo "$1 is not a directory (a symlink?)"; exit 1; }
+[ -O "$1" ] || { echo "$1 belongs to another user: give --remote-runs-dir a directory of your own"; exit 1; }
+case $(stat -c %A -- "$1") in
+  ?????w????|????????w?) echo "$1 is writable by other users: chmod go-w it, or give --remote-runs-dir"; exit 1 ;;
+esac
+mkdir -p -- "$3" && [ -d "$2" ] && [ ! -L "$2" ] && [ -O "$2" ] && chmod 700 -- "$2" ||
+  { echo "cannot make $2 a private directory"; exit 1; }
+"""
 
 
 @dataclass(frozen=True)
@@ -386,6 +405,7 @@ class SSHNodes:
             raise BadInput(f"--remote-runs-dir {remote_runs_dir!r}: must be an absolute path")
         self.log_dir = log_dir
         # Where this run's files live on every host; ranks write disk checkpoints under it.
+        self.remote_runs_root = remote_runs_dir.rstrip("/") or "/"
         self.run_dir = f"{remote_runs_dir.rstrip('/') or ''}/{run_id}"
         self._use(hosts)
         self._prepared: set[int] = set()
@@ -452,8 +472,14 @@ class SSHNodes:
         return False
 
     def sweep(self, run_id: str, nodes: Sequence[int]) -> None:
-        """Nothing here: each host's wrapper ends its agent's process group when the channel
-        closes, and the agent wipes its slots on the way out."""
+        """Each host's wrapper ends its agent's process group when the channel closes, and the
+        agent removes the run's shared memory on the way out; an agent killed with its node
+        cannot, so the run's shared memory no live process holds is removed on every host."""
+        for transport in self.transports:
+            try:
+                transport.run(["sh", "-c", SHM_SWEEP, "sh", SHM_ROOT, run_id], timeout=PROBE_TIMEOUT_S)
+            except TransportError:
+                continue  # a host gone: `ffctl inject revert --all --hosts` sweeps it later
 
     def clock_offset(self, node: int) -> float | None:
         """The host's clock minus ours, measured before the run (None: not measurable)."""
@@ -477,8 +503,8 @@ class SSHNodes:
         log = open(self.log_dir / f"agent-{node}.log", "a", encoding="utf-8")
         try:
             if node not in self._prepared:
-                made = transport.run(["mkdir", "-p", "-m", "700", "--", self.remote_log_dir(node)],
-                                     timeout=PROBE_TIMEOUT_S)
+                made = transport.run(["sh", "-c", MAKE_RUN_DIR, "sh", self.remote_runs_root, self.run_dir,
+                                      self.remote_log_dir(node)], timeout=PROBE_TIMEOUT_S)
                 if not made.ok:
                     raise InfraError(f"{setup.entry.name}: cannot create {self.remote_log_dir(node)}: "
                                      f"{made.describe()}")
