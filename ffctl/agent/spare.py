@@ -13,10 +13,10 @@ import json
 import os
 import sys
 
-from ffctl.agent.template import SPARE_FIFO_ENV, Assignment, die_with_parent, run_assignment, warm_up
+from ffctl.agent.template import SPARE_FIFO_ENV, Assignment, die_with_parent, run_as_main, warm_up
 
 
-def main() -> None:
+def main() -> int:
     fifo = os.environ.pop(SPARE_FIFO_ENV, None)
     if fifo is None:
         die_with_parent()
@@ -31,13 +31,13 @@ def main() -> None:
             with open(fifo, "rb") as fh:
                 line = fh.readline().decode()
         except OSError:
-            return
+            return 0
     if not line:
-        return  # released unassigned
+        return 0  # released unassigned
     raw = json.loads(line)
     os.environ.update(raw["env"])
-    run_assignment(Assignment(dict(os.environ), tuple(raw["argv"]), raw.get("log") or "", raw.get("cwd") or ""))
+    return run_as_main(Assignment(dict(os.environ), tuple(raw["argv"]), raw.get("log") or "", raw.get("cwd") or ""))
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

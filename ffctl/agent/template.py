@@ -25,16 +25,19 @@ environment, set when the agent starts it.
 """
 from __future__ import annotations
 
+import builtins
 import ctypes
+import importlib.machinery
+import importlib.util
+import io
 import json
 import os
-import runpy
 import select
 import signal
 import subprocess
 import sys
 import time
-import traceback
+import types
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -115,10 +118,67 @@ class Assignment:
         return cls(env, tuple(argv), str(raw.get("log") or ""), str(raw.get("cwd") or ""))
 
 
+def _unbuffered_stdio() -> None:
+    """`python -u`, as torchrun starts every worker: stdout and stderr reach the log as they are
+    written, so a rank killed mid-run has printed everything it printed (block-buffered output
+    to a file is lost with the process) and `--step-regex` sees each line when it is written."""
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        old = getattr(sys, name)
+        stream = io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), write_through=True,
+                                  encoding=getattr(old, "encoding", None) or "utf-8",
+                                  errors=getattr(old, "errors", None) or "strict")
+        setattr(sys, name, stream)
+        setattr(sys, f"__{name}__", stream)
+
+
+def _main_module(argv: tuple[str, ...]) -> tuple[types.ModuleType, types.CodeType, list[str], str]:
+    """The `__main__` module, its code, `sys.argv` and `sys.path[0]` that `python SCRIPT ARGS`
+    or `python -m MODULE ARGS` would start with (absolute `__file__`, the script's folder or the
+    working directory first on the path, a package's `__main__` submodule for `-m PACKAGE`)."""
+    main = types.ModuleType("__main__")
+    main.__dict__["__builtins__"] = builtins
+    if argv[0] == "-m":
+        name = argv[1]
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.submodule_search_locations is not None:
+            name = f"{name}.__main__"
+            spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "get_code"):
+            raise ImportError(f"No module named {argv[1]}")
+        code = spec.loader.get_code(spec.name)  # type: ignore[union-attr]
+        if code is None:
+            raise ImportError(f"No code object available for {argv[1]}")
+        main.__dict__.update(__file__=spec.origin, __cached__=spec.cached, __loader__=spec.loader,
+                             __package__=spec.parent, __spec__=spec)
+        return main, code, [spec.origin or argv[1], *argv[2:]], os.getcwd()
+    path = os.path.abspath(argv[0])
+    with io.open_code(path) as fh:
+        code = compile(fh.read(), path, "exec", dont_inherit=True)
+    main.__dict__.update(__file__=path, __cached__=None, __package__=None, __spec__=None,
+                         __loader__=importlib.machinery.SourceFileLoader("__main__", path))
+    return main, code, list(argv), os.path.dirname(path)
+
+
+# The `sys.path[0]` entry that the template itself (or the last program run here) put first:
+# a program's own entry replaces it, as a fresh interpreter has only its own.
+_path0: list[str] = [sys.path[0]] if sys.path else []
+# Every `__main__` module this process ran: held until the interpreter exits.
+_mains: list[types.ModuleType] = []
+
+
 def run_assignment(job: Assignment) -> None:
     """Run the worker's program in this process as a fresh interpreter would run it: output to
-    its log, its own working directory, `sys.argv`, and `__main__` for the script or module.
-    Returns or raises as the program does (SystemExit included)."""
+    its log, unbuffered, its own working directory, `sys.argv`, `sys.path[0]` and a real
+    `__main__` module. Returns or raises as the program does (SystemExit included).
+
+    The program's globals live in `sys.modules["__main__"]` until the interpreter exits, as
+    under `python SCRIPT`: `runpy.run_path` runs it in a temporary module whose namespace is
+    freed when it returns, while the interpreter is fully alive. A script whose globals hold a
+    DDP model then frees its gloo group right there, with the GIL held, and gloo's worker thread,
+    freeing the last work's tensors, waits for that GIL while the group's destructor joins it:
+    the rank never exits (about 1 run in 4 of a plain DDP script). Freed at interpreter exit
+    instead, the same race ends as it does under torchrun (the thread cannot take the GIL any
+    more, and torch aborts now and then at exit)."""
     if job.log:
         fd = os.open(job.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         os.dup2(fd, 1)
@@ -126,13 +186,17 @@ def run_assignment(job: Assignment) -> None:
         os.close(fd)
     if job.cwd:
         os.chdir(job.cwd)
-    if job.argv[0] == "-m":
-        sys.argv = [job.argv[1], *job.argv[2:]]
-        runpy.run_module(job.argv[1], run_name="__main__", alter_sys=True)
+    _unbuffered_stdio()
+    main, code, argv, path0 = _main_module(job.argv)
+    sys.argv = argv
+    if sys.path and _path0 and sys.path[0] == _path0[0]:
+        sys.path[0] = path0
     else:
-        sys.argv = list(job.argv)
-        sys.path.insert(0, os.path.dirname(os.path.abspath(job.argv[0])))
-        runpy.run_path(job.argv[0], run_name="__main__")
+        sys.path.insert(0, path0)
+    _path0[:] = [path0]
+    _mains.append(main)
+    sys.modules["__main__"] = main
+    exec(code, main.__dict__)
 
 
 def _become_worker(job: Assignment, agent: int) -> None:
@@ -225,12 +289,25 @@ def main() -> int:
     job = serve(sys.stdin.buffer, sys.stdout.buffer, agent)
     if job is None:
         return 0
+    return run_as_main(job)
+
+
+def run_as_main(job: Assignment) -> int:
+    """Run the assignment and end as `python PROGRAM` ends: SystemExit as raised; an uncaught
+    exception through `sys.excepthook` (the program's own, if it set one), its traceback
+    starting at the program's frames, exit status 1."""
     try:
         run_assignment(job)
     except SystemExit:
         raise
-    except BaseException:
-        traceback.print_exc()
+    except BaseException as exc:
+        tb = exc.__traceback__
+        # Drop the launcher's own frames (this module's, a spare's) before the program's.
+        ours = os.path.dirname(os.path.abspath(__file__))
+        while (tb is not None and tb.tb_next is not None
+               and os.path.dirname(tb.tb_frame.f_code.co_filename) == ours):
+            tb = tb.tb_next
+        sys.excepthook(type(exc), exc, tb)
         return 1
     return 0
 
