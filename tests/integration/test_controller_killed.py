@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -64,8 +65,8 @@ def job(tmp_path: Path) -> Iterator[tuple[Path, str]]:
         for pid in deadman_pids(run_id):
             subprocess.run(["kill", "-TERM", str(pid)], check=False)
         cleanup_stale(NetnsSandbox(run_id, 2).prefix)
-        for path in shm_left(run_id):
-            path.unlink(missing_ok=True)
+        for path in shm_left(run_id):  # the run's private directory
+            shutil.rmtree(path, ignore_errors=True)
 
 
 @needs_root
