@@ -28,7 +28,7 @@ from recovery.faults import InStepFaults
 from recovery.slots import SlotWriter, claim_node, read_slot, release_node
 from recovery.snapshot import StateEntry, capture
 from runs import shm
-from tests.helpers.launch import run_ffctl, start_launch, stop_at_end, wait_step
+from tests.helpers.launch import processes_in, run_ffctl, start_launch, stop_at_end, wait_step
 
 NOBODY = 65534
 RANKS, NODES = 4, 2
@@ -346,3 +346,38 @@ def test_a_hosts_run_directory_is_made_only_in_a_runs_root_of_ours(root_is: str,
     else:
         assert made.returncode != 0 and not (tmp_path / "elsewhere" / "run1").exists(), made.stdout
         assert not run_dir.exists() or root_is == "a symlink"
+
+
+def test_a_run_killed_whole_leaves_shared_memory_that_revert_all_removes_and_names(tmp_path: Path) -> None:
+    """Controller, agents and ranks SIGKILLed at once (a host's processes all gone mid-run):
+    the run's directory stays with its slots; `revert --all --run` removes it and says so."""
+    run_id = f"whole-{uuid.uuid4().hex[:6]}"
+    proc = start_launch(tmp_path, run_id, "--nnodes", "2", "--nproc-per-node", "1", "--steps", "100000",
+                        "--model", "tiny")
+    try:
+        wait_step(tmp_path / "runs", run_id, 5)
+        everyone = [proc.pid] + [p.pid for p in processes_in(tmp_path) if p.pid != proc.pid]
+        for pid in everyone:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate(timeout=30)
+    deadline = time.monotonic() + 20
+    while processes_in(tmp_path) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    (left,) = [p for p in Path(shm.SHM_ROOT).iterdir() if shm.parse_run_dir(p.name) == run_id]
+    slots = sorted(p.name for p in left.iterdir() if "-s" in p.name and not p.name.endswith(".lock"))
+    assert slots, sorted(p.name for p in left.iterdir())
+    try:
+        out = run_ffctl(tmp_path, "inject", "revert", "--all", "--run", run_id, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert f"localhost: removed {left} (run {run_id}, {len(slots)} snapshot slots)" in out.stdout.splitlines(), \
+            out.stdout
+        assert not left.exists()
+    finally:
+        shutil.rmtree(left, ignore_errors=True)
