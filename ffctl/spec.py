@@ -62,7 +62,7 @@ def _seconds(flag: str, value: object) -> None:
 class LaunchSpec:
     nnodes: int = 2
     nproc_per_node: int = 2
-    steps: int = 60
+    steps: int = 60  # the built-in GPT's; a script trains as many as it does itself
     seed: int = 0
     model: str = "tiny"
     optimizer: str = "adamw"  # built-in workload: adamw (replicated) or sharded (ZeRO-1)
@@ -87,6 +87,10 @@ class LaunchSpec:
     heartbeat_timeout: float = 1.0
     hang_min_s: float = 5.0
     pg_timeout: float = 120.0
+    # How long ranks may keep running once others of their generation finished (exit 0): then
+    # they are stopped and the run fails naming them. torchrun's agent waits 300 s at its exit
+    # barrier.
+    exit_barrier_timeout: float = 300.0
     address: str = "127.0.0.1"  # where the controller's store listens
     extra_env: tuple[tuple[str, str], ...] = field(default=())
     keep_freed_memory: bool = True  # workers keep freed memory rather than fault it in each step
@@ -120,6 +124,7 @@ class LaunchSpec:
         _seconds("--heartbeat-timeout", self.heartbeat_timeout)
         _seconds("--hang-timeout", self.hang_min_s)
         _seconds("pg_timeout", self.pg_timeout)
+        _seconds("--exit-barrier-timeout", self.exit_barrier_timeout)
         _whole("--batch", self.batch, 0, MAX_BATCH)
         _whole("--spares", self.spares, 0, MAX_PROCS_PER_NODE)
         if self.max_restarts is not None:
@@ -147,7 +152,9 @@ class LaunchSpec:
         if self.script and not self.script[0].startswith("-m") and not os.path.isfile(self.script[0]):
             raise SpecError(f"script {self.script[0]!r} does not exist")
         for spec in self.injects:
-            if spec.trigger.step is not None and spec.trigger.step > self.steps:
+            # --steps is the built-in GPT's length; a script's steps are its own (it reports
+            # them), so a step trigger in a script is bounded only by the fault parser's limit.
+            if spec.trigger.step is not None and not self.script and spec.trigger.step > self.steps:
                 raise SpecError(f"--inject {spec.kind.value} at step {spec.trigger.step}: the run has only {self.steps} steps")
             # A spec built in code skips the parser: nan would reach the dead man's switch's sleep.
             if spec.duration is not None and not (math.isfinite(spec.duration) and 0 < spec.duration <= MAX_DURATION_S):

@@ -78,6 +78,8 @@ class JobEnv:
         env.update(
             RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK=str(self.local_rank),
             LOCAL_WORLD_SIZE=str(self.local_world_size), GROUP_RANK=str(self.node),
+            # torchrun's node count (every node runs the same number of ranks).
+            GROUP_WORLD_SIZE=str(self.world_size // max(1, self.local_world_size)),
             ROLE_RANK=str(self.rank), ROLE_WORLD_SIZE=str(self.world_size), ROLE_NAME=self.role,
             MASTER_ADDR=self.store_host, MASTER_PORT=str(self.master_port or self.store_port),
             TORCHELASTIC_RUN_ID=self.run_id, TORCHELASTIC_RESTART_COUNT=str(self.gen),

@@ -531,10 +531,12 @@ class Spawn(Message):
 
 @_command(CommandKind.KILL)
 class Kill(Message):
-    """End these ranks (SIGTERM, then SIGKILL after `grace` seconds); their exits are expected."""
+    """End these ranks (SIGTERM, then SIGKILL after `grace` seconds); their exits are expected.
+    `tail`: report the end of each one's log with its exit (what a lingering rank was doing)."""
 
     ranks: list[int] = _field(_ranks)
     grace: float | None = _optional(_grace)
+    tail: bool | None = _optional(_bool)
 
 
 @_command(CommandKind.NEIGHBOR)

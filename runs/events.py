@@ -46,6 +46,9 @@ class EventKind(str, Enum):
     RESTORE_DONE = "restore_done"  # gen, step, source
     RECOVERY_FAILED = "recovery_failed"  # fault_ids, reason, root_cause, restarts, max_restarts
     RUN_FINISHED = "run_finished"  # status, steps_completed, reason; root_cause when it failed
+    # gen, ranks (still running), finished (exited 0), waited_s, timeout_s: some ranks finished
+    # and others linger (said once per generation; the exit barrier stops them at timeout_s)
+    EXIT_BARRIER = "exit_barrier"
     # queue (or key), index, reason, raw (short repr); node/rank when an agent or rank refused it
     MESSAGE_REJECTED = "message_rejected"
 

@@ -85,6 +85,8 @@ class AgentConfig:
     template: bool = True
     # A script's steps read off its output (ffctl.agent.stepscan); empty: none are.
     step_regex: str = ""
+    # Seconds a worker being stopped gets between SIGTERM and SIGKILL (torchrun's --shutdown-timeout).
+    term_grace: float = TERM_GRACE_S
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -102,6 +104,7 @@ class Worker:
     gen: int
     proc: subprocess.Popen[bytes] | ForkedWorker | ForkedSpare
     expected_exit: bool = False
+    report_tail: bool = False  # report the end of its log with its exit, even an expected one
 
 
 def read_error_file(path: Path) -> str | None:
@@ -340,7 +343,7 @@ class Agent:
                         # processes only, never sent through the store.
                         "FFCTL_SHM_DIR": self.cfg.shm_dir, "FFCTL_FAULT_DIR": self.cfg.shm_dir},
                 "argv": list(self.cfg.worker_argv),
-                "log": str(Path(self.cfg.log_dir) / f"{rank}.log"),
+                "log": os.path.abspath(Path(self.cfg.log_dir) / f"{rank}.log"),
                 "cwd": self.cfg.cwd,
             }
             if self.step_pattern is not None:
@@ -390,11 +393,12 @@ class Agent:
         proc.stdin.close()
         return proc, how
 
-    def kill(self, ranks: list[int], grace: float) -> None:
+    def kill(self, ranks: list[int], grace: float, tail: bool = False) -> None:
         with self.lock:
             targets = [self.workers[r] for r in ranks if r in self.workers]
             for w in targets:
                 w.expected_exit = True
+                w.report_tail = tail
         procs = []
         for w in targets:
             try:
@@ -412,7 +416,7 @@ class Agent:
                 del self.workers[rank]
                 # The end of its log says why it failed; read here, so it reaches the controller
                 # from any host. Exits asked for (a kill, the end of the run) need none.
-                tail = [] if w.expected_exit or code == 0 else self._log_tail(rank)
+                tail = self._log_tail(rank) if w.report_tail or not (w.expected_exit or code == 0) else []
                 error = None if w.expected_exit or code == 0 else read_error_file(self._error_file(rank, w.gen))
                 self._report(messages.RankExited, rank=rank, gen=w.gen, pid=w.proc.pid, exitcode=code,
                              expected=w.expected_exit, host=socket.gethostname(), log_tail=tail,
@@ -421,7 +425,9 @@ class Agent:
     def _error_file(self, rank: int, gen: int) -> Path:
         """Where torch's `@record` writes the rank's error (torchrun's TORCHELASTIC_ERROR_FILE):
         one file per rank and generation, beside its log."""
-        return Path(self.cfg.log_dir) / f"{rank}.gen{gen}.error.json"
+        # Absolute, as torchrun hands it out: a script that changes directory before it fails
+        # still writes it where it is looked for.
+        return Path(os.path.abspath(self.cfg.log_dir)) / f"{rank}.gen{gen}.error.json"
 
     def _log_tail(self, rank: int, lines: int = LOG_TAIL_LINES) -> list[str]:
         """The last `lines` lines of the rank's log (all of its generations write to it)."""
@@ -539,7 +545,7 @@ class Agent:
         killed = {int(r) for r in cmd.ranks}
         for _, ranks, _ in self._held:
             ranks[:] = [spec for spec in ranks if int(spec["rank"]) not in killed]
-        self.kill(list(cmd.ranks), TERM_GRACE_S if cmd.grace is None else float(cmd.grace))
+        self.kill(list(cmd.ranks), self.cfg.term_grace if cmd.grace is None else float(cmd.grace), tail=bool(cmd.tail))
 
     def _on_neighbor(self, cmd: messages.Neighbor) -> None:
         self.replicator.set_target(cmd.address, cmd.port)
@@ -613,7 +619,7 @@ class Agent:
                 procs.append(psutil.Process(p.pid))
             except psutil.NoSuchProcess:
                 pass
-        kill_tree(procs, TERM_GRACE_S)
+        kill_tree(procs, self.cfg.term_grace)
         for p in [w.proc for w in self.workers.values()] + self.spares:
             p.poll()
         try:

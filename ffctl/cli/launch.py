@@ -48,7 +48,7 @@ def register(app: typer.Typer) -> None:
     )
     def launch(
         script: Annotated[Optional[list[str]], typer.Argument(help="Training script and its arguments, as torchrun takes them (a `--` before them works too; default: the built-in GPT).")] = None,
-        nnodes: Annotated[Optional[str], typer.Option("--nnodes", show_default=False, help="Nodes (local agents without --hosts): N, or torchrun's MIN:MAX (ffctl starts every node itself, so MAX run). Default: 2 for the built-in GPT, torchrun's 1 for a script (PET_NNODES).")] = None,
+        nnodes: Annotated[Optional[str], typer.Option("--nnodes", show_default=False, help="Nodes (local agents without --hosts): N, or torchrun's MIN:MAX (MIN start, as one torchrun on one host runs; ask for more local nodes with a fixed N). Default: 2 for the built-in GPT, torchrun's 1 for a script (PET_NNODES).")] = None,
         nproc_per_node: Annotated[Optional[str], typer.Option("--nproc-per-node", "--nproc_per_node", show_default=False, help="Ranks per node: a number, cpu, gpu or auto, as torchrun takes it. Default: 2 for the built-in GPT, torchrun's 1 for a script (PET_NPROC_PER_NODE).")] = None,
         steps: Annotated[int, typer.Option(help="Training steps of the built-in workload.")] = 60,
         seed: Annotated[int, typer.Option(help="Seed: same seed, same losses.")] = 0,
@@ -66,6 +66,7 @@ def register(app: typer.Typer) -> None:
         runs_dir: Annotated[Path, typer.Option("--runs-dir", envvar="FFCTL_RUNS_DIR", help="Where run records go.")] = Path("ffctl-runs"),
         heartbeat_timeout: Annotated[float, typer.Option("--heartbeat-timeout", help="Node loss after this many seconds without heartbeat.")] = 1.0,
         hang_timeout: Annotated[float, typer.Option("--hang-timeout", help="A hang after this many seconds without step progress (or 10x the median step time, if longer).")] = 5.0,
+        exit_barrier_timeout: Annotated[float, typer.Option("--exit-barrier-timeout", help="Once some ranks of the job have finished (exit 0), how many seconds the others may keep running before they are stopped and the run fails naming them, with their last output line (torchrun's agent waits 300 s at its exit barrier).")] = 300.0,
         dry_run: Annotated[bool, typer.Option("--dry-run", help="Print what would run and start nothing.")] = False,
         hosts: Annotated[Optional[Path], typer.Option("--hosts", help="Hostfile: one node per host, agents started over SSH.")] = None,
         accept_new_host_keys: Annotated[bool, typer.Option("--accept-new-host-keys", help="Trust and save host keys not yet in known_hosts.")] = False,
@@ -91,6 +92,14 @@ def register(app: typer.Typer) -> None:
         log_dir: Annotated[Optional[str], typer.Option("--log-dir", "--log_dir", rich_help_panel="torchrun options", help="Accepted and recorded: each rank's output and error file are in the run record, logs/<node>/.")] = None,
         redirects: Annotated[Optional[str], typer.Option("-r", "--redirects", rich_help_panel="torchrun options", help="0-3 or LOCAL_RANK:0-3,...: accepted and recorded; a script's ranks' output always goes to their log in the record and to the console, prefixed [rank N]:.")] = None,
         tee: Annotated[Optional[str], typer.Option("-t", "--tee", rich_help_panel="torchrun options", help="0-3 or LOCAL_RANK:0-3,...: accepted and recorded; a script's ranks' output always goes to their log in the record and to the console, prefixed [rank N]:.")] = None,
+        event_log_handler: Annotated[Optional[str], typer.Option("--event-log-handler", "--event_log_handler", rich_help_panel="torchrun options", help="Accepted and recorded: the run's events go to ffctl's record (events.jsonl), whatever handler torch's elastic events would use.")] = None,
+        logs_specs: Annotated[Optional[str], typer.Option("--logs-specs", "--logs_specs", rich_help_panel="torchrun options", help="Accepted and recorded: ranks' logs are laid out by ffctl (logs/<node>/<rank>.log and the error files beside them in the run record).")] = None,
+        signals_to_handle: Annotated[Optional[str], typer.Option("--signals-to-handle", "--signals_to_handle", rich_help_panel="torchrun options", help="Signal names (checked) accepted and recorded: ffctl stops the job on SIGINT and SIGTERM (the workers get SIGTERM, then SIGKILL after --shutdown-timeout).")] = None,
+        shutdown_timeout: Annotated[Optional[str], typer.Option("--shutdown-timeout", "--shutdown_timeout", rich_help_panel="torchrun options", help="Seconds a worker being stopped gets between SIGTERM and SIGKILL (ffctl's default: 5; torchrun's: 30).")] = None,
+        numa_binding: Annotated[Optional[str], typer.Option("--numa-binding", "--numa_binding", rich_help_panel="torchrun options", help="Refused: ffctl does not bind workers to NUMA nodes.")] = None,
+        duplicate_stdout_filters: Annotated[Optional[str], typer.Option("--duplicate-stdout-filters", "--duplicate_stdout_filters", rich_help_panel="torchrun options", help="Refused: every line a rank prints is in its log in the run record.")] = None,
+        duplicate_stderr_filters: Annotated[Optional[str], typer.Option("--duplicate-stderr-filters", "--duplicate_stderr_filters", rich_help_panel="torchrun options", help="Refused: every line a rank prints is in its log in the run record.")] = None,
+        virtual_local_rank: Annotated[bool, typer.Option("--virtual-local-rank", "--virtual_local_rank", rich_help_panel="torchrun options", help="Every worker gets LOCAL_RANK=0 and, on a GPU host, only its own device (CUDA_VISIBLE_DEVICES).")] = False,
         local_ranks_filter: Annotated[Optional[str], typer.Option("--local-ranks-filter", "--local_ranks_filter", rich_help_panel="torchrun options", help="LOCAL_RANK,...: the local ranks whose output the console shows, each line prefixed [rank N]: (default: every rank's).")] = None,
     ) -> int:
         """Train on local nodes (the built-in GPT, or SCRIPT), inject faults, recover, and record it."""
@@ -103,8 +112,12 @@ def register(app: typer.Typer) -> None:
                  "rdzv_conf": rdzv_conf, "node_rank": node_rank, "master_addr": master_addr,
                  "master_port": master_port, "local_addr": local_addr, "monitor_interval": monitor_interval,
                  "start_method": start_method, "role": role, "log_dir": log_dir, "redirects": redirects,
-                 "tee": tee, "local_ranks_filter": local_ranks_filter}
-        flags = {"standalone": standalone, "module": module, "no_python": no_python, "run_path": run_path}
+                 "tee": tee, "local_ranks_filter": local_ranks_filter, "event_log_handler": event_log_handler,
+                 "logs_specs": logs_specs, "signals_to_handle": signals_to_handle, "shutdown_timeout": shutdown_timeout,
+                 "numa_binding": numa_binding, "duplicate_stdout_filters": duplicate_stdout_filters,
+                 "duplicate_stderr_filters": duplicate_stderr_filters}
+        flags = {"standalone": standalone, "module": module, "no_python": no_python, "run_path": run_path,
+                 "virtual_local_rank": virtual_local_rank}
         try:
             tr = resolve(given, flags, script or (), os.environ, cpus=os.cpu_count() or 1,
                          gpus=_gpus() if (nproc_per_node or os.environ.get("PET_NPROC_PER_NODE", "")).strip()
@@ -118,6 +131,7 @@ def register(app: typer.Typer) -> None:
             nproc_per_node=default_layout if tr.nproc_per_node is None else tr.nproc_per_node, steps=steps, seed=seed, model=model, optimizer=optimizer, batch=batch,
             recovery=recovery, ckpt_every=ckpt_every, spares=spares, max_restarts=tr.max_restarts, injects=faults, run_id=run_id,
             runs_dir=runs_dir, script=tr.worker_argv, heartbeat_timeout=heartbeat_timeout, hang_min_s=hang_timeout,
+            exit_barrier_timeout=exit_barrier_timeout,
             hostfile=hosts, accept_new_host_keys=accept_new_host_keys, master_addr=tr.master_addr,
             remote_python=remote_python, remote_runs_dir=remote_runs_dir,
             chaos=chaos, sandbox=sandbox, keep_freed_memory=keep_freed_memory, role=tr.role, torchrun=tr.recorded,

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from fault_injectors import NodePlace, RankPlace, Topology
 from fault_injectors.plan import HostCommand
-from ffctl.agent.agent import AgentConfig
+from ffctl.agent.agent import TERM_GRACE_S, AgentConfig
 from ffctl.controller.cluster import FatalRun, RecoveryAbandoned
 from ffctl.controller.coordinator import RecoveryCoordinator
 from ffctl.controller.failures import Cause, Failure, RankFailure, error_line
@@ -51,6 +51,10 @@ GUARD_S = 0.1
 # How long the control store may fail every call before the run is given up (a store error is
 # recorded and the connection opened again; the server is this process, so it is not gone).
 STORE_LOST_S = 60.0
+# How long after some ranks finished (exit 0) the ones still running are named on screen.
+EXIT_NOTICE_S = 5.0
+# How long the exit barrier waits, once it stopped lingering ranks, for their exits (and logs).
+EXIT_STOP_WAIT_S = 15.0
 
 
 class Controller:
@@ -86,6 +90,9 @@ class Controller:
         self._guard_at = 0.0
         self._store_failing_since: float | None = None
         self._rdzv_stores: dict[int, dist.TCPStore] = {}  # gen -> an unchanged script's rendezvous store
+        # The exit barrier: (gen, since when some of its ranks finished, whether that was said).
+        self._exit_wait: tuple[int, float, bool] | None = None
+        self._lingering: dict[int, list[str] | None] = {}  # rank stopped by the barrier -> its log's end
         self.inbox: control.Receiver | None = None
         # An unchanged script gets torchrun's restart: every worker stopped and the group started
         # again (it cannot take part in an in-place recovery), and no crash-loop guard: torchrun
@@ -208,12 +215,13 @@ class Controller:
         return AgentConfig(
             run_id=self.rec.run_id, node=node, nnodes=self.spec.nnodes, store_host=self.spec.address,
             store_port=self.port, address=self.launcher.address(node), token=self.token,
-            log_dir=str(self.rec.path / "logs" / str(node)), worker_argv=argv, worker_env=env,
+            log_dir=str((self.rec.path / "logs" / str(node)).absolute()), worker_argv=argv, worker_env=env,
             cwd=str(Path.cwd()), spares=self.spec.spares, incarnation=self._incarnation.get(node, 0),
             shm_dir=self.shm_dir,
             keep_freed_memory=self.spec.keep_freed_memory, step_regex=self.spec.step_regex or "",
             # restart-disk stays what torchrun users have: every worker a fresh interpreter.
             template=self.spec.recovery != Strategy.RESTART_DISK,
+            term_grace=float(dict(self.spec.torchrun).get("shutdown_timeout") or TERM_GRACE_S),
         )
 
     def _rank_env(self, rank: int, gen: int) -> dict[str, str]:
@@ -230,7 +238,13 @@ class Controller:
             master_port=self._rendezvous_store(gen) if self.plain_script else 0,
         )
         # No token: this travels through the store. The agent adds it where the rank starts.
-        return env.to_env()
+        out = env.to_env()
+        if dict(self.spec.torchrun).get("virtual_local_rank"):
+            # torchrun's --virtual-local-rank: every worker is local rank 0 of the devices it sees.
+            out["LOCAL_RANK"] = "0"
+            if self.launcher.has_gpu():
+                out["CUDA_VISIBLE_DEVICES"] = str(local.index(rank))
+        return out
 
     def _ckpt_dir(self) -> str:
         # Remote hosts keep checkpoints in their own run dir, not in our record.
@@ -479,6 +493,8 @@ class Controller:
         self.record(EventKind.RANK_EXITED, t=now, node=msg.node, rank=rank, pid=pid, exitcode=code,
                     gen=msg.gen, expected=bool(msg.expected), **({"log_tail": tail} if tail else {}),
                     **({"error_file": msg.error} if msg.error else {}))
+        if rank in self._lingering and msg.expected:
+            self._lingering[rank] = tail  # stopped by the exit barrier: what it was doing
         if self.job.pids.get(rank) != pid:
             return  # a process of an earlier generation, already replaced
         self.job.pids[rank] = None
@@ -772,8 +788,55 @@ class Controller:
                     self.start_agent(n)
             if world <= self.job.gen_msgs.get(("done", self.job.gen), set()):
                 return RunStatus.COMPLETED
+            self._check_exit_barrier(world)
             self.show()
             time.sleep(0.005)
+
+    def _check_exit_barrier(self, world: set[int]) -> None:
+        """Some ranks of the generation finished (exit 0) while others still run: say so after
+        a few seconds, and once they have lingered `exit_barrier_timeout` seconds stop them and
+        fail the run naming them, with the end of their logs. A job never waits forever for a
+        rank whose peers have nothing left to do with it."""
+        done = self.job.gen_msgs.get(("done", self.job.gen), set())
+        if not done or world <= done or self.job.pending is not None:
+            self._exit_wait = None
+            return
+        now = time.monotonic()
+        if self._exit_wait is None or self._exit_wait[0] != self.job.gen:
+            self._exit_wait = (self.job.gen, now, False)
+        gen, since, said = self._exit_wait
+        waited, limit = now - since, self.spec.exit_barrier_timeout
+        left, finished = sorted(world - done), sorted(done)
+        if not said and waited >= min(EXIT_NOTICE_S, limit):
+            self._exit_wait = (gen, since, True)
+            self.record(EventKind.EXIT_BARRIER, gen=gen, ranks=left, finished=finished, waited_s=round(waited, 3),
+                        timeout_s=limit)
+            self.announce(f"{_rank_list(left)} still running {waited:.0f}s after {_rank_list(finished)} "
+                          f"finished: stopped at {limit:g}s (--exit-barrier-timeout)")
+        if waited < limit:
+            return
+        self._lingering = {r: None for r in left}
+        by_node: dict[int, list[int]] = {}
+        for r in left:
+            by_node.setdefault(self.job.members[r], []).append(r)
+        for node, ranks in by_node.items():
+            if self.job.nodes[node].up:
+                self.send(node, messages.Kill(ranks=ranks, tail=True))
+        self.wait_for(lambda: all(self._lingering[r] is not None for r in left), EXIT_STOP_WAIT_S,
+                      "exit barrier", abandon_on_failure=False)
+        rank = left[0]
+        tail = self._lingering.get(rank) or []
+        last = next((line for line in reversed(tail) if line.strip()), "")
+        node = self.job.members[rank]
+        error = (f"still running {waited:.0f}s after {_rank_list(finished)} exited 0; stopped by the exit "
+                 f"barrier (--exit-barrier-timeout {limit:g})")
+        summary = f"rank {rank} (node {node}): {error}; its last line: {last!r}"
+        cause = {"cause": "exit-barrier", "t": time.time(), "rank": rank, "node": node, "host": self._host(node),
+                 "ranks": left, "finished": finished, "lingered_s": round(waited, 3), "last_line": last,
+                 "error": error, "summary": summary, "tail": tail[-20:],
+                 "others": [f"rank {r} (node {self.job.members[r]}) still running too" for r in left[1:]]}
+        raise FatalRun(f"exit barrier: {_rank_list(left)} still running {waited:.0f}s after the others finished",
+                       root_cause=cause)
 
     def _teardown(self) -> None:
         try:
@@ -795,6 +858,10 @@ class Controller:
             pass
         self._rdzv_stores.clear()
         self.store = self._server = None  # its server closes the listening socket
+
+
+def _rank_list(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
 
 
 def uses_recovery_library(script: tuple[str, ...]) -> bool:

@@ -9,13 +9,19 @@ CPU and GPU counts are arguments), so every spelling and variable is testable as
 Options that shape the job (`--nnodes`, `--nproc-per-node`, `--max-restarts`, `--role`, `-m`,
 `--no-python`, `--standalone`) take effect. Options about how torchrun's own agent rendezvous and
 supervises (`--rdzv-*`, `--node-rank`, `--master-port`, `--local-addr`, `--monitor-interval`,
-`--start-method`, `--log-dir`, `-r`, `-t`, `--run-path`) are accepted,
-checked where torchrun checks them, and recorded: ffctl's controller runs the job's store and
-watches its workers itself, which is what those options configure under torchrun.
-`--local-ranks-filter` picks the local ranks whose output the console shows (ffctl.launch.echo).
+`--start-method`, `--log-dir`, `-r`, `-t`, `--run-path`, `--event-log-handler`, `--logs-specs`,
+`--signals-to-handle`) are accepted, checked where torchrun checks them, and recorded: ffctl's
+controller runs the job's store, watches its workers and writes its own record, which is what
+those options configure under torchrun. `--local-ranks-filter` picks the local ranks whose output
+the console shows (ffctl.launch.echo); `--shutdown-timeout` is the workers' grace between SIGTERM
+and SIGKILL; `--virtual-local-rank` gives every worker LOCAL_RANK=0 and, on a GPU host, its own
+device as CUDA_VISIBLE_DEVICES. `--numa-binding` and `--duplicate-std{out,err}-filters` are
+refused with the reason (ffctl has no such binding, and keeps every line in the rank's log).
+An elastic `--nnodes MIN:MAX` starts MIN nodes, as one torchrun on one host does.
 """
 from __future__ import annotations
 
+import signal
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -43,13 +49,31 @@ VALUE_DEFAULTS: dict[str, str] = {
     "master_addr": "",
     "master_port": "",
     "local_addr": "",
+    "event_log_handler": "null",
+    "logs_specs": "",
+    "signals_to_handle": "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
+    "shutdown_timeout": "",  # torchrun's is 30 s; ffctl's agents give workers 5 s unless told
+    "numa_binding": "",
+    "duplicate_stdout_filters": "",
+    "duplicate_stderr_filters": "",
 }
-FLAGS = ("standalone", "module", "no_python", "run_path")
+FLAGS = ("standalone", "module", "no_python", "run_path", "virtual_local_rank")
 START_METHODS = ("spawn", "fork", "forkserver")
-# Recorded, not acted on: what each does under torchrun is ffctl's controller's or agents' job.
+# Recorded; what each does under torchrun is ffctl's controller's or agents' job, and the ones
+# ffctl carries out itself (shutdown_timeout, virtual_local_rank, local_ranks_filter) are read
+# from the record of the launch.
 RECORDED = ("rdzv_backend", "rdzv_endpoint", "rdzv_id", "rdzv_conf", "monitor_interval", "start_method",
             "log_dir", "redirects", "tee", "local_ranks_filter", "node_rank", "master_port", "local_addr",
-            "run_path")
+            "run_path", "event_log_handler", "logs_specs", "signals_to_handle", "shutdown_timeout", "nnodes")
+# torchrun options ffctl refuses rather than ignore, each with the reason.
+REFUSED = {
+    "numa_binding": "ffctl does not bind workers to NUMA nodes; bind them in the script (os.sched_setaffinity) "
+                    "or drop the option",
+    "duplicate_stdout_filters": "ffctl keeps every line each rank prints in its log (logs/<node>/<rank>.log in "
+                                "the run record): filter that file instead",
+    "duplicate_stderr_filters": "ffctl keeps every line each rank prints in its log (logs/<node>/<rank>.log in "
+                                "the run record): filter that file instead",
+}
 
 
 class TorchrunArgError(ValueError):
@@ -61,7 +85,7 @@ class TorchrunArgs:
     """A torchrun command line, normalised: what ffctl's LaunchSpec takes from it."""
 
     nnodes: int | None  # None: not given (neither option nor PET_NNODES)
-    nnodes_range: tuple[int, int] | None  # MIN:MAX as given; ffctl runs MAX nodes
+    nnodes_range: tuple[int, int] | None  # MIN:MAX as given; ffctl runs MIN nodes
     nproc_per_node: int | None
     max_restarts: int | None  # None: the default for the kind of worker
     role: str
@@ -175,7 +199,10 @@ def resolve(given: Mapping[str, str | None], flags: Mapping[str, bool], script: 
         set_by_user |= {"rdzv_backend", "rdzv_endpoint", "rdzv_id"}
     if "nnodes" in set_by_user:
         nnodes_range = parse_nnodes(values["nnodes"])
-        nnodes = nnodes_range[1]  # ffctl starts every node itself, so the rendezvous fills up
+        # One torchrun on one host with MIN:MAX runs one node once MIN may start: ffctl starts
+        # MIN nodes, what the same command line gives under torchrun here. More local nodes are
+        # asked for with a fixed --nnodes N.
+        nnodes = nnodes_range[0]
         if nnodes_range[0] == nnodes_range[1]:
             nnodes_range = None
     if on["standalone"] and nnodes is not None and nnodes > 1:
@@ -187,6 +214,20 @@ def resolve(given: Mapping[str, str | None], flags: Mapping[str, bool], script: 
     role = values["role"].strip()
     if not role or not role.isprintable():
         raise TorchrunArgError(f"--role {values['role']!r}: give a name")
+    for name, why in REFUSED.items():
+        if name in set_by_user:
+            raise TorchrunArgError(f"--{name.replace('_', '-')} {values[name]!r}: {why}")
+    for name in (n.strip() for n in values["signals_to_handle"].split(",")):
+        if not (name.isascii() and name.isupper() and isinstance(getattr(signal, name, None), signal.Signals)):
+            raise TorchrunArgError(f"--signals-to-handle {values['signals_to_handle']!r}: {name!r} is not a signal "
+                                   "name (SIGTERM,SIGINT,...)")
+    if values["shutdown_timeout"]:
+        try:
+            grace = float(values["shutdown_timeout"])
+        except ValueError:
+            grace = -1.0
+        if not 0 <= grace <= 3600:
+            raise TorchrunArgError(f"--shutdown-timeout {values['shutdown_timeout']!r}: seconds from 0 to 3600")
     if values["start_method"] not in START_METHODS:
         raise TorchrunArgError(f"--start-method {values['start_method']!r}: use {', '.join(START_METHODS)}")
     try:
@@ -215,9 +256,9 @@ def resolve(given: Mapping[str, str | None], flags: Mapping[str, bool], script: 
             argv = ["-m", *argv]
         elif on["no_python"]:
             argv = ["-m", EXEC_MODULE, *argv]
-    recorded = tuple((name, values[name]) for name in RECORDED if name in set_by_user and name != "run_path")
-    if on["run_path"]:
-        recorded += (("run_path", "1"),)
+    recorded = tuple((name, values[name]) for name in RECORDED
+                     if name in set_by_user and name != "run_path" and (name != "nnodes" or nnodes_range))
+    recorded += tuple((name, "1") for name in ("run_path", "virtual_local_rank") if on[name])
     return TorchrunArgs(nnodes=nnodes, nnodes_range=nnodes_range, nproc_per_node=nproc,
                         max_restarts=max_restarts, role=role,
                         master_addr=values["master_addr"] or None, worker_argv=tuple(argv), recorded=recorded)

@@ -43,6 +43,23 @@ def started_text(fault: dict[str, Any]) -> str:
     return ", ".join(f"rank {r}: {by[r]}" for r in sorted(by, key=lambda r: (len(str(r)), str(r))))
 
 
+def _step_of(f: dict[str, Any]) -> str:
+    """The step a fault hit; "-" in a script that reports no steps (its step is unknown, not 0)."""
+    return str(f["at_step"]) if f.get("step_known", True) else "-"
+
+
+def _lost_steps(f: dict[str, Any]) -> str:
+    # None: unknown (a script that reported no step around the fault), never shown as 0.
+    return "-" if f.get("lost_steps") is None else str(f["lost_steps"])
+
+
+def _total_lost_steps(faults: list[dict[str, Any]]) -> str:
+    """The faults' lost steps added up; "-" when any is unknown (the sum would be a guess)."""
+    if any(f.get("lost_steps") is None for f in faults):
+        return "-"
+    return str(sum(int(f["lost_steps"]) for f in faults))
+
+
 def fault_fields(f: dict[str, Any]) -> list[tuple[str, str]]:
     """One fault's figures, as the report shows them (terminal and Markdown alike)."""
     reverted = f.get("reverted_by") or "-"
@@ -51,11 +68,11 @@ def fault_fields(f: dict[str, Any]) -> list[tuple[str, str]]:
     return [
         ("kind", str(f["kind"])),
         ("target", str(f["target"])),
-        ("step", str(f["at_step"])),
+        ("step", _step_of(f)),
         ("detection s", _s(f.get("detection_s")) if f.get("detection_s") is not None else "not detected"),
         ("recovery s", _s(f.get("recovery_s")) if f.get("recovered") else "not recovered"),
         ("lost s", _s(f.get("lost_s"))),
-        ("lost steps", str(f["lost_steps"])),
+        ("lost steps", _lost_steps(f)),
         ("lost GPU-h", _gpu_h(f.get("lost_gpu_hours"))),
         ("restore source", f.get("restore_source") or "-"),
         ("started by", started_text(f)),
@@ -100,7 +117,7 @@ FAULT_OVERVIEW = ["fault", "kind", "target", "step", "recover s", "lost s"]
 
 def fault_overview_rows(faults: list[dict[str, Any]]) -> list[list[str]]:
     """The faults at a glance, a row per fault under FAULT_OVERVIEW."""
-    return [[f["fault_id"], f["kind"], f["target"], str(f["at_step"]),
+    return [[f["fault_id"], f["kind"], f["target"], _step_of(f),
              _s(f.get("recovery_s")) if f.get("recovered") else "not recovered", _s(f.get("lost_s"))]
             for f in faults]
 
@@ -192,7 +209,7 @@ COMPARE_FIELDS: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
     ("max recovery s", lambda r: _s(max((f["recovery_s"] for f in r.get("faults") or []
                                          if f.get("recovery_s") is not None), default=None))),
     ("lost s", lambda r: _s(sum(float(f.get("lost_s") or 0.0) for f in r.get("faults") or []))),
-    ("lost steps", lambda r: str(sum(int(f.get("lost_steps") or 0) for f in r.get("faults") or []))),
+    ("lost steps", lambda r: _total_lost_steps(r.get("faults") or [])),
     ("lost GPU-hours", lambda r: _gpu_h(r.get("lost_gpu_hours_total"))),
     ("spare GPU-hours", lambda r: _gpu_h(r.get("spare_gpu_hours"))),
 ]
@@ -432,7 +449,10 @@ def root_cause_lines(cause: dict[str, Any], title: str) -> list[str]:
             lines.append(f"  step      : {cause['step']}")
         code, sig, pid = cause.get("exitcode"), cause.get("signal"), cause.get("pid")
         pid_text = f"pid: {pid}" if pid else "pid: -"
-        if code is None:
+        if cause.get("lingered_s") is not None:  # the exit barrier stopped it: it had not failed
+            lines.append(f"  lingered  : {cause['lingered_s']:.1f}s after the other ranks finished")
+            lines.append(f"  last line : {cause.get('last_line') or '-'}")
+        elif code is None:
             lines.append(f"  exitcode  : - (raised in the step; {pid_text})")
         elif sig:
             lines.append(f"  exitcode  : {code} (signal {sig}; {pid_text})")

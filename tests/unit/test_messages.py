@@ -324,7 +324,7 @@ def test_the_agent_reports_a_command_it_refuses_or_fails_and_carries_out_the_res
     agent.handle({"type": "launch_missiles"})
     agent.handle({"type": "kill", "ranks": [-1]})
 
-    def broken(ranks: list[int], grace: float) -> None:
+    def broken(ranks: list[int], grace: float, tail: bool = False) -> None:
         raise OSError("no such process group")
 
     agent.kill = broken  # type: ignore[method-assign]

@@ -28,8 +28,35 @@ def test_defaults_leave_the_layout_to_ffctl() -> None:
 def test_nnodes_takes_n_or_min_max(raw: str, expected: tuple[int, int]) -> None:
     assert parse_nnodes(raw) == expected
     args = _resolve({"nnodes": raw})
-    assert args.nnodes == expected[1]  # ffctl starts every node itself: MAX run
+    assert args.nnodes == expected[0]  # as one torchrun on one host: MIN nodes start
     assert args.nnodes_range == (expected if expected[0] != expected[1] else None)
+    # The range is recorded; a fixed count is the layout itself.
+    assert (("nnodes", raw) in args.recorded) == (expected[0] != expected[1])
+
+
+@pytest.mark.parametrize("name, value", [("event_log_handler", "console"), ("logs_specs", "my_specs"),
+                                         ("signals_to_handle", "SIGTERM,SIGUSR1"), ("shutdown_timeout", "12.5")])
+def test_newer_torchrun_options_are_accepted_and_recorded(name: str, value: str) -> None:
+    assert (name, value) in _resolve({name: value}).recorded
+    assert (name, value) in _resolve(env={f"PET_{name.upper()}": value}).recorded
+
+
+def test_virtual_local_rank_is_a_recorded_flag() -> None:
+    assert ("virtual_local_rank", "1") in _resolve(flags={"virtual_local_rank": True}).recorded
+    assert ("virtual_local_rank", "1") in _resolve(env={"PET_VIRTUAL_LOCAL_RANK": "1"}).recorded
+    assert not any(name == "virtual_local_rank" for name, _ in _resolve().recorded)
+
+
+@pytest.mark.parametrize("name, value, why", [
+    ("numa_binding", "node", "NUMA"), ("duplicate_stdout_filters", "loss", "log"),
+    ("duplicate_stderr_filters", "err", "log"), ("signals_to_handle", "SIGTERM,SIGNOPE", "not a signal"),
+    ("signals_to_handle", "sigterm", "not a signal"), ("shutdown_timeout", "-1", "seconds"),
+    ("shutdown_timeout", "nan", "seconds"), ("shutdown_timeout", "soon", "seconds"),
+])
+def test_newer_torchrun_options_ffctl_cannot_honour_are_refused_with_the_reason(name: str, value: str, why: str) -> None:
+    with pytest.raises(TorchrunArgError, match=why) as err:
+        _resolve({name: value})
+    assert f"--{name.replace('_', '-')}" in str(err.value) and value in str(err.value)
 
 
 @pytest.mark.parametrize("raw", ["0:1", "x", "2:1", "1:2:3", "-1", "1.5", "", "٣"])
@@ -203,9 +230,9 @@ def test_job_env_carries_torchruns_names() -> None:
     env = JobEnv(rank=3, world_size=4, local_rank=1, local_world_size=2, node=1, run_id="r", store_host="h",
                  store_port=5, gen=2, role="trainer", max_restarts=7).to_env()
     assert {k: env[k] for k in ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "WORLD_SIZE",
-                                "LOCAL_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                                "LOCAL_WORLD_SIZE", "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                                 "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID")} == {
-        "RANK": "3", "LOCAL_RANK": "1", "GROUP_RANK": "1", "ROLE_RANK": "3", "ROLE_NAME": "trainer",
+        "RANK": "3", "LOCAL_RANK": "1", "GROUP_RANK": "1", "ROLE_RANK": "3", "ROLE_NAME": "trainer", "GROUP_WORLD_SIZE": "2",
         "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "ROLE_WORLD_SIZE": "4", "MASTER_ADDR": "h", "MASTER_PORT": "5",
         "TORCHELASTIC_RESTART_COUNT": "2", "TORCHELASTIC_MAX_RESTARTS": "7", "TORCHELASTIC_RUN_ID": "r"}
 
