@@ -20,10 +20,11 @@ import os
 import re
 import secrets
 import socket
+import stat
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, BinaryIO, Iterable, Iterator
 
 from runs.events import Event, EventKind, RunStatus
 from runs.metrics import run_status
@@ -142,7 +143,8 @@ class RunStore:
         JSON, nested too deeply), OSError if it cannot be read."""
         path = self.path / name
         try:
-            return _loads(path.read_bytes().decode("utf-8"))
+            with _open_regular(path) as fh:
+                return _loads(fh.read().decode("utf-8"))
         except UnicodeDecodeError as exc:
             raise CorruptRecord(f"{path}: not UTF-8 (byte {exc.start})") from None
         except CorruptRecord as exc:
@@ -199,6 +201,17 @@ class RunStore:
         return RunStatus(run_status(events, self.controller_alive()))
 
 
+def _open_regular(path: Path) -> BinaryIO:
+    """`path` opened for reading if it is a regular file: opened without blocking, so a FIFO
+    planted as a record file (in a runs dir others can write) is refused, never waited on."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CorruptRecord(f"{path}: not a regular file")
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
+
+
 def _loads(text: str) -> Any:
     try:
         return json.loads(text)
@@ -214,7 +227,7 @@ def iter_events(path: Path) -> Iterator[Event]:
     value that is not an object, nesting too deep to decode."""
     if not path.exists():
         return
-    with open(path, "rb") as fh:
+    with _open_regular(path) as fh:
         for n, raw in enumerate(fh, 1):
             try:
                 line = raw.decode("utf-8").strip()
@@ -244,14 +257,14 @@ def read_deadman_lines(run_path: Path) -> list[tuple[str, dict[str, Any]]]:
     found: list[tuple[str, dict[str, Any]]] = []
     for path in sorted((run_path / "logs").glob(f"*/{DEADMAN_RECORD}")):
         try:
-            with open(path, "rb") as fh:
+            with _open_regular(path) as fh:
                 text = fh.read(_DEADMAN_READ_MAX).decode("utf-8", "replace")
-        except OSError:
+        except (OSError, CorruptRecord):
             continue
         for line in text.splitlines():
             try:
-                raw = json.loads(line)
-            except ValueError:
+                raw = _loads(line)
+            except ValueError:  # CorruptRecord (nested too deeply) included
                 continue
             if isinstance(raw, dict) and isinstance(raw.get("fault_id"), str) and raw["fault_id"]:
                 found.append((path.parent.name, raw))

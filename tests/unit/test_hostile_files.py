@@ -200,3 +200,38 @@ def test_a_deeply_nested_frame_header_is_a_recorded_refusal(tmp_path: Path) -> N
     finally:
         threading.excepthook = hook
         store.stop()
+
+
+@pytest.mark.parametrize("name", ["events.jsonl", "run.json", "logs/0/deadman.jsonl"])
+def test_a_fifo_in_a_run_record_never_blocks_a_report(name: str, tmp_path: Path) -> None:
+    """A runs directory others can write to may hold a FIFO where a record file goes: a listing
+    skips that run (or reads it without the foreign file), it never waits for a writer."""
+    runs_dir = tmp_path / "runs"
+    _good_run(runs_dir, "fine", 1000.0)
+    _good_run(runs_dir, "piped", 2000.0)
+    target = runs_dir / "piped" / name
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.unlink(missing_ok=True)
+    os.mkfifo(target)
+    result: list[tuple[int, str]] = []
+    worker = threading.Thread(target=lambda: result.append(run_cli(["report"], runs_dir, tmp_path)), daemon=True)
+    worker.start()
+    worker.join(30)
+    assert result, "ffctl report blocked on a FIFO"
+    code, printed = result[0]
+    assert code == 0 and "fine" in printed and "Traceback" not in printed, printed
+    if name == "logs/0/deadman.jsonl":
+        assert "piped" in printed and "warning" not in printed  # a foreign line file is only skipped
+    elif name == "run.json":
+        assert "piped" not in printed  # no run.json file: not a run at all
+    else:
+        assert "ffctl: warning: run 'piped' skipped" in printed and "not a regular file" in printed, printed
+
+
+def test_a_deeply_nested_deadman_line_is_skipped(tmp_path: Path) -> None:
+    runs_dir = tmp_path / "runs"
+    _good_run(runs_dir, "switched", 1000.0)
+    (runs_dir / "switched" / "logs" / "0").mkdir(parents=True)
+    (runs_dir / "switched" / "logs" / "0" / "deadman.jsonl").write_text(DEEP + "\n")
+    code, printed = run_cli(["report", "switched"], runs_dir, tmp_path)
+    assert code == 0 and "Traceback" not in printed, printed
