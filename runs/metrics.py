@@ -5,7 +5,10 @@ Definitions, all on the controller clock:
 - recovery_s = resumed - injected; `resumed` is when the job completes step m+1, m being the
   highest step any rank had completed when the fault hit. Replay of rolled-back steps is included.
 - breakdown: detect, decide, spawn, rendezvous, restore, replay; they add up to recovery_s.
-- lost_steps = m - s, s being the step the job was restored to.
+- lost_steps = m - s, s being the step the job was restored to. An unchanged script (a "plain
+  script") restores itself: s is the step before the first one it reports again, and None with
+  restore_source "none" when it started over from its first step; lost_steps is None (unknown)
+  when the script reported no step before or after the fault.
 - lost_s = the wall time the job lost to the fault against its own pace before it (`_lost_windows`):
   from the last commit before the injection until the job is back at that pace after the fault
   ended, that window's length less the time the steps it gained would have taken at that pace.
@@ -13,6 +16,9 @@ Definitions, all on the controller clock:
 - lost_gpu_hours = world_size x lost_s / 3600.
 Per run, lost_gpu_hours_total is the sum over the faults: time covered by two faults' windows is
 split between them, so nothing is billed twice.
+
+A plain script's run reports strategy `torchrun-restart` (its group is stopped and started again
+whatever --recovery asked, `none` aside) and a goodput only when it reports steps.
 
 Status: a `run_finished` event's, else `running` while the controller lives and `incomplete`
 once it is gone (`run_status`). Whether it lives is not in the events: the caller that can look
@@ -24,9 +30,9 @@ from __future__ import annotations
 import statistics
 from dataclasses import asdict, dataclass, field, replace
 from enum import Enum
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
-from runs.events import Event, EventKind, RunStatus, finish_reason
+from runs.events import Event, EventKind, RestoreSource, RunStatus, finish_reason
 
 BREAKDOWN_KEYS = ("detect", "decide", "spawn", "rendezvous", "restore", "replay")
 # "Back at pace" after a fault ended: the first commit from which BACK_WINDOW consecutive step
@@ -34,6 +40,18 @@ BREAKDOWN_KEYS = ("detect", "decide", "spawn", "rendezvous", "restore", "replay"
 # median alone would wave a slow first interval through unbilled).
 BACK_WINDOW = 3
 PACE_TOLERANCE = 0.2
+# The strategy of an unchanged script's run: torchrun's restart of the whole group, whatever
+# --recovery asked (the controller runs restart-memory in place of peer, and the script restores
+# itself from its own checkpoint); `--recovery none` still stops it at the first failure.
+SCRIPT_RESTART = "torchrun-restart"
+
+
+def run_strategy(requested: str, plain_script: bool) -> str:
+    """The strategy a run really carries out: `requested` (--recovery), or for a plain script
+    SCRIPT_RESTART (`none` stays `none`)."""
+    if plain_script and requested != "none":
+        return SCRIPT_RESTART
+    return requested
 
 
 @dataclass(frozen=True)
@@ -50,7 +68,7 @@ class FaultMetrics:
     breakdown: dict[str, float | None]
     at_step: int
     restore_step: int | None
-    lost_steps: int
+    lost_steps: int | None  # None: unknown (a plain script that reported no step around the fault)
     restore_source: str | None
     lost_gpu_hours: float
     recovered: bool
@@ -94,6 +112,8 @@ class RunMetrics:
     # Messages refused as forged, replayed or malformed, by the controller or reported by an
     # agent or rank (those recorded one by one and those only counted under a flood).
     messages_rejected: int = 0
+    # False for a plain script that reported no steps: steps_completed is then unknown, not 0.
+    step_known: bool = True
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -128,34 +148,68 @@ def _first(events: Iterable[Event], pred: Any) -> Event | None:
     return None
 
 
-def _final_values(events: list[Event], field: str) -> dict[int, float]:
-    """Each step's `field` as the job finally committed it. A decision to restore step s sets
+def _final_values(events: list[Event], value: Callable[[Event], float | None]) -> dict[int, float]:
+    """Each step's `value` as the job finally committed it. A decision to restore step s sets
     steps past s aside (they will be recomputed) and brings back steps up to s that an earlier,
-    abandoned decision had set aside: restoring s means s and everything before it stand."""
+    abandoned decision had set aside: restoring s means s and everything before it stand. A
+    script that restores itself (restore_source "script") went back to the step before the first
+    one it reports again: that first report is where its decision takes effect."""
     values: dict[int, float] = {}
     aside: dict[int, float] = {}
+    script_gen: int | None = None  # a script's restart whose restore step is not known yet
+
+    def restore(s: int) -> None:
+        for step in [k for k in values if k > s]:
+            aside[step] = values.pop(step)
+        for step in [k for k in aside if k <= s]:
+            values[step] = aside.pop(step)
+
     for ev in events:
         if ev.kind is EventKind.STEP:
             step = int(ev.get("step"))
-            value = ev.get(field, 0.0)
-            values[step] = float(value) if value is not None else None  # type: ignore[assignment]
+            if script_gen is not None and int(ev.get("gen", 0) or 0) >= script_gen:
+                script_gen = None
+                restore(step - 1)
+            values[step] = value(ev)  # type: ignore[assignment]
             aside.pop(step, None)
         elif ev.kind is EventKind.RECOVERY_DECIDED and ev.get("restore_step") is not None:
-            s = int(ev.get("restore_step"))
-            for step in [k for k in values if k > s]:
-                aside[step] = values.pop(step)
-            for step in [k for k in aside if k <= s]:
-                values[step] = aside.pop(step)
+            script_gen = None
+            restore(int(ev.get("restore_step")))
+        elif ev.kind is EventKind.RECOVERY_DECIDED and _text(ev.get("restore_source")) == "script":
+            script_gen = int(ev.get("gen", 0) or 0)
     return values
+
+
+def _field(name: str) -> Callable[[Event], float | None]:
+    def get(ev: Event) -> float | None:
+        value = ev.get(name, 0.0)
+        return float(value) if value is not None else None
+    return get
 
 
 def final_losses(events: list[Event]) -> dict[int, float]:
     """Loss of every step as the job finally committed it."""
-    return _final_values(events, "loss")
+    return _final_values(events, _field("loss"))
 
 
-def _final_step_times(events: list[Event]) -> dict[int, float]:
-    return _final_values(events, "step_time_s")
+def _final_step_times(events: list[Event], plain_script: bool = False) -> dict[int, float]:
+    if not plain_script:
+        return _final_values(events, _field("step_time_s"))
+    # A plain script's step time is the time between its reports (or printed lines): the first
+    # one of each generation spans the start-up (a step printed) or nothing (`report_step` counts
+    # from its first call), so it is taken at the median of the others.
+    firsts: set[int] = set()
+    seen: set[int] = set()
+    for ev in events:
+        if ev.kind is EventKind.STEP:
+            gen = int(ev.get("gen", 0) or 0)
+            if gen not in seen:
+                seen.add(gen)
+                firsts.add(id(ev))
+    others = [float(ev.get("step_time_s") or 0.0) for ev in events
+              if ev.kind is EventKind.STEP and id(ev) not in firsts]
+    typical = statistics.median(others) if others else 0.0
+    return _final_values(events, lambda ev: typical if id(ev) in firsts else float(ev.get("step_time_s") or 0.0))
 
 
 def _fault_metrics(inj: Event, events: list[Event], world_size: int, end_t: float) -> FaultMetrics:
@@ -178,9 +232,15 @@ def _fault_metrics(inj: Event, events: list[Event], world_size: int, end_t: floa
             m = max(m, int(ev.get("step")))
     step_known = any(ev.kind is EventKind.STEP for ev in events)
     restore_step = decision.get("restore_step") if decision is not None else None
+    restore_source = _text(decision.get("restore_source")) if decision is not None \
+        and decision.get("restore_source") is not None else None
+    lost_steps: int | None = max(0, m - int(restore_step)) if restore_step is not None else 0
     if decision is not None and not step_known:
-        # A script that says nothing of its steps: recovered once every restarted worker is up.
+        # A script that says nothing of its steps: recovered once every restarted worker is up;
+        # what it trains again is its own business, unknown here (not 0).
         gen = decision.get("gen")
+        if restore_source == RestoreSource.SCRIPT.value:
+            lost_steps = None
         resumed = _first(events, lambda ev: ev.kind is EventKind.RANKS_SPAWNED and ev.get("gen") == gen
                          and ev.t >= decision.t)
     elif decision is not None:
@@ -192,12 +252,8 @@ def _fault_metrics(inj: Event, events: list[Event], world_size: int, end_t: floa
             and ev.get("gen", 0) >= gen
             and int(ev.get("step")) >= m + 1,
         )
-        if decision.get("restore_source") == "script":
-            # The script restored itself (its own checkpoint): the step before the first one it
-            # reported again is where it went back to.
-            again = _first(events, lambda ev: ev.kind is EventKind.STEP and ev.t >= decision.t
-                           and ev.get("gen", 0) >= gen)
-            restore_step = int(again.get("step")) - 1 if again is not None else None
+        if restore_source == "script":
+            restore_step, restore_source, lost_steps = _script_restore(events, decision, m)
     elif detected is not None or inj.get("breaks_job"):
         # The job noticed and nothing recovered it (yet), or a kill it has not noticed yet: the
         # steps committed meanwhile were in flight when it hit (a node's loss takes a heartbeat
@@ -247,12 +303,8 @@ def _fault_metrics(inj: Event, events: list[Event], world_size: int, end_t: floa
         breakdown=breakdown,
         at_step=m,
         restore_step=restore_step,
-        lost_steps=max(0, m - int(restore_step)) if restore_step is not None else 0,
-        restore_source=(
-            _text(decision.get("restore_source"))
-            if decision is not None and decision.get("restore_source") is not None
-            else None
-        ),
+        lost_steps=lost_steps,
+        restore_source=restore_source,
         lost_gpu_hours=0.0,  # from lost_s, once every fault's window is known (`compute`)
         recovered=resumed is not None,
         reverted_at=reverted_at,
@@ -263,6 +315,28 @@ def _fault_metrics(inj: Event, events: list[Event], world_size: int, end_t: floa
         recovery_until="step" if step_known else "workers-up",
     )
 
+
+def _script_restore(events: list[Event], decision: Event, m: int) -> tuple[int | None, str, int | None]:
+    """(restore_step, restore_source, lost_steps) of a plain script's restart, from the steps it
+    reported: it restored itself to the step before the first one it reports again (`again`),
+    and the steps from `again` to m are trained again. `again` at or below the first step the
+    run ever reported means it started over (no checkpoint of its own, or none yet): nothing was
+    restored (None, "none"), every step reported before the fault is lost. No step reported
+    after the restart: where it went back to is unknown (None, "script", None); none reported
+    before it: what it lost is (lost_steps None). A restore step is never below 0."""
+    gen = decision.get("gen", 0)
+    again = _first(events, lambda ev: ev.kind is EventKind.STEP and ev.t >= decision.t and ev.get("gen", 0) >= gen)
+    if again is None:
+        return None, RestoreSource.SCRIPT.value, None
+    step = int(again.get("step"))
+    restore_step = step - 1 if step > 0 else None
+    first = _first(events, lambda ev: ev.kind is EventKind.STEP)
+    if first is again:
+        return restore_step, RestoreSource.SCRIPT.value, None
+    lost = max(0, m - step + 1)
+    if step <= int(first.get("step")):  # type: ignore[union-attr]
+        return None, RestoreSource.NONE.value, lost
+    return restore_step, RestoreSource.SCRIPT.value, lost
 
 
 @dataclass(frozen=True)
@@ -412,7 +486,8 @@ def compute(run_id: str, events: list[Event], controller_alive: bool | None = No
     started = _first(events, lambda ev: ev.kind is EventKind.RUN_STARTED)
     finished = _first(events, lambda ev: ev.kind is EventKind.RUN_FINISHED)
     world_size = int(started.get("world_size", 0)) if started else 0
-    strategy = _text(started.get("strategy", "")) if started else ""
+    plain_script = bool(started.get("plain_script", False)) if started else False
+    strategy = run_strategy(_text(started.get("strategy", "")), plain_script) if started else ""
     start_t = started.t if started else (events[0].t if events else 0.0)
     # A switch that reverted after the controller died says nothing of how long the job ran.
     own = [ev for ev in events if ev.get("by") != "deadman"] or events
@@ -443,7 +518,10 @@ def compute(run_id: str, events: list[Event], controller_alive: bool | None = No
         for f, w, lost_s in zip(faults, windows, lost)
     ]
     wall = end_t - start_t
-    useful = sum(_final_step_times(events).values())
+    useful = sum(_final_step_times(events, plain_script).values())
+    # A plain script that reports no steps has trained an unknown share of its wall time: no
+    # goodput (shown "-"), never a false 0.
+    goodput = (useful / wall) if wall > 0 and (committed or not plain_script) else None
     return RunMetrics(
         run_id=run_id,
         status=status,
@@ -455,9 +533,10 @@ def compute(run_id: str, events: list[Event], controller_alive: bool | None = No
         faults=faults,
         lost_gpu_hours_total=sum(f.lost_gpu_hours for f in faults),
         spare_gpu_hours=_spare_seconds(events, end_t) / 3600.0,
-        goodput=(useful / wall) if wall > 0 else None,
+        goodput=goodput,
         wall_s=wall,
         reason=reason,
         messages_rejected=sum(1 + int(ev.get("dropped_before", 0) or 0) + int(ev.get("unreported_before", 0) or 0)
                               for ev in events if ev.kind is EventKind.MESSAGE_REJECTED),
+        step_known=bool(committed) or not plain_script,
     )

@@ -81,6 +81,11 @@ def fault_fields(f: dict[str, Any]) -> list[tuple[str, str]]:
     ]
 
 
+def _steps_done(report: dict[str, Any]) -> str:
+    # A plain script that reported no steps trained an unknown number of them, not 0.
+    return str(report["steps_completed"]) if report.get("step_known", True) else "-"
+
+
 def summary_fields(report: dict[str, Any]) -> list[tuple[str, str]]:
     lost_s = sum(float(f.get("lost_s") or 0.0) for f in report.get("faults", []))
     return [
@@ -88,7 +93,7 @@ def summary_fields(report: dict[str, Any]) -> list[tuple[str, str]]:
         ("status", str(report["status"])),
         ("strategy", str(report["strategy"] or "-")),
         ("world size", str(report["world_size"])),
-        ("steps", str(report["steps_completed"])),
+        ("steps", _steps_done(report)),
         ("final loss", _s(report.get("final_loss"), 4)),
         ("goodput", _s(report.get("goodput"), 3)),
         ("wall time s", _s(report.get("wall_s"))),
@@ -107,7 +112,7 @@ def run_row(report: dict[str, Any]) -> dict[str, str]:
     return {
         "run": str(report["run_id"]), "status": str(report["status"]),
         "strategy": str(report["strategy"] or "-"), "world": str(report["world_size"]),
-        "steps": str(report["steps_completed"]), "faults": str(len(report.get("faults", []))),
+        "steps": _steps_done(report), "faults": str(len(report.get("faults", []))),
         "lost GPU-h": _gpu_h(report.get("lost_gpu_hours_total")),
     }
 
@@ -202,7 +207,7 @@ COMPARE_FIELDS: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
     ("status", lambda r: str(r["status"])),
     ("strategy", lambda r: str(r["strategy"] or "-")),
     ("world size", lambda r: str(r["world_size"])),
-    ("steps", lambda r: str(r["steps_completed"])),
+    ("steps", _steps_done),
     ("final loss", lambda r: _s(r.get("final_loss"), 4)),
     ("goodput", lambda r: _s(r.get("goodput"), 3)),
     ("faults", lambda r: str(len(r.get("faults") or []))),
