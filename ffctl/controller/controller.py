@@ -36,7 +36,7 @@ from recovery.jobenv import JobEnv, Strategy
 from recovery.throttle import Throttle
 from runs import shm
 from runs.events import EventKind, RestoreSource, RunStatus
-from runs.metrics import compute
+from runs.metrics import compute, run_strategy
 from runs.store import RunStore, controller_identity
 
 AGENT_START_TIMEOUT = 60.0
@@ -117,9 +117,11 @@ class Controller:
         med = self.job.progress.median_step_s(last=20)
         self.view({
             "run_id": self.rec.run_id, "phase": self.job.phase.value, "gen": self.job.gen, "step": self.job.progress.committed_step,
-            "steps": self.spec.steps, "loss": self.job.progress.last_loss,
+            # --steps is the built-in GPT's length: a script's step is shown without a total.
+            "steps": None if self.spec.script else self.spec.steps, "loss": self.job.progress.last_loss,
             "steps_per_s": (1.0 / med) if med else None,
-            "fault": self.injector.describe_current(), "strategy": self.spec.recovery,
+            "fault": self.injector.describe_current(),
+            "strategy": run_strategy(self.spec.recovery, self.plain_script),
             "notice": self.notice, "notices": tuple(self.notices),
         })
 

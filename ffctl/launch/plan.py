@@ -26,6 +26,7 @@ from ffctl.errors import BadInput
 from ffctl.controller.injector import chaos_faults, plan_fault
 from ffctl.spec import LaunchSpec, SpecError
 from runs.events import RunStatus
+from runs.metrics import run_strategy
 from runs.store import RunStore, RunStoreError, new_run_id, validate_run_id
 
 if TYPE_CHECKING:
@@ -80,8 +81,17 @@ def plan_launch(spec: LaunchSpec) -> LaunchPlan:
     sandbox = _preview_sandbox(spec, run_id) if spec.sandbox is not None else None
     if sandbox is not None:
         topo = _sandbox_topology(spec, run_id, sandbox)
-    lines = [f"run {run_id}: {spec.nnodes} node(s) x {spec.nproc_per_node} rank(s), {spec.steps} steps, "
-             f"recovery {spec.recovery}" + (f", checkpoint every {spec.ckpt_every}" if spec.ckpt_every else "")
+    # A script trains its own steps: --steps is the built-in GPT's, no total of the script's.
+    steps = "the script's own steps" if spec.script else f"{spec.steps} steps"
+    recovery = spec.recovery
+    if spec.script:
+        # What the controller will do: a plain script gets torchrun's group restart, whatever
+        # --recovery says (imported here: the controller module brings torch with it).
+        from ffctl.controller.controller import uses_recovery_library
+
+        recovery = run_strategy(spec.recovery, not uses_recovery_library(spec.script))
+    lines = [f"run {run_id}: {spec.nnodes} node(s) x {spec.nproc_per_node} rank(s), {steps}, "
+             f"recovery {recovery}" + (f", checkpoint every {spec.ckpt_every}" if spec.ckpt_every else "")
              + (f", {spec.spares} warm spare(s) per node" if spec.spares else "")]
     worker = " ".join(shlex.quote(a) for a in spec.script) if spec.script else f"built-in GPT ({spec.model})"
     for n in range(spec.nnodes):

@@ -11,6 +11,23 @@ from rich.live import Live
 from rich.table import Table
 
 
+def step_text(state: dict[str, Any]) -> str:
+    """`step/total` for the built-in GPT; a script's step alone (`steps` None): --steps is the
+    built-in GPT's length, and a script's length is known only to the script."""
+    step, steps = state.get("step"), state.get("steps")
+    return f"{step}" if steps is None else f"{step}/{steps}"
+
+
+def _every(state: dict[str, Any]) -> int:
+    """How many steps apart the progress lines of a non-terminal are: a tenth of the run, or,
+    without a total (a script), a tenth of the step's order of magnitude (1-9, 10-90, 100-900)."""
+    steps = state.get("steps")
+    if steps is not None:
+        return max(1, int(steps) // 10)
+    step = max(1, int(state.get("step") or 0))
+    return 10 ** (len(str(step)) - 1)
+
+
 def _table(state: dict[str, Any]) -> Table:
     table = Table(show_header=True, header_style="bold", title=f"ffctl run {state.get('run_id', '')}")
     for col in ("phase", "gen", "step", "loss", "steps/s", "fault", "strategy"):
@@ -18,7 +35,7 @@ def _table(state: dict[str, Any]) -> Table:
     loss = state.get("loss")
     sps = state.get("steps_per_s")
     table.add_row(
-        str(state.get("phase")), str(state.get("gen")), f"{state.get('step')}/{state.get('steps')}",
+        str(state.get("phase")), str(state.get("gen")), step_text(state),
         "-" if loss is None else f"{loss:.4f}", "-" if sps is None else f"{sps:.1f}",
         state.get("fault") or "-", str(state.get("strategy")),
     )
@@ -53,12 +70,12 @@ class LiveView:
         if self.live is not None:
             self.live.update(_table(state))
             return
-        step, steps, phase = state.get("step", 0), state.get("steps", 1) or 1, state.get("phase")
-        every = max(1, steps // 10)
+        step, phase = state.get("step") or 0, state.get("phase")
+        every = _every(state)
         if phase != self._last_phase or (step // every != self._last_step // every and step != self._last_step):
             loss = state.get("loss")
             self.console.print(
-                f"[{phase}] gen {state.get('gen')} step {step}/{steps}"
+                f"[{phase}] gen {state.get('gen')} step {step_text(state)}"
                 + ("" if loss is None else f" loss {loss:.4f}")
                 + (f" fault {state['fault']}" if state.get("fault") else ""),
                 markup=False, highlight=False,
