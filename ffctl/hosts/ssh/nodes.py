@@ -19,8 +19,8 @@ rank and spare it started go with it.
 
 Remote files live in a per-run directory on each host (default ``/tmp/ffctl-runs/<run_id>``),
 made 0700 and only inside a runs root that is a directory of the SSH user's no other user can
-write (``MAKE_RUN_DIR``): the agent's logs (``logs/<node>/``) and, for ``--recovery restart-disk``, the disk checkpoints
-of the ranks on that host. Logs are copied back into the run record's ``logs/<node>/`` when the
+write (``MAKE_RUN_DIR``): the agent's logs (``logs/<node>/``) and, for ``--recovery
+restart-disk``, the disk checkpoints of the ranks on that host. Logs are copied back into the run record's ``logs/<node>/`` when the
 run ends, then the remote directory is removed. Because checkpoints stay on the host that wrote
 them, restart-disk across hosts needs that directory on a shared filesystem (give
 ``--remote-runs-dir`` a path every host mounts) or the failed node's ranks back on the same host.
