@@ -312,8 +312,11 @@ def test_a_real_launch_writes_nothing_of_the_attackers_and_leaves_nothing(plants
     recovered = [e for e in events if e["event"] == "recovery_decided"]
     assert len(recovered) >= 2, [e["event"] for e in events]
     plants.assert_untouched()
+    def run_dirs() -> list[Path]:
+        return [p for p in Path(shm.SHM_ROOT).iterdir() if shm.parse_run_dir(p.name) == run_id]
+
     deadline = time.monotonic() + 20
-    while time.monotonic() < deadline and any(shm.parse_run_dir(p.name) == run_id for p in Path(shm.SHM_ROOT).iterdir()):
+    while time.monotonic() < deadline and run_dirs():
         time.sleep(0.2)
     left = [p.name for p in Path(shm.SHM_ROOT).iterdir()
             if p.name.startswith(f"ffctl-{run_id}") and p not in plants.paths]
