@@ -227,8 +227,12 @@ def _fault_metrics(inj: Event, events: list[Event], world_size: int, end_t: floa
     first_decision = decisions[0] if decisions else None
     hit_t = first_decision.t if first_decision else (end_t if detected else ti)
     m = int(inj.get("at_step", 0))
+    # A plain script's group is stopped whole once its restart is decided: a step of its
+    # generation recorded after that is a line it printed before, read late (not a rank of a
+    # generation going on), so it counts whenever it arrived.
+    whole = decision is not None and _text(decision.get("restore_source")) == RestoreSource.SCRIPT.value
     for ev in events:
-        if ev.kind is EventKind.STEP and ev.t <= hit_t and ev.get("gen", 0) == gen_at_fault:
+        if ev.kind is EventKind.STEP and (whole or ev.t <= hit_t) and ev.get("gen", 0) == gen_at_fault:
             m = max(m, int(ev.get("step")))
     step_known = any(ev.kind is EventKind.STEP for ev in events)
     restore_step = decision.get("restore_step") if decision is not None else None

@@ -112,10 +112,11 @@ def test_the_progress_lines_of_a_script_thin_out_as_its_steps_grow() -> None:
 # -- the report of a plain script's restart --------------------------------------------------------
 
 def _plain_run(before: range, after: range | None, strategy: str = "peer", finish: str = "completed",
-               reported: bool = True) -> StreamBuilder:
+               reported: bool = True, late: int | None = None) -> StreamBuilder:
     """A plain script of 2 ranks killed after reporting the steps `before` (none if `reported` is
     false); its group restarted (the controller runs restart-memory in place of peer) and the
-    script reports `after` (None: nothing, it failed again before its first line)."""
+    script reports `after` (None: nothing, it failed again before its first line). `late`: a
+    step of the killed generation whose line is read only after the restart was decided."""
     b = StreamBuilder(start=1000.0)
     b.emit(EventKind.RUN_STARTED, world_size=2, strategy=strategy, nnodes=1, nproc_per_node=2, steps=60,
            plain_script=True, script=["train.py"])
@@ -133,6 +134,8 @@ def _plain_run(before: range, after: range | None, strategy: str = "peer", finis
     b.failure_detected(["f1"], gen=0, cause="process-exit")
     b.emit(EventKind.RECOVERY_DECIDED, 0.125, fault_ids=["f1"], gen=1, restore_step=None,
            restore_source="script", strategy="restart-memory", ranks=[0, 1])
+    if late is not None:
+        b.step(late, gen=0, step_time_s=0.0625)
     b.emit(EventKind.RANKS_SPAWNED, 0.5, gen=1, ranks=[0, 1], started_by={"0": "template", "1": "template"})
     if after is not None and reported:
         report(after, 1)
@@ -158,6 +161,16 @@ def test_a_script_that_started_over_lost_every_step_it_had_reported() -> None:
     # Goodput from the steps it reported: 21 final steps of 0.5 s (the first one's start-up is no
     # training: it counts at the median), over the whole wall time.
     assert rep.goodput == pytest.approx(21 * STEP_S / rep.wall_s)
+
+
+def test_a_step_read_after_the_restart_was_decided_was_trained_before_it() -> None:
+    # Both ranks finished step 16 before rank 1 was killed; the line was read after the decision.
+    b = _plain_run(range(0, 16), range(0, 21), late=16)
+    (f,) = compute("r", b.events).faults
+    assert f.at_step == 16 and f.lost_steps == 17 and f.restore_source == "none"
+    assert f.resumed_at == next(ev.t for ev in b.events if ev.kind is EventKind.STEP
+                                and ev.get("gen") == 1 and ev.get("step") == 17)
+    assert compute("r", b.events).loss_by_step == [[s, loss_at(s, 1)] for s in range(0, 21)]
 
 
 def test_a_script_that_resumed_from_its_checkpoint_lost_the_steps_after_it() -> None:
