@@ -20,6 +20,7 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import threading
@@ -111,9 +112,14 @@ def read_error_file(path: Path) -> str | None:
     """The error message in a torchelastic error file (`{"message": {"message": ...}}` as torch's
     `@record` writes it, or `{"message": "..."}`), bounded; None when there is none."""
     try:
-        with open(path, "rb") as fh:
+        # Never blocks (a FIFO where the file goes is refused) and never raises: a worker's
+        # script wrote it, and the agent reads it on its one loop.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as fh:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return None
             data = json.loads(fh.read(1 << 20).decode("utf-8", errors="replace"))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
     msg = data.get("message") if isinstance(data, dict) else None
     if isinstance(msg, dict):

@@ -235,3 +235,17 @@ def test_a_deeply_nested_deadman_line_is_skipped(tmp_path: Path) -> None:
     (runs_dir / "switched" / "logs" / "0" / "deadman.jsonl").write_text(DEEP + "\n")
     code, printed = run_cli(["report", "switched"], runs_dir, tmp_path)
     assert code == 0 and "Traceback" not in printed, printed
+
+
+@pytest.mark.parametrize("content", [None, DEEP.encode(), b"\xff{", b"[1, 2]"], ids=["fifo", "deep", "not-utf8", "a-list"])
+def test_a_workers_error_file_never_stops_or_freezes_its_agent(content: bytes | None, tmp_path: Path) -> None:
+    """torch's `@record` error file, as a worker's script may leave it: read or ignored, never a
+    wait on a FIFO nor an exception in the agent's loop."""
+    from ffctl.agent.agent import read_error_file
+
+    path = tmp_path / "1.gen0.error.json"
+    if content is None:
+        os.mkfifo(path)
+    else:
+        path.write_bytes(content)
+    assert read_error_file(path) is None
