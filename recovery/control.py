@@ -31,8 +31,10 @@ from __future__ import annotations
 import datetime
 import hashlib
 import hmac
+import itertools
 import json
 import math
+import random
 import re
 import secrets
 import threading
@@ -201,6 +203,9 @@ SEND_WAIT_S = 5.0
 # Compare-and-set attempts per reservation: each failure answers the newer value, so only
 # producers reserving at the same instant make one try again.
 _CAS_TRIES = 10_000
+_BACKOFF_S = 20e-6
+_BACKOFF_MAX_S = 2e-3
+_TICKETS = itertools.count(1)  # numbers this process's reservations (next() is atomic in CPython)
 
 
 def parse_counter(raw: bytes | None) -> int | None:
@@ -225,9 +230,12 @@ class Blocked:
 def _reserve(store: dist.Store, queue: str, tag: str, wait: float | None = None) -> int | Blocked:
     """The next index of `queue`, reserved for this producer alone (`wait`: SEND_WAIT_S)."""
     counter = f"{queue}/n"
+    # What this reservation writes must be its own: two threads of one process, or two
+    # processes of one sender name, reserving at the same instant must not both see success.
+    tag = f"{tag}.{next(_TICKETS)}"
     deadline = time.monotonic() + (SEND_WAIT_S if wait is None else wait)
     current = read(store, counter)
-    for _ in range(_CAS_TRIES):
+    for attempt in range(_CAS_TRIES):
         if current is None:
             # A queue nobody has used yet, or whose counter a stranger deleted: made here, at the
             # first index. A consumer already further on sees its counter go back and repairs it.
@@ -252,6 +260,9 @@ def _reserve(store: dist.Store, queue: str, tag: str, wait: float | None = None)
         # Another producer was first (its value comes back), or the counter is gone (the
         # expected value comes back: compare_set answers it for a missing key).
         current = None if got == current else got
+        # Producers that keep colliding step apart, by a random wait that grows with each miss:
+        # k producers at once then cost about k tries each rather than k^2 between them.
+        time.sleep(random.uniform(0.0, min(_BACKOFF_S * (attempt + 1), _BACKOFF_MAX_S)))
     return Blocked(queue, f"no index reserved in {_CAS_TRIES} tries", current or b"")
 
 

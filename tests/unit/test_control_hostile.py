@@ -177,3 +177,15 @@ def test_a_counter_tampered_with_in_a_loop_keeps_the_work_per_poll_bounded() -> 
     assert len(reports) <= 2  # reported at most once a second, the rest counted
     _send(store, 1)
     assert _drain(rx, 1) == [1]
+
+
+def test_threads_of_one_process_reserving_at_once_never_share_an_index() -> None:
+    store = loopback_store()
+    rx = control.Receiver(store, Q)
+    threads = [threading.Thread(target=lambda t=t: [_send(store, 100 * t + i) for i in range(50)]) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    got = _drain(rx, 200, timeout=10)
+    assert sorted(got) == sorted(100 * t + i for t in range(4) for i in range(50))
