@@ -1,0 +1,124 @@
+"""The controller's side of a hostile control store, over a real TCPStore: heartbeats (sealed,
+newer only, of the node's current agent), the keys it owns (written again when changed or
+deleted) and a store call that fails (recorded, a fresh connection, never an exception out of
+`pump`). The controller is built bare, with only what these paths use."""
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import torch.distributed as dist
+
+from ffctl.controller.controller import Controller
+from ffctl.controller.state import JobState, NodeState
+from recovery import control, messages
+from recovery.throttle import Throttle
+from runs.events import EventKind
+from tests.helpers.store import loopback_store
+
+TOKEN = "e" * 64
+
+
+class _Record:
+    def __init__(self) -> None:
+        self.events: list[tuple[EventKind, dict[str, Any]]] = []
+
+    def append(self, kind: EventKind, t: float | None = None, **data: Any) -> None:
+        self.events.append((kind, data))
+
+    def rejected(self) -> list[dict[str, Any]]:
+        return [data for kind, data in self.events if kind is EventKind.MESSAGE_REJECTED]
+
+
+class _Agent:
+    def poll(self) -> None:
+        return None  # running
+
+
+def _controller() -> tuple[Controller, _Record]:
+    ctl = Controller.__new__(Controller)
+    rec = _Record()
+    ctl.rec = rec  # type: ignore[assignment]
+    ctl.spec = SimpleNamespace(address="127.0.0.1", heartbeat_timeout=1.0, world_size=2, nnodes=2)  # type: ignore[assignment]
+    ctl.store = ctl._server = loopback_store()
+    ctl.token = TOKEN
+    ctl.limits = control.Limits(2, 2)
+    ctl._rejects = Throttle(Controller.REJECTS_PER_S)
+    ctl._hb_opener = control.Opener(TOKEN)
+    ctl._guarded, ctl._guard_at, ctl._store_failing_since = {}, 0.0, None
+    ctl._incarnation = {}
+    ctl.job = JobState.for_world(2, 1)
+    ctl.inbox = control.Receiver(ctl.store, control.CTL_QUEUE, opener=control.Opener(TOKEN), on_reject=ctl._rejected)
+    ctl.injector = SimpleNamespace(revert_due=lambda: None)  # type: ignore[assignment]
+    return ctl, rec
+
+
+def _beat(sealer: control.Sealer, node: int, beat: int, incarnation: int = 0) -> bytes:
+    key = control.heartbeat_key(node)
+    msg = messages.Heartbeat(node=node, incarnation=incarnation, beat=beat)
+    return sealer.seal(key, msg.to_dict()).encode()
+
+
+def test_only_a_newer_sealed_beat_of_the_current_agent_is_a_sign_of_life() -> None:
+    ctl, rec = _controller()
+    st = ctl.job.nodes[1] = NodeState(1, _Agent(), up=True)  # type: ignore[arg-type]
+    agent = control.Sealer(TOKEN, "agent/1")
+    first, second = _beat(agent, 1, 1), _beat(agent, 1, 2)
+    key = control.heartbeat_key(1)
+
+    def read(value: bytes | str) -> float:
+        assert ctl.store is not None
+        ctl.store.set(key, value)
+        st.hb_seen = 0.0
+        ctl._read_heartbeat(st)
+        return st.hb_seen
+
+    assert read(first) > 0
+    assert read(first) == 0.0  # the same value again is no news
+    assert read(second) > 0
+    assert read(first) == 0.0  # an older beat written back: a replay
+    assert read("garbage") == 0.0
+    assert read(_beat(control.Sealer(TOKEN, "agent/1"), 1, 1, incarnation=3)) == 0.0  # not its agent
+    assert read(_beat(control.Sealer("x" * 64, "agent/1"), 1, 9)) == 0.0  # not sealed with the token
+    reasons = [r["reason"] for r in rec.rejected()]
+    assert len(reasons) == 4 and "replayed" in reasons[0] and "too short" in reasons[1], reasons
+    assert "incarnation 3" in reasons[2] and "bad MAC" in reasons[3], reasons
+    assert all(r["queue"] == key for r in rec.rejected())
+
+
+def test_keys_the_controller_owns_are_written_again_when_changed_or_deleted() -> None:
+    ctl, rec = _controller()
+    assert ctl.store is not None
+    ctl._guarded = control.publish_plan(ctl.store, 1, {"gen": 1, "world_size": 2, "restore_step": 0, "sources": {}},
+                                        control.Sealer(TOKEN, "controller"))
+    ctl.store.set(control.GEN_KEY, "0")
+    ctl.pump()
+    ctl.store.delete_key(control.gen_plan_key(1))
+    ctl._guard_at = 0.0
+    ctl.pump()
+    assert control.read(ctl.store, control.GEN_KEY) == ctl._guarded[control.GEN_KEY]
+    assert control.read(ctl.store, control.gen_plan_key(1)) == ctl._guarded[control.gen_plan_key(1)]
+    assert [(r["queue"], r["reason"].split()[1]) for r in rec.rejected()] == [
+        (control.GEN_KEY, "overwritten"), (control.gen_plan_key(1), "deleted")]
+
+
+def test_a_failing_store_call_is_recorded_and_the_connection_opened_again() -> None:
+    ctl, rec = _controller()
+
+    class Broken:
+        def poll(self) -> list[Any]:
+            raise dist.DistNetworkError("Failed to recv, got 0 bytes")
+
+    good, ctl.inbox = ctl.inbox, Broken()  # type: ignore[assignment]
+    before = ctl.store
+    t0 = time.monotonic()
+    ctl.pump()  # no exception
+    assert time.monotonic() - t0 < 5.0
+    assert ctl.store is not before  # a fresh connection to the same server
+    assert "control store error: DistNetworkError" in rec.rejected()[0]["reason"]
+    ctl.inbox = good
+    good.store = ctl.store
+    control.send_dict(ctl.store, control.CTL_QUEUE, {"type": "junk"})  # the new connection works
+    ctl.pump()
+    assert ctl._store_failing_since is None
