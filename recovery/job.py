@@ -108,7 +108,8 @@ class Job:
         self._plans = control.Reader(self._opener, self._rejected)
         self._send_lock = threading.Lock()  # step reports also go out from the snapshot thread
         self.group: Generation | None = None
-        self.writer = SlotWriter(env.shm_dir, env.run_id, env.node, env.rank) if env.memory_snapshots else None
+        self.writer = (SlotWriter(env.shm_dir, env.run_id, env.node, env.rank, env.token)
+                       if env.memory_snapshots else None)
         self.faults = InStepFaults(env.fault_dir, env.run_id, env.rank)
         self.last_committed = 0
         self._step = 0  # the step being trained

@@ -45,7 +45,7 @@ class Replicator:
         self.reported = 0
         self._reported_at = -math.inf  # the first step held off-node is reported at once, however young the clock
         self._stop = threading.Event()
-        self.bell = Doorbell(run_id, node)
+        self.bell = Doorbell(run_id, node, token)
         self._thread = threading.Thread(target=self._run, name="ffctl-replicator", daemon=True)
 
     def set_target(self, address: str | None, port: int | None) -> None:

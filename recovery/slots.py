@@ -160,11 +160,11 @@ class SlotWriter:
     waits for it and must be called before the optimizer mutates the captured tensors.
     """
 
-    def __init__(self, shm_dir: str, run_id: str, node: int, rank: int) -> None:
+    def __init__(self, shm_dir: str, run_id: str, node: int, rank: int, token: str = "") -> None:
         # Only ever the run's private directory, which this node's agent made before any rank.
         shm.check_private_dir(shm_dir)
         self.paths = [slot_path(shm_dir, run_id, node, rank, s) for s in (0, 1)]
-        self._bell = Ringer(run_id, node)  # tells the agent to stream now, so it need not poll
+        self._bell = Ringer(run_id, node, token)  # tells the agent to stream now, so it need not poll
         self._maps: list[tuple[int, mmap.mmap] | None] = [None, None]
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None

@@ -69,3 +69,19 @@ def test_ringing_with_no_agent_is_silent_and_a_taken_name_falls_back_to_polling(
     again = Doorbell(run, 0)  # the name is free once its holder closed
     assert again.listening
     again.close()
+
+
+def test_with_the_job_token_the_name_is_the_jobs_own() -> None:
+    """A stranger who knows the run id cannot take the name first: it is keyed by the token."""
+    run = _run_id()
+    squatter = Doorbell(run, 0)  # what a stranger could bind, knowing the run id
+    bell, ringer, other = Doorbell(run, 0, "t" * 64), Ringer(run, 0, "t" * 64), Ringer(run, 0, "u" * 64)
+    try:
+        assert squatter.listening and bell.listening
+        other.ring()  # another key: another name
+        assert not bell.wait(0.1)
+        ringer.ring()
+        assert bell.wait(5.0) and not squatter.wait(0.05)
+    finally:
+        for sock in (squatter, bell, ringer, other):
+            sock.close()

@@ -52,7 +52,7 @@ def test_slots_are_streamed_acknowledged_and_progress_reported_sparingly(
     monkeypatch.setattr(replicator, "REPORT_S", 3600.0)
     agent = _Agent(tmp_path)
     neighbour = PeerStore("127.0.0.1", TOKEN, lambda rank, slot: slot_path(str(tmp_path), "other", 1, rank, slot)).start()
-    writer = SlotWriter(str(tmp_path), agent.cfg.run_id, 0, 0)
+    writer = SlotWriter(str(tmp_path), agent.cfg.run_id, 0, 0, TOKEN)
     rep = Replicator(agent.cfg.run_id, agent.cfg.node, TOKEN, agent._slot_files, agent._report)
     rep.set_target(str(neighbour.address), neighbour.port)
     rep.start()
