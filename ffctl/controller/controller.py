@@ -474,10 +474,11 @@ class Controller:
         # sealed either way, and news only when newer than the last from its agent process.
         st = self.job.nodes[msg.node]
         current = self._incarnation.get(msg.node, 0)
-        if msg.incarnation != current:
+        if msg.incarnation > current:
             raise ValueError(f"heartbeat of agent incarnation {msg.incarnation}, node {msg.node} runs {current}")
-        if st.up:
+        if msg.incarnation == current and st.up:
             st.hb_seen = time.monotonic()
+        # (An older incarnation's beat is what the node's previous agent left in its key: no news.)
 
     def training_path(self) -> str:
         """Which path the run took, for the record: "built-in", "ddp" or "library" (a script on
@@ -654,7 +655,8 @@ class Controller:
             st.proc.stop(timeout=2.0)
             self._incarnation[node] = self._incarnation.get(node, 0) + 1
         proc = self.launcher.start(self._agent_config(node))
-        self.job.nodes[node] = NodeState(node, proc)
+        # The previous agent's last beat stays in the key until the new one beats: already read.
+        self.job.nodes[node] = NodeState(node, proc, hb_raw=st.hb_raw if st is not None else None)
 
     def wait_agents(self, nodes: list[int]) -> None:
         settled = lambda: all(self.job.nodes[n].up or self.job.nodes[n].failed for n in nodes)  # noqa: E731

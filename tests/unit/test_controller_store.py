@@ -80,6 +80,9 @@ def test_only_a_newer_sealed_beat_of_the_current_agent_is_a_sign_of_life() -> No
     assert read(first) == 0.0  # an older beat written back: a replay
     assert read("garbage") == 0.0
     assert read(_beat(control.Sealer(TOKEN, "agent/1"), 1, 1, incarnation=3)) == 0.0  # not its agent
+    ctl._incarnation[1] = 4
+    assert read(_beat(control.Sealer(TOKEN, "agent/1"), 1, 5, incarnation=3)) == 0.0  # its previous agent's:
+    ctl._incarnation[1] = 0  # left in the key, no news, and nothing to report
     assert read(_beat(control.Sealer("x" * 64, "agent/1"), 1, 9)) == 0.0  # not sealed with the token
     reasons = [r["reason"] for r in rec.rejected()]
     assert len(reasons) == 4 and "replayed" in reasons[0] and "too short" in reasons[1], reasons
