@@ -1,17 +1,18 @@
 """The control-plane conversation over torch's TCPStore: key names and message queues.
 
 The controller hosts the store. Workers and agents send it JSON messages through one queue
-(`ctl/q`); the controller sends each agent commands through `agent/<node>/q`. A queue is a
-counter plus one key per message: the producer reserves an index with `add`, then `set`s the
-message; the single consumer `get`s index after index (a `get` waits for a reserved index whose
-message is still in flight). Generation plans are published under `gen/<g>/...`.
+(`ctl/q`); the controller sends each agent commands through `agent/<node>/<incarnation>/q`.
+A queue is a counter plus one key per message: the producer reserves an index (a
+compare-and-set on the counter), then `set`s the message; the single consumer reads index after
+index without blocking (an index reserved whose message is still in flight is looked at again).
+Generation plans are published under `gen/<g>/...`; each agent's heartbeat is `hb/<node>`.
 
 torch's store has no authentication, so whoever reaches its port can read and write every key.
 No secret is ever written to it, and every control value (queue messages, plans, the current
-generation, abort flags, inject replies) is sealed with a key derived from the job token: an
-HMAC-SHA256 over the exact bytes of an envelope that names the kind, the sender (its role and a
-random per-process nonce), the sender's sequence number, a timestamp, the key it was written for
-and the body. A receiver (`Opener`) refuses a bad MAC, a value written for another key, a
+generation, abort flags, heartbeats, inject replies) is sealed with a key derived from the job
+token: an HMAC-SHA256 over the exact bytes of an envelope that names the kind, the sender (its
+role and a random per-process nonce), the sender's sequence number, a timestamp, the key it was
+written for and the body. A receiver (`Opener`) refuses a bad MAC, a value written for another key, a
 timestamp outside a window, and, per sender, any sequence number not above the last it accepted
 (replay). Refusals are reported through a callback with a reason; nothing read from the store
 raises out of a receiver. What a queue message may hold is typed in `recovery.messages`: `send`
