@@ -233,7 +233,8 @@ def _reserve(store: dist.Store, queue: str, tag: str, wait: float | None = None)
     counter = f"{queue}/n"
     # What this reservation writes must be its own: two threads of one process, or two
     # processes of one sender name, reserving at the same instant must not both see success.
-    tag = f"{tag}.{next(_TICKETS)}"
+    # (Its end, the sender's random nonce, is kept whole: the value must stay a count.)
+    tag = f"{tag[-60:]}.{next(_TICKETS)}"
     deadline = time.monotonic() + (SEND_WAIT_S if wait is None else wait)
     current = read(store, counter)
     for attempt in range(_CAS_TRIES):
