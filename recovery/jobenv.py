@@ -14,12 +14,29 @@ from runs.events import Label
 # Where slots and in-step fault files live: the run's private directory on the rank's host
 # (`runs.shm.run_dir`), which only the rank's agent tells it (FFCTL_SHM_DIR, FFCTL_FAULT_DIR).
 SHM_DIRS = ("shm_dir", "fault_dir")
-# The job token reaches a rank only through its agent's own process environment under this name,
-# never through the store: a rank's environment as the controller sends it has no token.
+# The job token reaches a rank from its agent over the private pipe its assignment comes on, and
+# the worker hands it to this module (`hand_token`) before the user's program runs: it is in no
+# environment variable the program, its children or anything that logs the environment can see.
+# Never through the store either. TOKEN_ENV is still read, for a rank started by other means.
 TOKEN_ENV = "FFCTL_TOKEN"
+_handed_token: list[str] = []
 # torchrun's per-rank error file: torch's `@record` writes a failing rank's exception there, and
 # the agent reads it when the rank exits (the root cause's message).
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
+
+
+def hand_token(token: str) -> None:
+    """Give this process the job token (the worker does, from its assignment), and take it out
+    of the environment if it was there."""
+    _handed_token[:] = [token]
+    os.environ.pop(TOKEN_ENV, None)
+
+
+def job_token(environ: Mapping[str, str] | None = None) -> str:
+    """The job token this process was handed, else TOKEN_ENV of `environ` (default: ours)."""
+    if _handed_token and environ is None:
+        return _handed_token[0]
+    return (os.environ if environ is None else environ).get(TOKEN_ENV, "")
 
 
 class Strategy(Label):
@@ -111,6 +128,8 @@ class JobEnv:
             raise RuntimeError(
                 "not started by ffctl: missing " + ", ".join(f"FFCTL_{m.upper()}" for m in missing)
             )
+        if environ is None and _handed_token:
+            values["token"] = _handed_token[0]
         values.setdefault("local_rank", int(env.get("LOCAL_RANK", 0)))
         values.setdefault("local_world_size", int(env.get("LOCAL_WORLD_SIZE", 1)))
         values.setdefault("node", int(env.get("GROUP_RANK", 0)))

@@ -17,7 +17,7 @@ import time
 from typing import Any
 
 from recovery import control, messages
-from recovery.jobenv import TOKEN_ENV, JobEnv
+from recovery.jobenv import JobEnv, job_token
 
 # A report must never stall training for long: the controller's store answers in milliseconds,
 # and a store that is gone (the controller stopped) makes the call give up rather than block.
@@ -63,7 +63,7 @@ def _from_env() -> StepReporter | None:
     global _reporter, _checked
     if not _checked:
         _checked = True
-        if os.environ.get(TOKEN_ENV) and os.environ.get("FFCTL_RUN_ID"):
+        if job_token() and os.environ.get("FFCTL_RUN_ID"):
             _reporter = StepReporter(JobEnv.from_env())
     return _reporter
 

@@ -11,7 +11,8 @@ The job token comes in the agent's own configuration (stdin, or the SSH session'
 never through the store. Every command on its queue must be sealed by the controller and decode
 as one of `recovery.messages`' commands; anything else is dropped and reported to the controller
 as a sealed `rejected` message, and a command that fails is reported as an `agent_error`.
-Ranks get the token from the agent's process environment (`FFCTL_TOKEN`).
+Ranks get the token in their assignment, over the pipe it comes on, and hold it in the
+library only (`recovery.jobenv.hand_token`): no worker's environment variable holds it.
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ from ffctl.agent.template import (
 from ffctl.agent.workerenv import worker_env
 from recovery import control, messages
 from recovery.peer import PeerStore
-from recovery.jobenv import ERROR_FILE_ENV, TOKEN_ENV
+from recovery.jobenv import ERROR_FILE_ENV
 from recovery.slots import NodeBusy, claim_node, read_header, release_node, slot_path
 from runs import shm
 
@@ -341,9 +342,7 @@ class Agent:
             # How long the worker took to start counts from the command (a held one's wait too).
             t0 = time.monotonic() if received is None else received
             assignment = {
-                # The token goes to the rank here, over a private pipe (the spare's stdin or the
-                # template's), never through the store.
-                "env": {**self.cfg.worker_env, **spec["env"], TOKEN_ENV: self.cfg.token,
+                "env": {**self.cfg.worker_env, **spec["env"],
                         ERROR_FILE_ENV: str(self._error_file(rank, gen)),
                         # Where the rank's slots and in-step faults are: known to this host's
                         # processes only, never sent through the store.
@@ -351,6 +350,10 @@ class Agent:
                 "argv": list(self.cfg.worker_argv),
                 "log": os.path.abspath(Path(self.cfg.log_dir) / f"{rank}.log"),
                 "cwd": self.cfg.cwd,
+                # The token goes to the rank here, over a private pipe (the spare's stdin or FIFO,
+                # or the template's), never through the store, and the worker hands it to the
+                # library without putting it in its environment (recovery.jobenv.hand_token).
+                "token": self.cfg.token,
             }
             if self.step_pattern is not None:
                 # The worker appends to its log: its steps are what it writes from here on.
@@ -384,7 +387,8 @@ class Agent:
         else:
             if self.template is not None and self.template.is_ready():
                 env = {**self._worker_base_env(), **assignment["env"]}
-                job = Assignment(env, tuple(assignment["argv"]), assignment["log"], assignment["cwd"])
+                job = Assignment(env, tuple(assignment["argv"]), assignment["log"], assignment["cwd"],
+                                 assignment["token"])
                 try:
                     return self.template.fork(job), "template"
                 except TemplateError as exc:

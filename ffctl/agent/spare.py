@@ -34,9 +34,9 @@ def main() -> int:
             return 0
     if not line:
         return 0  # released unassigned
-    raw = json.loads(line)
-    os.environ.update(raw["env"])
-    return run_as_main(Assignment(dict(os.environ), tuple(raw["argv"]), raw.get("log") or "", raw.get("cwd") or ""))
+    job = Assignment.from_json(json.loads(line))
+    os.environ.update(job.env)
+    return run_as_main(Assignment(dict(os.environ), job.argv, job.log, job.cwd, job.token))
 
 
 if __name__ == "__main__":

@@ -105,6 +105,8 @@ class Assignment:
     argv: tuple[str, ...]
     log: str = ""
     cwd: str = ""
+    # The job token: handed to the recovery library in the worker, never put in its environment.
+    token: str = ""
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> Assignment:
@@ -115,7 +117,10 @@ class Assignment:
             raise ValueError("argv must be a non-empty list of strings")
         if argv[0] == "-m" and len(argv) < 2:
             raise ValueError("argv '-m' needs a module name")
-        return cls(env, tuple(argv), str(raw.get("log") or ""), str(raw.get("cwd") or ""))
+        token = raw.get("token") or ""
+        if not isinstance(token, str):
+            raise ValueError("token must be a string")
+        return cls(env, tuple(argv), str(raw.get("log") or ""), str(raw.get("cwd") or ""), token)
 
 
 def _unbuffered_stdio() -> None:
@@ -186,6 +191,10 @@ def run_assignment(job: Assignment) -> None:
         os.close(fd)
     if job.cwd:
         os.chdir(job.cwd)
+    if job.token:
+        from recovery.jobenv import hand_token
+
+        hand_token(job.token)
     _unbuffered_stdio()
     main, code, argv, path0 = _main_module(job.argv)
     sys.argv = argv
@@ -444,7 +453,8 @@ class Template:
             raise TemplateError("the template is not ready")
         assert self.proc is not None and self.proc.stdin is not None and self.proc.stdout is not None
         self._req += 1
-        request = {"id": self._req, "env": job.env, "argv": list(job.argv), "log": job.log, "cwd": job.cwd}
+        request = {"id": self._req, "env": job.env, "argv": list(job.argv), "log": job.log, "cwd": job.cwd,
+                   "token": job.token}
         try:
             self.proc.stdin.write((json.dumps(request) + "\n").encode())
             self.proc.stdin.flush()
