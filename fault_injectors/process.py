@@ -21,11 +21,12 @@ def in_step_fault_path(topo: Topology, rank: int) -> str:
 # real directory of ours (it is 0700: nobody else can put anything in it); the file is written
 # under a name mktemp creates exclusively (O_EXCL, mode 0600) and renamed into place, which
 # replaces whatever is at the name itself and never writes through a symlink.
-IN_STEP_SCRIPT = r"""[ -d "$1" ] && [ ! -L "$1" ] && [ -O "$1" ] || { echo "$1: not a directory of ours" >&2; exit 1; }
-t=$(mktemp -p "$1" .fault.XXXXXXXX) || exit 1
-printf %s "$2" > "$t" && mv -f -T -- "$t" "$3" || { rm -f -- "$t"; exit 1; }
-kill -USR1 "$4"
-"""
+IN_STEP_SCRIPT = (
+    r'[ -d "$1" ] && [ ! -L "$1" ] && [ -O "$1" ] || { echo "$1: not a directory of ours" >&2; exit 1; }; '
+    r't=$(mktemp -p "$1" .fault.XXXXXXXX) || exit 1; '
+    r'{ printf %s "$2" > "$t" && mv -f -T -- "$t" "$3"; } || { rm -f -- "$t"; exit 1; }; '
+    r'kill -USR1 "$4"'
+)
 
 
 def in_step_command(topo: Topology, rank: int, what: str) -> HostCommand:

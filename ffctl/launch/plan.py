@@ -25,6 +25,7 @@ from ffctl.controller.backend import NodeBackend
 from ffctl.errors import BadInput
 from ffctl.controller.injector import chaos_faults, plan_fault
 from ffctl.spec import LaunchSpec, SpecError
+from runs import shm
 from runs.events import RunStatus
 from runs.metrics import run_strategy
 from runs.store import RunStore, RunStoreError, new_run_id, validate_run_id
@@ -51,7 +52,13 @@ def _static_topology(spec: LaunchSpec, run_id: str, hosts: list[str] | None = No
         # (RFC 5737) stand in, distinct per host as the real ones are.
         nodes = tuple(NodePlace(n, h, f"192.0.2.{n + 1}", 10_000 + n, interface="eth0") for n, h in enumerate(hosts))
     ranks = tuple(RankPlace(r, r // spec.nproc_per_node, 20_000 + r) for r in range(spec.world_size))
-    return Topology(run_id, nodes, ranks, record_dir=_record_dir(spec, run_id, bool(hosts)))
+    return Topology(run_id, nodes, ranks, record_dir=_record_dir(spec, run_id, bool(hosts)),
+                    fault_dir=_shm_dir(run_id))
+
+
+def _shm_dir(run_id: str) -> str:
+    """The run's shared-memory directory as a plan shows it: its key is drawn when it starts."""
+    return str(shm.run_dir(shm.SHM_ROOT, run_id, "<key>"))
 
 
 def _record_dir(spec: LaunchSpec, run_id: str, remote: bool) -> str:
@@ -125,7 +132,7 @@ def _sandbox_topology(spec: LaunchSpec, run_id: str, sb: NetnsSandbox) -> Topolo
     nodes = tuple(sb.node_place(n, 10_000 + n) for n in range(spec.nnodes))
     ranks = tuple(RankPlace(r, r // spec.nproc_per_node, 20_000 + r) for r in range(spec.world_size))
     return Topology(run_id, nodes, ranks, controller_address=sb.controller_address,
-                    record_dir=_record_dir(spec, run_id, False))
+                    record_dir=_record_dir(spec, run_id, False), fault_dir=_shm_dir(run_id))
 
 
 def _probe_transport(cmd: Any) -> LocalTransport:
