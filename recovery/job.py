@@ -112,6 +112,7 @@ class Job:
                        if env.memory_snapshots else None)
         self.faults = InStepFaults(env.fault_dir, env.run_id, env.rank)
         self.last_committed = 0
+        self.stopped_at: int | None = None  # the step `run(until=...)` ended the job after
         self._step = 0  # the step being trained
         self._collectives = 0  # collectives the step has started so far
         self._retry_input: torch.Tensor | None = None
@@ -129,6 +130,13 @@ class Job:
 
     @classmethod
     def from_env(cls) -> Job:
+        """The job of this rank. Outside ffctl (plain torchrun, or `python SCRIPT`) the same
+        surface over torch's default process group, recovering nothing
+        (`recovery.standalone.PlainJob`), so an adapted script still runs there."""
+        from recovery.standalone import PlainJob, under_ffctl
+
+        if not under_ffctl():
+            return PlainJob.from_env()  # type: ignore[return-value]  # the same public surface
         return cls(JobEnv.from_env())
 
     # -- registration -------------------------------------------------------------------------
@@ -247,7 +255,12 @@ class Job:
                 pass
 
     # -- the loop ----------------------------------------------------------------------------
-    def run(self, step_fn: Callable[[StepContext], float], steps: int) -> None:
+    def run(self, step_fn: Callable[[StepContext], float], steps: int,
+            until: Callable[[int, float], bool] | None = None) -> None:
+        """Train steps up to `steps`, recovering from peers' failures. `until(step, loss)`, when
+        given, is asked after each step with the loss the run records (on the DDP path the mean
+        over the ranks): true ends the job after that step, on every rank at the same step (the
+        answers are agreed on in one small allreduce per step, part of the step)."""
         self.faults.install()
         self._send(messages.Training, gen=self.env.gen, api=self.api)
         try:
@@ -259,7 +272,7 @@ class Job:
                 start, _ = self._recover(exc)
             while True:
                 try:
-                    self._train(step_fn, start, steps)
+                    self._train(step_fn, start, steps, until)
                     self.fence()  # the last step's report goes before "done"
                     break
                 except StepRestart as exc:
@@ -384,7 +397,10 @@ class Job:
                 self._send(messages.RestoreFailed, gen=gen, step=step, source=source["kind"], reason=why)
             raise PeerFailure(gen, f"state for step {step} unusable on some rank ({why if exc.mine else 'peer'})") from None
 
-    def _train(self, step_fn: Callable[[StepContext], float], start: int, steps: int) -> None:
+    def _train(self, step_fn: Callable[[StepContext], float], start: int, steps: int,
+               until: Callable[[int, float], bool] | None = None) -> None:
+        if until is not None and self.stopped_at is not None and start >= self.stopped_at:
+            return  # restored to the step it had already decided to stop after
         for step in range(start + 1, steps + 1):
             self._step, self._collectives = step, 0
             t0 = time.perf_counter()
@@ -393,12 +409,22 @@ class Job:
                 loss = float(step_fn(StepContext(step, self)))
                 for after in self._after_step:
                     loss = after(loss)
+                stop = until is not None and self._agree(until(step, loss))
             except PeerFailure:
                 raise
             except Exception as exc:
                 self._report_error(step, exc)
                 raise
             self._commit(step, loss, t0)
+            if stop:
+                self.stopped_at = step
+                return
+
+    def _agree(self, stop: bool) -> bool:
+        """Whether any rank wants to stop after this step (every rank gets the same answer)."""
+        flag = torch.tensor([1.0 if stop else 0.0])
+        self.allreduce(flag)
+        return bool(flag.item() > 0)
 
     def _report_error(self, step: int, exc: Exception) -> None:
         """Tell the controller that the step raised (a device error, an OOM, a bug), with the

@@ -48,6 +48,57 @@ def test_plain_prints_the_same_losses_under_torchrun_and_ffctl(workdir: Path) ->
     assert not shm_left(run_id)
 
 
+def test_with_ffctl_still_runs_under_plain_torchrun_with_the_plain_scripts_losses(workdir: Path) -> None:
+    # Outside ffctl the library's Job is torch's default group recovering nothing: the adapted
+    # script trains exactly as the plain one does.
+    whole = lambda out: len(_loss_lines(out)) == 20  # noqa: E731
+    layout = ["--nnodes", "1", "--nproc-per-node", "2"]
+    plain = torchrun_script(workdir, [*layout, str(EXAMPLES / "plain.py"), "--steps", "20"], whole)
+    adapted = torchrun_script(workdir, [*layout, str(EXAMPLES / "with_ffctl.py"), "--steps", "20"], whole)
+    assert plain.returncode == 0 and adapted.returncode == 0, adapted.stdout[-2000:] + adapted.stderr[-3000:]
+    assert _loss_lines(adapted.stdout) == _loss_lines(plain.stdout)
+    assert len(_loss_lines(plain.stdout)) == 20
+
+
+STOPS_EARLY = """
+import sys
+import torch
+from recovery import Job
+
+job = Job.from_env()
+torch.manual_seed(0)
+w = torch.zeros(4)
+job.register("w", lambda: {"w": w}, lambda s: w.copy_(s["w"]), replicated=True)
+
+def step(ctx):
+    g = torch.full((4,), float(ctx.rank + 1))
+    ctx.allreduce(g)
+    w.add_(g, alpha=-0.01)
+    return float(10.0 - ctx.step)
+
+job.run(step, 1000, until=lambda step, loss: loss <= float(sys.argv[1]))
+print(f"STOPPED after {job.last_committed}", flush=True)
+"""
+
+
+@pytest.mark.parametrize("launcher", ["ffctl", "torchrun"])
+def test_the_library_stops_early_on_every_rank_at_the_same_step(workdir: Path, launcher: str) -> None:
+    script = workdir / "stops_early.py"
+    script.write_text(STOPS_EARLY)
+    argv = ["--nnodes", "1", "--nproc-per-node", "2", str(script), "3"]  # loss 10 - step <= 3: step 7
+    if launcher == "torchrun":
+        proc = torchrun_script(workdir, argv, lambda out: out.count("STOPPED") == 2)
+        out = proc.stdout
+    else:
+        proc, run_id = ffctl_launch_script(workdir, "stops", argv, lambda out: out.count("STOPPED") == 2)
+        out = proc.stdout
+        rep = json.loads((workdir / "runs" / run_id / "report.json").read_text())
+        assert rep["status"] == "completed" and rep["steps_completed"] == 7
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert sorted(line[line.index("STOPPED"):] for line in out.splitlines() if "STOPPED" in line) == [
+        "STOPPED after 7"] * 2
+
+
 def test_with_ffctl_survives_a_rank_and_a_node_bit_for_bit(workdir: Path) -> None:
     script = [str(EXAMPLES / "with_ffctl.py"), "--steps", "40"]
     base = launch(workdir, rid("ddp-base"), *LAYOUT, *script)

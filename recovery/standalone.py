@@ -1,0 +1,136 @@
+"""`Job` outside ffctl: the same script runs under plain torchrun (or `python SCRIPT` alone).
+
+A script adapted to the recovery library (`Job.from_env()`, `job.ddp_group()`,
+`job.register_ddp(...)`, `job.run(step_fn, steps)`) must still run where ffctl is not: under
+torchrun, on a laptop. There is no agent, no snapshot store and no controller, so nothing is
+recovered; the job trains as the unadapted script would. `Job.from_env()` returns a `PlainJob`
+when the environment has no ffctl run (no FFCTL_RUN_ID): it joins torch's default process group
+from torchrun's variables (`init_process_group()` with the env:// rendezvous, gloo on CPU, NCCL
+where a GPU is), builds DDP over that group as DDP's default hook would reduce, draws batches
+from the same `Batches` iterator (so the data order is the one the script sees under ffctl), and
+runs the step function for the given steps. Registered state is kept only to be consistent
+with the ffctl path: nothing snapshots it.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.distributed as dist
+
+from recovery.ddp import Batches
+from recovery.jobenv import JobEnv, Strategy
+from recovery.snapshot import StateEntry
+
+
+def under_ffctl(environ: dict[str, str] | None = None) -> bool:
+    """Whether this process was started by an ffctl agent (it sets FFCTL_RUN_ID)."""
+    return bool((os.environ if environ is None else environ).get("FFCTL_RUN_ID"))
+
+
+class PlainStepContext:
+    """What a step function gets outside ffctl: the step and torch's own collectives."""
+
+    def __init__(self, step: int, job: PlainJob) -> None:
+        self.step = step
+        self.job = job
+
+    @property
+    def rank(self) -> int:
+        return self.job.env.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.job.env.world_size
+
+    def allreduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.job.allreduce(tensor)
+
+    def allgather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        return self.job.allgather(tensor)
+
+    def reduce_loss(self, loss: torch.Tensor) -> None:
+        """Under ffctl the loss travels with the gradients; here the mean is taken after the step."""
+
+
+class PlainJob:
+    """The recovery library's surface over torch's default process group, recovering nothing."""
+
+    api = "plain"
+
+    def __init__(self, env: JobEnv) -> None:
+        self.env = env
+        self.entries: list[StateEntry] = []
+        self.last_committed = 0
+        self._ddp = False
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None) -> PlainJob:
+        env = os.environ if environ is None else environ
+        world = int(env.get("WORLD_SIZE", "1"))
+        local_world = int(env.get("LOCAL_WORLD_SIZE", str(world)))
+        return cls(JobEnv(rank=int(env.get("RANK", "0")), world_size=world,
+                          local_rank=int(env.get("LOCAL_RANK", "0")), local_world_size=local_world,
+                          node=int(env.get("GROUP_RANK", "0")), run_id=env.get("TORCHELASTIC_RUN_ID", "plain"),
+                          store_host=env.get("MASTER_ADDR", "127.0.0.1"), store_port=int(env.get("MASTER_PORT", "0") or 0),
+                          gen=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")), strategy=Strategy.NONE))
+
+    def register(self, name: str, get: Callable[[], Any], set: Callable[[Any], None], *, replicated: bool = False) -> None:
+        if any(e.name == name for e in self.entries):
+            raise ValueError(f"state {name!r} registered twice")
+        self.entries.append(StateEntry(name, get, set, replicated))
+
+    def _world(self) -> Any:
+        if not dist.is_initialized():
+            if self.env.world_size > 1 or "MASTER_ADDR" in os.environ:
+                dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+            else:  # `python SCRIPT` alone: a group of one, so DDP and the collectives still work
+                dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        return dist.group.WORLD
+
+    def ddp_group(self) -> Any:
+        """torch's default group: DDP reduces its gradients as it always does."""
+        return self._world()
+
+    def register_ddp(self, *, model: Any, optimizer: torch.optim.Optimizer, scheduler: Any | None = None,
+                     loader: Iterable | None = None) -> Batches | None:
+        self._ddp = True
+        self.register("model", model.module.state_dict, model.module.load_state_dict, replicated=True)
+        self.register("optimizer", optimizer.state_dict, optimizer.load_state_dict, replicated=True)
+        if scheduler is not None:
+            self.register("scheduler", scheduler.state_dict, scheduler.load_state_dict, replicated=True)
+        if loader is None:
+            return None
+        batches = Batches(loader)
+        self.register("data", batches.state_dict, batches.load_state_dict)
+        return batches
+
+    def allreduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        self._world()
+        dist.all_reduce(tensor)
+        return tensor
+
+    def allgather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        self._world()
+        out = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+        dist.all_gather(out, tensor)
+        return out
+
+    def run(self, step_fn: Callable[[Any], float], steps: int,
+            until: Callable[[int, float], bool] | None = None) -> None:
+        """Train steps 1..`steps`; `until(step, loss)` (the step's loss, the mean over the ranks
+        on the DDP path as under ffctl) ends the job after that step when true."""
+        for step in range(1, steps + 1):
+            loss = float(step_fn(PlainStepContext(step, self)))
+            self.last_committed = step
+            if until is not None:
+                if self._ddp:
+                    total = torch.tensor([loss], dtype=torch.float64)
+                    self.allreduce(total)
+                    loss = float(total.item()) / self.env.world_size
+                flag = torch.tensor([1.0 if until(step, loss) else 0.0])
+                if self.env.world_size > 1:
+                    self.allreduce(flag)  # one rank's "stop" stops every rank at the same step
+                if flag.item() > 0:
+                    return
