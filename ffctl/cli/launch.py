@@ -143,6 +143,8 @@ def register(app: typer.Typer) -> None:
         if dry_run:
             render_plan(list(plan.lines), console)
             return EXIT_OK
+        for warning in plan.warnings:  # said before the job starts, where CI logs keep it
+            typer.echo(f"ffctl launch: warning: {warning}", err=True)
         with LiveView(console) as view, _echo(plan, console):
             status, record = execute(plan, view)
         render_report(compute(record.run_id, record.events()).to_dict(), console)

@@ -8,6 +8,8 @@ the controller runs over the backend, and the backend cleans up however the run 
 """
 from __future__ import annotations
 
+import os
+
 import platform
 import shlex
 import signal
@@ -23,6 +25,7 @@ from fault_injectors.transport import LocalTransport
 from ffctl import __version__
 from ffctl.controller.backend import NodeBackend
 from ffctl.errors import BadInput
+from ffctl.launch.timeouts import findings, read_timeouts
 from ffctl.controller.injector import chaos_faults, plan_fault
 from ffctl.spec import LaunchSpec, SpecError
 from runs import shm
@@ -42,6 +45,8 @@ class LaunchPlan:
     spec: LaunchSpec
     run_id: str
     lines: tuple[str, ...]
+    # Timeouts in an order that defeats recovery, or detection over a minute (launch.timeouts).
+    warnings: tuple[str, ...] = ()
 
 
 def _static_topology(spec: LaunchSpec, run_id: str, hosts: list[str] | None = None) -> Topology:
@@ -91,12 +96,14 @@ def plan_launch(spec: LaunchSpec) -> LaunchPlan:
     # A script trains its own steps: --steps is the built-in GPT's, no total of the script's.
     steps = "the script's own steps" if spec.script else f"{spec.steps} steps"
     recovery = spec.recovery
+    plain = False
     if spec.script:
         # What the controller will do: a plain script gets torchrun's group restart, whatever
         # --recovery says (imported here: the controller module brings torch with it).
         from ffctl.controller.controller import uses_recovery_library
 
-        recovery = run_strategy(spec.recovery, not uses_recovery_library(spec.script))
+        plain = not uses_recovery_library(spec.script)
+        recovery = run_strategy(spec.recovery, plain)
     lines = [f"run {run_id}: {spec.nnodes} node(s) x {spec.nproc_per_node} rank(s), {steps}, "
              f"recovery {recovery}" + (f", checkpoint every {spec.ckpt_every}" if spec.ckpt_every else "")
              + (f", {spec.spares} warm spare(s) per node" if spec.spares else "")]
@@ -114,7 +121,26 @@ def plan_launch(spec: LaunchSpec) -> LaunchPlan:
         lines.insert(1, f"sandbox: bridge {sandbox.bridge} on {sandbox.subnet}, the controller's store on "
                         f"{sandbox.controller_address}, one network namespace per node (removed at exit)")
     lines += _fault_lines(spec, topo, probe=hosts is None)
-    return LaunchPlan(spec, run_id, tuple(lines))
+    warnings = _timeout_findings(spec, plain)
+    lines += [f"timeouts: {w}" for w in warnings]
+    return LaunchPlan(spec, run_id, tuple(lines), tuple(warnings))
+
+
+def _timeout_findings(spec: LaunchSpec, plain: bool) -> list[str]:
+    """What the launch's detection timeouts say (ffctl.launch.timeouts): the script's own
+    process-group timeout where its source shows it, the environment's NCCL settings."""
+    source = None
+    library = not plain
+    if spec.script and not spec.script[0].startswith("-"):
+        try:
+            with open(spec.script[0], "rb") as fh:
+                source = fh.read(1 << 20).decode("utf-8", errors="replace")
+        except OSError:
+            source = None
+    found = read_timeouts(heartbeat_s=spec.heartbeat_timeout, hang_s=spec.hang_min_s, script_source=source,
+                          library=library, env=os.environ, rdzv_conf=dict(spec.torchrun).get("rdzv_conf", ""))
+    return findings(found, steps_known=library or bool(spec.step_regex)
+                    or (source is not None and "report_step" in source))
 
 
 def _preview_sandbox(spec: LaunchSpec, run_id: str) -> NetnsSandbox:
