@@ -316,15 +316,14 @@ def _is_slot(name: str, run_id: str) -> bool:
     return bool(sep) and head.isdigit() and _SLOT_TAIL.fullmatch(tail) is not None
 
 
-def dead_run_dirs(root: str = SHM_ROOT, run_id: str | None = None) -> list[Path]:
-    """Run directories of ours under `root` (of `run_id` only, if given) that no live process
-    holds: what a controller or agent killed with SIGKILL left. Another user's entries, symlinks
-    and anything not made as a run directory are never listed."""
+def own_run_dirs(root: str = SHM_ROOT, run_id: str | None = None) -> list[Path]:
+    """Run directories of ours under `root` (of `run_id` only, if given), live or not. Another
+    user's entries, symlinks and anything not made as a run directory are never listed."""
     try:
         entries = sorted(Path(root).iterdir())
     except OSError:
         return []
-    dead = []
+    found = []
     for path in entries:
         rid = parse_run_dir(path.name)
         if rid is None or (run_id is not None and rid != run_id):
@@ -333,6 +332,11 @@ def dead_run_dirs(root: str = SHM_ROOT, run_id: str | None = None) -> list[Path]
             check_private_dir(path)
         except OSError:
             continue
-        if not in_use(path):
-            dead.append(path)
-    return dead
+        found.append(path)
+    return found
+
+
+def dead_run_dirs(root: str = SHM_ROOT, run_id: str | None = None) -> list[Path]:
+    """`own_run_dirs` that no live process holds: what a controller or agents killed with
+    SIGKILL left."""
+    return [path for path in own_run_dirs(root, run_id) if not in_use(path)]

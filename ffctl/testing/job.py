@@ -252,7 +252,9 @@ class Job:
             except ProcessLookupError:
                 pass
         for rid in self.run_ids:
-            for path in shm.dead_run_dirs(run_id=rid):
+            # The job's own, whatever holds them: a process killed just above may not have let
+            # go of its lock yet.
+            for path in shm.own_run_dirs(run_id=rid):
                 shm.remove_run_dir(path)
                 forced.append(f"removed {path}")
         return forced

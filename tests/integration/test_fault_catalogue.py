@@ -185,7 +185,7 @@ def scrub(cwd: Path, run_ids: list[str]) -> None:
         except psutil.NoSuchProcess:
             pass
     for run_id in run_ids:
-        for path in shm.dead_run_dirs(run_id=run_id):
+        for path in shm.own_run_dirs(run_id=run_id):  # the test's own, even if a killed process holds it
             shm.remove_run_dir(path)
         if not is_root():
             continue

@@ -127,7 +127,7 @@ def plants(tmp_path: Path) -> Iterator[Plants]:
         yield planted
     finally:
         planted.remove()
-        for path in shm.dead_run_dirs(run_id=planted.run_id):
+        for path in shm.own_run_dirs(run_id=planted.run_id):
             shm.remove_run_dir(path)
 
 
