@@ -16,6 +16,12 @@ def shm_prefix(shm_dir: str, run_id: str, node: int) -> str:
     return f"{shm_dir.rstrip('/')}/{node_prefix(run_id, node)}"
 
 
+def is_node_kill(cmd: HostCommand) -> bool:
+    """Whether `cmd` is a node kill's first command (its agent and workers SIGKILLed): a backend
+    that kills nodes its own way (a Slurm step cancel) recognises it by this."""
+    return cmd.argv[:2] == ("kill", "-KILL") and cmd.allow_fail
+
+
 def plan(spec: FaultSpec, topo: Topology, ranks: tuple[int, ...], nodes: tuple[int, ...]) -> FaultPlan:
     apply: list[HostCommand] = []
     for n in nodes:

@@ -31,6 +31,8 @@ LIBRARY_MAX_RESTARTS = 3
 # What a worker given with torchrun's --no-python runs (it replaces itself with the program).
 EXEC_MODULE = "ffctl.agent.execprog"
 SANDBOXES = ("netns",)  # --sandbox values (ffctl.launch.plan.BACKENDS has one backend each)
+# --backend values: local processes, the netns sandbox (as --sandbox netns), Slurm job steps.
+BACKEND_NAMES = ("local", "netns", "slurm")
 
 
 class SpecError(ValueError):
@@ -79,6 +81,7 @@ class LaunchSpec:
     runs_dir: Path = Path("ffctl-runs")
     script: tuple[str, ...] = ()  # user script and its args; empty = built-in GPT
     sandbox: str | None = None
+    backend: str | None = None  # --backend (None: local, --sandbox's or --hosts')
     hostfile: Path | None = None
     accept_new_host_keys: bool = False
     master_addr: str | None = None  # --master-addr: the store's address for multi-host runs
@@ -144,6 +147,10 @@ class LaunchSpec:
                 raise SpecError(f"--run-id: {exc}") from None
         if self.sandbox is not None and self.sandbox not in SANDBOXES:
             raise SpecError(f"--sandbox {_shown(self.sandbox)}: the only sandbox is {SANDBOXES[0]!r}")
+        if self.backend is not None and self.backend not in BACKEND_NAMES:
+            raise SpecError(f"--backend {_shown(self.backend)}: one of {', '.join(BACKEND_NAMES)}")
+        if self.backend == "slurm" and (self.hostfile is not None or self.sandbox is not None):
+            raise SpecError("--backend slurm runs nodes as Slurm job steps: give it without --hosts and --sandbox")
         if self.sandbox is not None and self.hostfile is not None:
             raise SpecError(f"--sandbox {self.sandbox} and --hosts {self.hostfile}: the sandbox is for nodes on this "
                             "machine; give one or the other")

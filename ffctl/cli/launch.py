@@ -62,6 +62,7 @@ def register(app: typer.Typer) -> None:
         inject: Annotated[Optional[list[str]], typer.Option("--inject", help="Scheduled fault KIND:key=value,...")] = None,
         chaos: Annotated[Optional[str], typer.Option("--chaos", help="Seeded random faults: mtbf=SECONDS,seed=N[,kinds=K1|K2][,until=S][,duration=S].")] = None,
         sandbox: Annotated[Optional[str], typer.Option("--sandbox", help="netns: each local node in its own network namespace (root), so network faults are real.")] = None,
+        backend: Annotated[Optional[str], typer.Option("--backend", help="How nodes run: local (processes here), netns (as --sandbox netns) or slurm (inside an sbatch/salloc allocation: one job step per node's agent, the allocation's extra nodes as spare nodes).")] = None,
         run_id: Annotated[Optional[str], typer.Option("--run-id", help="Run id (default: time-based).")] = None,
         runs_dir: Annotated[Path, typer.Option("--runs-dir", envvar="FFCTL_RUNS_DIR", help="Where run records go.")] = Path("ffctl-runs"),
         heartbeat_timeout: Annotated[float, typer.Option("--heartbeat-timeout", help="Node loss after this many seconds without heartbeat.")] = 1.0,
@@ -135,7 +136,8 @@ def register(app: typer.Typer) -> None:
             exit_barrier_timeout=exit_barrier_timeout,
             hostfile=hosts, accept_new_host_keys=accept_new_host_keys, master_addr=tr.master_addr,
             remote_python=remote_python, remote_runs_dir=remote_runs_dir,
-            chaos=chaos, sandbox=sandbox, keep_freed_memory=keep_freed_memory, role=tr.role, torchrun=tr.recorded,
+            chaos=chaos, sandbox=sandbox or ("netns" if backend == "netns" else None),
+            backend=backend if backend != "netns" else None, keep_freed_memory=keep_freed_memory, role=tr.role, torchrun=tr.recorded,
             step_regex=step_regex,
         )
         plan = plan_launch(spec)

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from ffctl.launch.sandbox import NetnsSandbox
 
 SANDBOX_NETNS = "netns"
+SLURM = "slurm"
 CHAOS_PREVIEW = 5  # chaos faults `--dry-run` lists
 
 
@@ -89,7 +90,15 @@ def plan_launch(spec: LaunchSpec) -> LaunchPlan:
         raise BadInput(str(exc)) from None
     if (spec.runs_dir / run_id).exists():
         raise BadInput(f"run id {run_id!r} already exists in {str(spec.runs_dir)!r}")
-    topo = _static_topology(spec, run_id, hosts)
+    slurm_hosts: list[str] | None = None
+    if spec.backend == SLURM:
+        from ffctl.launch.slurm import plan_hosts
+
+        slurm_hosts = plan_hosts(spec)  # outside an allocation: one line, exit 2
+    topo = _static_topology(spec, run_id, hosts or slurm_hosts)
+    if slurm_hosts:
+        # The record is on a filesystem the allocation's nodes share, as it is here.
+        topo = replace(topo, record_dir=_record_dir(spec, run_id, False))
     sandbox = _preview_sandbox(spec, run_id) if spec.sandbox is not None else None
     if sandbox is not None:
         topo = _sandbox_topology(spec, run_id, sandbox)
@@ -112,6 +121,8 @@ def plan_launch(spec: LaunchSpec) -> LaunchPlan:
         ranks = [r for r in range(spec.world_size) if r // spec.nproc_per_node == n]
         where = f"`{spec.remote_python} -m ffctl.agent.agent` over SSH on {hosts[n]}" if hosts else \
             f"`{sys.executable} -m ffctl.agent.agent` on localhost"
+        if slurm_hosts:
+            where = f"`{sys.executable} -m ffctl.agent` as a step (srun --overlap) on Slurm node {slurm_hosts[n]}"
         if sandbox is not None:
             place = topo.node(n)
             where = (f"`ip netns exec {place.netns} {sys.executable} -m ffctl.agent.agent` on localhost "
@@ -120,7 +131,7 @@ def plan_launch(spec: LaunchSpec) -> LaunchPlan:
     if sandbox is not None:
         lines.insert(1, f"sandbox: bridge {sandbox.bridge} on {sandbox.subnet}, the controller's store on "
                         f"{sandbox.controller_address}, one network namespace per node (removed at exit)")
-    lines += _fault_lines(spec, topo, probe=hosts is None)
+    lines += _fault_lines(spec, topo, probe=hosts is None and slurm_hosts is None)
     warnings = _timeout_findings(spec, plain)
     lines += [f"timeouts: {w}" for w in warnings]
     return LaunchPlan(spec, run_id, tuple(lines), tuple(warnings))
@@ -211,7 +222,7 @@ def run_info(plan: LaunchPlan) -> dict[str, Any]:
         "spec": {"nnodes": spec.nnodes, "nproc_per_node": spec.nproc_per_node, "steps": spec.steps,
                  "seed": spec.seed, "model": spec.model, "recovery": spec.recovery, "ckpt_every": spec.ckpt_every,
                  "spares": spec.spares, "injects": [str(f) for f in spec.injects], "script": list(spec.script),
-                 "sandbox": spec.sandbox, "chaos": spec.chaos, "max_restarts": spec.max_restarts,
+                 "sandbox": spec.sandbox, "backend": backend_name(spec), "chaos": spec.chaos, "max_restarts": spec.max_restarts,
                  "role": spec.role, "torchrun": dict(spec.torchrun)},
         "hosts": ["localhost"] * spec.nnodes,
         "versions": {"ffctl": __version__, "torch": torch.__version__, "python": platform.python_version()},
@@ -243,6 +254,12 @@ def _netns(spec: LaunchSpec, run_id: str) -> LaunchBackend:
     return SandboxNodes.for_launch(spec, run_id)
 
 
+def _slurm(spec: LaunchSpec, run_id: str) -> LaunchBackend:
+    from ffctl.launch.slurm import SlurmNodes
+
+    return SlurmNodes.for_launch(spec, run_id)
+
+
 def _ssh(spec: LaunchSpec, run_id: str) -> LaunchBackend:
     from ffctl.hosts.ssh.nodes import SSHNodes  # paramiko: imported only for a run over SSH
 
@@ -250,12 +267,15 @@ def _ssh(spec: LaunchSpec, run_id: str) -> LaunchBackend:
 
 
 # Each way of running nodes, by name; a new one (srun, Kubernetes) is one module and one line.
-BACKENDS: dict[str, Callable[[LaunchSpec, str], LaunchBackend]] = {"local": _local, SANDBOX_NETNS: _netns, "ssh": _ssh}
+BACKENDS: dict[str, Callable[[LaunchSpec, str], LaunchBackend]] = {"local": _local, SANDBOX_NETNS: _netns, "ssh": _ssh,
+                                                                   SLURM: _slurm}
 
 
 def backend_name(spec: LaunchSpec) -> str:
     if spec.hostfile is not None:
         return "ssh"
+    if spec.backend == SLURM:
+        return SLURM
     return spec.sandbox or "local"
 
 

@@ -74,4 +74,4 @@ def test_sandbox_and_hosts_together_refused(tmp_path: Path) -> None:
 
 def test_every_family_has_a_planner_and_every_way_a_backend() -> None:
     assert set(PLANNERS) == set(FaultFamily)
-    assert set(BACKENDS) == {"local", "netns", "ssh"}
+    assert set(BACKENDS) == {"local", "netns", "ssh", "slurm"}

@@ -1,0 +1,513 @@
+"""The Slurm node backend: inside an allocation, one agent per node as its own job step.
+
+`ffctl launch --backend slurm` runs in the batch step of an `sbatch` job (or under `salloc`). The
+allocation's nodes come from ``scontrol show hostnames $SLURM_JOB_NODELIST`` (or, on a host
+without the Slurm client, from `expand_nodelist`, a parser of the node-list syntax): the first
+``--nnodes`` of them run the job's nodes, the rest are held as spare nodes. Node N's agent is one
+step, ``srun --jobid J --nodes 1 --ntasks 1 --nodelist HOST --overlap --kill-on-bad-exit ...
+python -m ffctl.agent``; its `AgentConfig` (job token included) is the first line of the step's
+stdin, which srun forwards to the task, never a command line or the step's environment. The
+step's stdin stays open for the agent's lifetime: when the controller stops it, is interrupted or
+dies, srun's stdin closes, the agent sees it and shuts its workers down, and the step ends.
+
+A node fault on a Slurm node is the Slurm way: `kill-node` cancels the node's agent step
+(``scancel --signal=KILL J.S``; scancel may print an error for a step yet kill it, so the step's
+end is what is checked), Slurm kills every process of the step, and the controller starts the
+node again on a spare node of the allocation while one is left (the record's ``slurm`` field
+names which Slurm node runs which node, each time it changes). Every other fault's command runs
+on its node as a step of its own (``srun --overlap ... ARGV``). Every step the launch started
+is cancelled when it ends, however it ends.
+
+The run record, the agents' logs and the working directory must be on a filesystem every node
+of the allocation mounts (as a Slurm job's submit directory usually is): agents write their logs
+straight into the record. Nothing here is needed outside this module.
+"""
+from __future__ import annotations
+
+import ipaddress
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import IO, Any, Callable, Mapping, Sequence
+
+from fault_injectors.node import is_node_kill
+from fault_injectors.plan import HostCommand
+from fault_injectors.revert import SHM_SWEEP
+from fault_injectors.transport import CommandResult, LocalTransport, Transport
+from ffctl.agent.agent import AgentConfig
+from ffctl.errors import BadInput, InfraError
+from ffctl.spec import LaunchSpec
+from runs.shm import SHM_ROOT
+from runs.store import RunStore
+
+BACKEND = "slurm"
+JOB_ID_ENV = "SLURM_JOB_ID"
+NODELIST_ENV = "SLURM_JOB_NODELIST"
+NODENAME_ENV = "SLURMD_NODENAME"  # the node a step (the batch step included) runs on
+COMMAND_TIMEOUT_S = 30.0
+# How long a cancelled step may take to end before the launch says it could not stop it.
+STEP_END_S = 15.0
+
+Runner = Callable[..., "subprocess.CompletedProcess[str]"]
+
+
+# --------------------------------------------------------------------------------------------
+# the allocation's nodes
+
+
+def _split_top(text: str) -> list[str]:
+    """`text` split at the commas outside brackets (``n[1-3,5],m7`` -> ``n[1-3,5]``, ``m7``)."""
+    parts: list[str] = []
+    depth, start = 0, 0
+    for i, ch in enumerate(text):
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+            if depth < 0:
+                raise ValueError(f"unbalanced ']' in {text!r}")
+        elif ch == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    if depth:
+        raise ValueError(f"unbalanced '[' in {text!r}")
+    parts.append(text[start:])
+    return [p for p in (p.strip() for p in parts) if p]
+
+
+def _expand_range(body: str, whole: str) -> list[str]:
+    """``1-3,05,7-8`` -> ``1 2 3 05 7 8``, keeping each range's zero padding as Slurm does."""
+    out: list[str] = []
+    for item in body.split(","):
+        item = item.strip()
+        lo, sep, hi = item.partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise ValueError(f"bad range {item!r} in {whole!r}")
+        if not sep:
+            out.append(lo)
+            continue
+        if int(hi) < int(lo):
+            raise ValueError(f"range {item!r} runs backwards in {whole!r}")
+        width = len(lo) if lo.startswith("0") else 0
+        out.extend(str(v).zfill(width) for v in range(int(lo), int(hi) + 1))
+    return out
+
+
+def _expand_one(item: str, whole: str) -> list[str]:
+    """One host expression, each bracket group a range: ``r[1-2]n[1-2]`` is four hosts."""
+    m = re.search(r"\[([^\[\]]*)\]", item)
+    if m is None:
+        if "[" in item or "]" in item:
+            raise ValueError(f"unbalanced brackets in {whole!r}")
+        return [item]
+    head, tail = item[: m.start()], item[m.end():]
+    return [f"{head}{v}{rest}" for v in _expand_range(m.group(1), whole) for rest in _expand_one(tail, whole)]
+
+
+def expand_nodelist(text: str) -> list[str]:
+    """Slurm's node-list syntax as host names in order: ``n[1-3,5],m7`` -> n1 n2 n3 n5 m7.
+
+    The fallback for hosts without ``scontrol``; raises ValueError on text it cannot read."""
+    hosts: list[str] = []
+    for item in _split_top(text.strip()):
+        for host in _expand_one(item, text):
+            if host not in hosts:
+                hosts.append(host)
+    return hosts
+
+
+def allocation(env: Mapping[str, str], run: Runner = subprocess.run) -> tuple[str, list[str]]:
+    """(job id, the allocation's node names) from the Slurm environment; BadInput outside one."""
+    job = env.get(JOB_ID_ENV, "").strip()
+    nodelist = env.get(NODELIST_ENV, "").strip()
+    if not job or not nodelist:
+        raise BadInput("--backend slurm: not inside a Slurm allocation (no SLURM_JOB_ID and SLURM_JOB_NODELIST); "
+                       "run it from an sbatch script or under salloc")
+    try:
+        out = run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
+                  timeout=COMMAND_TIMEOUT_S, check=False)
+        names = out.stdout.split() if out.returncode == 0 else []
+    except (OSError, subprocess.TimeoutExpired):
+        names = []  # no Slurm client on this host: the node list read here
+    if not names:
+        try:
+            names = expand_nodelist(nodelist)
+        except ValueError as exc:
+            raise BadInput(f"{NODELIST_ENV}={nodelist}: {exc}") from None
+    if not names:
+        raise BadInput(f"{NODELIST_ENV}={nodelist}: no nodes")
+    return job, names
+
+
+def split_nodes(spec: LaunchSpec, names: Sequence[str]) -> tuple[list[str], list[str]]:
+    """(the job's nodes, the spare nodes): the first `spec.nnodes` names, and the rest."""
+    if len(names) < spec.nnodes:
+        raise BadInput(f"--nnodes {spec.nnodes}: the Slurm allocation has {len(names)} node(s) "
+                       f"({', '.join(names)})")
+    return list(names[: spec.nnodes]), list(names[spec.nnodes:])
+
+
+def plan_hosts(spec: LaunchSpec, env: Mapping[str, str] | None = None) -> list[str]:
+    """The Slurm nodes a launch would run its nodes on (the plan and `--dry-run` show them)."""
+    _, names = allocation(os.environ if env is None else env)
+    return split_nodes(spec, names)[0]
+
+
+# --------------------------------------------------------------------------------------------
+# commands
+
+
+def step_argv(job: str, host: str, name: str, argv: Sequence[str]) -> list[str]:
+    """`argv` as a one-task step of job `job` on `host`, sharing the allocation's resources with
+    the batch step and the other steps (``--overlap``); a task that fails ends its step."""
+    return ["srun", f"--jobid={job}", "--nodes=1", "--ntasks=1", f"--nodelist={host}", "--overlap",
+            "--kill-on-bad-exit=1", "--cpu-bind=none", f"--job-name={name}", "--quiet", *argv]
+
+
+def agent_argv(job: str, host: str, name: str, python: str = sys.executable) -> list[str]:
+    """The step that runs a node's agent (its config is the first line of the step's stdin)."""
+    return step_argv(job, host, name, [python, "-m", "ffctl.agent"])
+
+
+def cancel_argv(step: str, signal: str | None = None) -> list[str]:
+    """``scancel [--signal=SIG] JOB.STEP``."""
+    return ["scancel", *([f"--signal={signal}"] if signal else []), step]
+
+
+def node_address(host: str, run: Runner = subprocess.run) -> str:
+    """The address Slurm reaches `host` on (its NodeAddr), as an IP address."""
+    addr = host
+    try:
+        out = run(["scontrol", "show", "node", host, "--oneliner"], capture_output=True, text=True,
+                  timeout=COMMAND_TIMEOUT_S, check=False)
+        m = re.search(r"\bNodeAddr=(\S+)", out.stdout)
+        if m:
+            addr = m.group(1)
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    try:
+        return str(ipaddress.ip_address(addr))
+    except ValueError:
+        pass
+    try:
+        return str(socket.getaddrinfo(addr, None, socket.AF_INET)[0][4][0])
+    except (OSError, IndexError):
+        raise InfraError(f"Slurm node {host}: cannot resolve its address {addr!r}") from None
+
+
+def _bindable(address: str) -> bool:
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET) as sock:
+            sock.bind((address, 0))
+        return True
+    except OSError:
+        return False
+
+
+def interface_of(address: str, ip_addr_output: str) -> str | None:
+    """The interface `ip -o addr show` lists `address` on."""
+    for line in ip_addr_output.splitlines():
+        words = line.split()
+        if len(words) >= 4 and words[2] in ("inet", "inet6") and words[3].split("/", 1)[0] == address:
+            return words[1].rstrip(":").split("@", 1)[0]
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# steps
+
+
+class SlurmStep:
+    """The controller's handle on one agent step: the local `srun` and the step it made."""
+
+    pid = 0  # the agent's pid on its node is not known here (it reports it itself)
+
+    def __init__(self, proc: subprocess.Popen[bytes], job: str, name: str, host: str, log: IO[bytes],
+                 run: Runner = subprocess.run) -> None:
+        self.proc = proc
+        self.job = job
+        self.name = name
+        self.host = host
+        self._log = log
+        self._run = run
+        self._step: str | None = None
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    def step_id(self, wait_s: float = 5.0) -> str | None:
+        """``JOB.STEP`` of this step, found by its unique name in ``squeue --steps``."""
+        deadline = time.monotonic() + wait_s
+        while self._step is None:
+            try:
+                out = self._run(["squeue", "--steps", f"--jobs={self.job}", "--noheader", "--format=%i %j"],
+                                capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S, check=False)
+                for line in out.stdout.splitlines():
+                    words = line.split()
+                    if len(words) == 2 and words[1] == self.name:
+                        self._step = words[0]
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+            if self._step is not None or time.monotonic() >= deadline or self.proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        return self._step
+
+    def cancel(self, signal: str = "KILL", timeout: float = STEP_END_S) -> bool:
+        """Cancel the step (and with it every process of it) and wait for its end; True when it
+        ended. scancel may print an error for a step it did kill, so the end is what counts."""
+        step = self.step_id()
+        if step is not None and self.proc.poll() is None:
+            try:
+                self._run(cancel_argv(step, signal), capture_output=True, text=True,
+                          timeout=COMMAND_TIMEOUT_S, check=False)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
+
+    def stop(self, timeout: float) -> None:
+        """Close the agent's stdin (it stops its workers and exits), then cancel the step if it
+        has not ended within `timeout`; idempotent."""
+        try:
+            if self.proc.stdin is not None:
+                self.proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            if not self.cancel("KILL", timeout):
+                self.proc.kill()  # srun itself; Slurm ends the step when the job does
+                self.proc.wait(timeout=timeout)
+        self._log.close()
+
+
+class SlurmTransport:
+    """A fault's command on a Slurm node: a one-task step of its own there."""
+
+    def __init__(self, job: str, host: str, name: str) -> None:
+        self.host = host
+        self.job = job
+        self.name = name
+
+    def run(self, argv: Sequence[str], *, timeout: float, input: str | None = None) -> CommandResult:
+        full = step_argv(self.job, self.host, self.name, argv)
+        try:
+            proc = subprocess.run(full, input=input, capture_output=True, text=True, timeout=timeout, check=False)
+        except FileNotFoundError:
+            return CommandResult(tuple(argv), 127, "", "srun: command not found")
+        except subprocess.TimeoutExpired:
+            return CommandResult(tuple(argv), 124, "", f"timed out after {timeout:g}s")
+        return CommandResult(tuple(argv), proc.returncode, proc.stdout, proc.stderr)
+
+    def spawn_detached(self, argv: Sequence[str], *, timeout: float) -> None:
+        # A step's processes end with the step: the command is started as a step of its own that
+        # lasts as long as the command (the job's end ends it too).
+        subprocess.Popen(step_argv(self.job, self.host, self.name, argv), stdin=subprocess.DEVNULL,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+class StepKill:
+    """kill-node on a Slurm node: its agent step cancelled with SIGKILL, which Slurm delivers to
+    every process of the step (the agent, its ranks and spares)."""
+
+    def __init__(self, step: SlurmStep) -> None:
+        self.host = step.host
+        self.step = step
+
+    def run(self, argv: Sequence[str], *, timeout: float, input: str | None = None) -> CommandResult:
+        ended = self.step.cancel("KILL", min(timeout, STEP_END_S))
+        shown = tuple(cancel_argv(self.step.step_id(0.0) or f"{self.step.job}.?", "KILL"))
+        return CommandResult(shown, 0 if ended else 1, "", "" if ended else "the step did not end")
+
+    def spawn_detached(self, argv: Sequence[str], *, timeout: float) -> None:
+        raise OSError("a step cancel is not detached")
+
+
+# --------------------------------------------------------------------------------------------
+# the backend
+
+
+@dataclass
+class _Slot:
+    """Which Slurm node runs a node now, and its step."""
+
+    host: str
+    step: SlurmStep | None = None
+
+
+class SlurmNodes:
+    """The node backend of `ffctl launch --backend slurm` (see the module docstring)."""
+
+    run_dir: str | None = None  # the record is on a filesystem every node mounts
+
+    def __init__(self, job: str, hosts: Sequence[str], spares: Sequence[str], run_id: str,
+                 master_addr: str | None = None, run: Runner = subprocess.run,
+                 popen: Callable[..., subprocess.Popen[bytes]] = subprocess.Popen) -> None:
+        self.job = job
+        self.run_id = run_id
+        self._slots = [_Slot(h) for h in hosts]
+        self.spare_hosts = list(spares)
+        self.failed_hosts: list[str] = []
+        self._master_addr = master_addr
+        self._run = run
+        self._popen = popen
+        self._addresses: dict[str, str] = {}
+        self._interfaces: dict[str, str] = {}
+        self._steps: list[SlurmStep] = []  # every step started, to cancel at the end
+        self._starts: dict[int, int] = {}
+        self._lock = threading.Lock()
+        self.log_dir: Path | None = None
+        self._record: RunStore | None = None
+
+    @classmethod
+    def for_launch(cls, spec: LaunchSpec, run_id: str, env: Mapping[str, str] | None = None) -> SlurmNodes:
+        job, names = allocation(os.environ if env is None else env)
+        hosts, spares = split_nodes(spec, names)
+        return cls(job, hosts, spares, run_id, spec.master_addr)
+
+    # -- the launch's lifecycle -----------------------------------------------------------------
+    def prepare(self) -> str:
+        """Every node's address (and interface), and the address of this node the controller's
+        store listens on: ``--master-addr``, else the address of the node this runs on."""
+        for host in [s.host for s in self._slots] + self.spare_hosts:
+            self._addresses[host] = node_address(host, self._run)
+        for host in [s.host for s in self._slots] + self.spare_hosts:
+            self._interfaces[host] = self._probe_interface(host)
+        if self._master_addr:
+            return self._master_addr
+        here = os.environ.get(NODENAME_ENV, "")
+        candidates = [node_address(here, self._run)] if here else []
+        candidates += [a for a in self._addresses.values() if ipaddress.ip_address(a).is_loopback]
+        for addr in candidates:
+            if _bindable(addr):
+                return addr
+        raise InfraError(f"cannot tell which address of this host ({here or socket.gethostname()}) the Slurm "
+                         "nodes reach; give --master-addr")
+
+    def _probe_interface(self, host: str) -> str:
+        addr = self._addresses[host]
+        if ipaddress.ip_address(addr).is_loopback:
+            return "lo"
+        out = SlurmTransport(self.job, host, f"ffctl-{self.run_id}-probe").run(["ip", "-o", "addr", "show"],
+                                                                             timeout=COMMAND_TIMEOUT_S)
+        iface = interface_of(addr, out.stdout) if out.ok else None
+        if iface is None:
+            raise InfraError(f"Slurm node {host}: cannot tell the interface of its address {addr} "
+                             f"({out.describe()})")
+        return iface
+
+    def attach(self, record: RunStore) -> None:
+        self.log_dir = record.path / "logs"
+        self._record = record
+        self._note()
+
+    def release(self, record: RunStore | None) -> None:
+        """Cancel every step this launch started that has not ended (the controller stopped the
+        agents already when it could)."""
+        for step in self._steps:
+            if step.poll() is None:
+                step.cancel("KILL", STEP_END_S)
+        if record is not None:
+            self._note()
+
+    def _note(self) -> None:
+        """The record's ``slurm`` field: the job, which Slurm node runs which node, spares left."""
+        if self._record is None:
+            return
+        self._record.update_run_info(slurm={
+            "job_id": self.job, "nodes": [s.host for s in self._slots], "spare_nodes": list(self.spare_hosts),
+            "failed_nodes": list(self.failed_hosts),
+            "steps": [{"name": s.name, "host": s.host, "step": s._step} for s in self._steps],
+        })
+
+    # -- NodeBackend ----------------------------------------------------------------------------
+    def host(self, node: int) -> str:
+        return self._slots[node].host
+
+    def address(self, node: int) -> str:
+        return self._addresses.get(self.host(node), "127.0.0.1")
+
+    def interface(self, node: int) -> str | None:
+        return self._interfaces.get(self.host(node))
+
+    def netns(self, node: int) -> str | None:
+        return None
+
+    def has_gpu(self) -> bool:
+        return False  # the nodes' devices are not probed: GPU faults run emulated
+
+    def clock_offset(self, node: int) -> float | None:
+        return None  # the agents' own reports say it
+
+    def start(self, cfg: AgentConfig) -> SlurmStep:
+        """Node `cfg.node`'s agent as a step. A node whose earlier step was ended (a node fault)
+        moves to a spare node while the allocation has one."""
+        if self.log_dir is None:
+            raise RuntimeError("SlurmNodes.start before attach(): no log directory")
+        slot = self._slots[cfg.node]
+        with self._lock:
+            if slot.step is not None and slot.step.poll() is not None and self.spare_hosts:
+                self.failed_hosts.append(slot.host)
+                slot.host = self.spare_hosts.pop(0)
+            n = self._starts[cfg.node] = self._starts.get(cfg.node, 0) + 1
+        # Where the agent listens is where its node is now (a spare node has its own address).
+        if cfg.address != self.address(cfg.node) or cfg.worker_env.get("GLOO_SOCKET_IFNAME") != self.interface(cfg.node):
+            env = dict(cfg.worker_env)
+            env["GLOO_SOCKET_IFNAME"] = self.interface(cfg.node) or "lo"
+            cfg = replace(cfg, address=self.address(cfg.node), worker_env=env)
+        name = f"ffctl-{self.run_id}-node{cfg.node}-{n}"
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_dir / f"agent-{cfg.node}.log", "ab")
+        try:
+            proc = self._popen(agent_argv(self.job, slot.host, name, cfg.python), stdin=subprocess.PIPE,
+                               stdout=log, stderr=log, cwd=cfg.cwd or None,
+                               # Own session: a Ctrl-C reaches the controller only, which stops
+                               # the agents in order (srun would cancel its step on it).
+                               start_new_session=True)
+            assert proc.stdin is not None
+            proc.stdin.write((cfg.to_json() + "\n").encode())
+            proc.stdin.flush()
+        except OSError as exc:
+            log.close()
+            raise InfraError(f"cannot start node {cfg.node}'s agent on Slurm node {slot.host}: {exc}") from None
+        step = SlurmStep(proc, self.job, name, slot.host, log, self._run)
+        slot.step = step
+        self._steps.append(step)
+        self._note()
+        return step
+
+    # -- faults ---------------------------------------------------------------------------------
+    def transport_for(self, cmd: HostCommand) -> Transport:
+        """A kill-node cancels the node's agent step; any other command runs on its Slurm node as
+        a step of its own; a host that is not one of the allocation's is this machine."""
+        hosts = {s.host for s in self._slots} | set(self.spare_hosts) | set(self.failed_hosts)
+        if cmd.host not in hosts:
+            return LocalTransport(cmd.host, cmd.netns)
+        if 0 <= cmd.node < len(self._slots):
+            slot = self._slots[cmd.node]
+            if is_node_kill(cmd) and slot.host == cmd.host and slot.step is not None:
+                return StepKill(slot.step)
+        return SlurmTransport(self.job, cmd.host, f"ffctl-{self.run_id}-fault")
+
+    def sweep(self, run_id: str, nodes: Sequence[int]) -> None:
+        """The run's shared memory no live process holds, removed on every node it used (an
+        agent killed with its step could not remove its own)."""
+        for host in dict.fromkeys([s.host for s in self._slots] + self.failed_hosts):
+            SlurmTransport(self.job, host, f"ffctl-{run_id}-sweep").run(
+                ["sh", "-c", SHM_SWEEP, "sh", SHM_ROOT, run_id], timeout=COMMAND_TIMEOUT_S)
+
+    def describe(self) -> dict[str, Any]:
+        return {"slurm": {"job_id": self.job, "nodes": [s.host for s in self._slots],
+                          "spare_nodes": list(self.spare_hosts)}}
+

@@ -1,0 +1,180 @@
+"""The Slurm node backend's logic with fake `srun`, `scontrol`, `squeue` and `scancel` on PATH:
+the node-list parser, the allocation read from the environment, the step argv, the config on the
+step's stdin, spare nodes taking over a killed node, and every step stopped at the end."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fault_injectors.plan import HostCommand
+from ffctl.agent.agent import AgentConfig
+from ffctl.errors import BadInput
+from ffctl.launch.slurm import (
+    SlurmNodes,
+    SlurmTransport,
+    StepKill,
+    agent_argv,
+    allocation,
+    expand_nodelist,
+    split_nodes,
+)
+from ffctl.spec import LaunchSpec
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("text, hosts", [
+    ("n1", ["n1"]),
+    ("n[1-3,5],m7", ["n1", "n2", "n3", "n5", "m7"]),
+    ("gpu[08-11]", ["gpu08", "gpu09", "gpu10", "gpu11"]),
+    ("r[1-2]n[1-2]", ["r1n1", "r1n2", "r2n1", "r2n2"]),
+    ("a,b[2],c-x[3-4]", ["a", "b2", "c-x3", "c-x4"]),
+    (" n[1-2] , n2 ", ["n1", "n2"]),
+])
+def test_nodelist_parser(text: str, hosts: list[str]) -> None:
+    assert expand_nodelist(text) == hosts
+
+
+@pytest.mark.parametrize("text", ["n[1-3", "n1-3]", "n[a-b]", "n[3-1]", "n[1-]"])
+def test_nodelist_parser_refuses_what_it_cannot_read(text: str) -> None:
+    with pytest.raises(ValueError):
+        expand_nodelist(text)
+
+
+def _fake(bin_dir: Path, name: str, body: str) -> None:
+    bin_dir.mkdir(exist_ok=True)
+    path = bin_dir / name
+    path.write_text("#!/bin/sh\n" + body)
+    path.chmod(0o755)
+
+
+@pytest.fixture()
+def fakes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A PATH whose Slurm commands are shell scripts that record their argv (one word a line)
+    in tmp_path/calls/<tool>-<n>; srun also keeps its stdin and waits for it to close (or for
+    scancel, which kills it through its pid file)."""
+    bin_dir = tmp_path / "bin"
+    calls = tmp_path / "calls"
+    calls.mkdir()
+    record = f'f=$(mktemp "{calls}/$(basename "$0")-XXXXXX"); for a in "$@"; do printf "%s\\n" "$a" >> "$f"; done\n'
+    _fake(bin_dir, "scontrol", record + 'case "$2" in hostnames) echo n1; echo n2; echo n3 ;; '
+                                        'node) echo "NodeName=$3 Arch=x86_64 NodeAddr=127.0.0.1 NodeHostName=$3" ;; esac\n')
+    # srun: the step's name, its stdin and its pid, then wait for EOF; a fault's command is run.
+    _fake(bin_dir, "srun", record + f'''name=""; for a in "$@"; do case "$a" in --job-name=*) name="${{a#--job-name=}}" ;; esac; done
+case "$name" in
+  *-node*) echo $$ > "{calls}/pid-$name"; cat > "{calls}/stdin-$name" ;;
+  *) shift 9; "$@" ;;
+esac
+''')
+    _fake(bin_dir, "squeue", f'for f in "{calls}"/pid-*; do [ -e "$f" ] || continue; n=$(basename "$f"); '
+                             f'n=${{n#pid-}}; echo "7.$(cat "$f") $n"; done\n')
+    _fake(bin_dir, "scancel", record + f'''for f in "{calls}"/pid-*; do
+  [ -e "$f" ] || continue; p=$(cat "$f"); case "$2" in "7.$p") kill -9 "$p"; rm -f "$f" ;; esac
+done
+echo "scancel: error: Kill job error on job id 7.x: Invalid job id specified" >&2
+''')
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    return calls
+
+
+def _calls(calls: Path, tool: str) -> list[list[str]]:
+    return [p.read_text().splitlines() for p in sorted(calls.glob(f"{tool}-*"), key=lambda p: p.stat().st_mtime_ns)]
+
+
+def test_allocation_from_scontrol_or_the_parser(fakes: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    env = {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[1-3]"}
+    assert allocation(env) == ("7", ["n1", "n2", "n3"])
+    assert _calls(fakes, "scontrol") == [["show", "hostnames", "n[1-3]"]]
+    # A host without the Slurm client: the node list is read here.
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert allocation({"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "a[1-2],b"}) == ("7", ["a1", "a2", "b"])
+
+
+def test_outside_an_allocation_is_refused_in_one_line() -> None:
+    with pytest.raises(BadInput, match="not inside a Slurm allocation"):
+        allocation({})
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    out = subprocess.run([sys.executable, "-m", "ffctl", "launch", "--backend", "slurm", "--dry-run"], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1 and "not inside a Slurm allocation" in out.stderr
+
+
+def test_extra_nodes_are_spares_and_too_few_is_bad_input() -> None:
+    assert split_nodes(LaunchSpec(nnodes=2), ["n1", "n2", "n3"]) == (["n1", "n2"], ["n3"])
+    with pytest.raises(BadInput, match="has 1 node"):
+        split_nodes(LaunchSpec(nnodes=2), ["n1"])
+
+
+def test_agent_argv_is_one_word_per_argument() -> None:
+    argv = agent_argv("7", "n 2;rm", "ffctl-r-node0-1", "/opt/my python/bin/python")
+    assert argv == ["srun", "--jobid=7", "--nodes=1", "--ntasks=1", "--nodelist=n 2;rm", "--overlap",
+                    "--kill-on-bad-exit=1", "--cpu-bind=none", "--job-name=ffctl-r-node0-1", "--quiet",
+                    "/opt/my python/bin/python", "-m", "ffctl.agent"]
+
+
+def _cfg(node: int, tmp: Path) -> AgentConfig:
+    return AgentConfig(run_id="r1", node=node, nnodes=2, store_host="127.0.0.1", store_port=1, address="127.0.0.1",
+                       token="secret-token", log_dir=str(tmp / "logs" / str(node)), worker_argv=("-m", "x"),
+                       worker_env={"GLOO_SOCKET_IFNAME": "lo"}, cwd=str(tmp))
+
+
+def _wait(pred: object, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():  # type: ignore[operator]
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _nodes(tmp: Path) -> SlurmNodes:
+    nodes = SlurmNodes.for_launch(LaunchSpec(nnodes=2), "r1", {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[1-3]"})
+    nodes.prepare()
+    nodes.log_dir = tmp / "logs"
+    return nodes
+
+
+def test_agents_are_steps_with_their_config_on_stdin_and_stop_when_it_closes(fakes: Path, tmp_path: Path) -> None:
+    nodes = _nodes(tmp_path)
+    assert [nodes.host(n) for n in range(2)] == ["n1", "n2"] and nodes.spare_hosts == ["n3"]
+    steps = [nodes.start(_cfg(n, tmp_path)) for n in range(2)]
+    assert _wait(lambda: all((fakes / f"stdin-ffctl-r1-node{n}-1").exists() for n in range(2)))
+    srun = [c for c in _calls(fakes, "srun")]
+    assert ["--jobid=7", "--nodes=1", "--ntasks=1", "--nodelist=n1", "--overlap"] == srun[0][:5]
+    assert srun[0][-2:] == ["-m", "ffctl.agent"] and not any("secret-token" in a for c in srun for a in c)
+    for s in steps:
+        s.stop(timeout=10.0)
+        assert s.poll() == 0
+    cfg = json.loads((fakes / "stdin-ffctl-r1-node1-1").read_text())
+    assert cfg["node"] == 1 and cfg["token"] == "secret-token"
+    nodes.release(None)
+    assert _calls(fakes, "scancel") == []  # nothing left to cancel
+
+
+def test_kill_node_cancels_its_step_and_a_spare_node_takes_over(fakes: Path, tmp_path: Path) -> None:
+    nodes = _nodes(tmp_path)
+    steps = [nodes.start(_cfg(n, tmp_path)) for n in range(2)]
+    assert _wait(lambda: (fakes / "pid-ffctl-r1-node1-1").exists())
+    kill = HostCommand(1, "n2", ("kill", "-KILL", "123", "456"), None, allow_fail=True)
+    transport = nodes.transport_for(kill)
+    assert isinstance(transport, StepKill)
+    result = transport.run(kill.argv, timeout=10.0)
+    assert result.ok and steps[1].poll() is not None
+    assert _calls(fakes, "scancel")[-1][0] == "--signal=KILL"
+    # Any other command runs on the node as a step of its own.
+    other = nodes.transport_for(HostCommand(1, "n2", ("true",)))
+    assert isinstance(other, SlurmTransport) and other.run(["true"], timeout=10.0).ok
+    again = nodes.start(_cfg(1, tmp_path))
+    assert nodes.host(1) == "n3" and nodes.failed_hosts == ["n2"] and nodes.spare_hosts == []
+    # release() cancels every step still running (a lost controller's agents do not stay).
+    nodes.release(None)
+    assert steps[0].poll() is not None and again.poll() is not None
+    cancelled = [c[-1] for c in _calls(fakes, "scancel")]
+    assert len(cancelled) == 3
