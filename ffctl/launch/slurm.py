@@ -428,7 +428,8 @@ class SlurmNodes:
         self._record.update_run_info(slurm={
             "job_id": self.job, "nodes": [s.host for s in self._slots], "spare_nodes": list(self.spare_hosts),
             "failed_nodes": list(self.failed_hosts),
-            "steps": [{"name": s.name, "host": s.host, "step": s._step} for s in self._steps],
+            # A step's JOB.STEP id is looked up when it is cancelled (a kill-node, the end).
+            "steps": [{"name": s.name, "host": s.host, **({"step": s._step} if s._step else {})} for s in self._steps],
         })
 
     # -- NodeBackend ----------------------------------------------------------------------------
