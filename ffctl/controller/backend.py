@@ -7,9 +7,10 @@ node-local leftovers to sweep once the agents are gone, and what it leaves on th
 the record. The controller calls exactly these and nothing else: it never imports a backend.
 
 Backends today: local processes (`ffctl.launch.nodes.LocalNodes`), local processes inside network
-namespaces (`ffctl.launch.sandbox.SandboxNodes`) and SSH (`ffctl.hosts.ssh.nodes.SSHNodes`). A
-Slurm (`srun`) or Kubernetes backend is one more module implementing this protocol (plus the
-launch-side lifecycle of `ffctl.launch.plan.LaunchBackend`) and one entry in the launch's map.
+namespaces (`ffctl.launch.sandbox.SandboxNodes`), SSH (`ffctl.hosts.ssh.nodes.SSHNodes`) and Slurm
+job steps (`ffctl.launch.slurm.SlurmNodes`). A Kubernetes backend is one more module implementing
+this protocol (plus the launch-side lifecycle of `ffctl.launch.plan.LaunchBackend`) and one entry
+in the launch's map.
 """
 from __future__ import annotations
 
