@@ -5,7 +5,8 @@ The controller hosts the store. Workers and agents send it JSON messages through
 A queue is a counter plus one key per message: the producer reserves an index (a
 compare-and-set on the counter), then `set`s the message; the single consumer reads index after
 index without blocking (an index reserved whose message is still in flight is looked at again).
-Generation plans are published under `gen/<g>/...`; each agent's heartbeat is `hb/<node>`.
+Generation plans (`recovery.plan.GenerationPlan`, typed and decoded like the queue messages) are
+published under `gen/<g>/...`; each agent's heartbeat is `hb/<node>`.
 
 torch's store has no authentication, so whoever reaches its port can read and write every key.
 No secret is ever written to it, and every control value (queue messages, plans, the current
@@ -46,7 +47,8 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 # Limits is re-exported: a queue's consumer checks its messages against the job's shape.
-from recovery.messages import Limits as Limits, Message
+from recovery.messages import DecodeError, Limits as Limits, Message
+from recovery.plan import GenerationPlan, decode_plan
 
 CTL_QUEUE = "ctl/q"
 GEN_KEY = "gen/current"
@@ -464,16 +466,19 @@ class Receiver:
         self.seen = skipped_to
 
 
-def publish_plan(store: dist.Store, gen: int, plan: dict[str, Any],
+def publish_plan(store: dist.Store, gen: int, plan: GenerationPlan,
                  sealer: Sealer | None = None) -> dict[str, bytes]:
     """Publish generation `gen`'s plan and make it the current one. Returns what was written
     (key -> value), so the publisher can tell later whether someone changed it."""
+    if plan.gen != gen:
+        raise ValueError(f"the plan of generation {plan.gen} published as generation {gen}'s")
+    wire = plan.to_dict()
     if sealer is None:
-        values = {gen_plan_key(gen): json.dumps(plan).encode(), GEN_KEY: str(gen).encode()}
+        values = {gen_plan_key(gen): json.dumps(wire).encode(), GEN_KEY: str(gen).encode()}
         for key, value in values.items():
             store.set(key, value)
         return values
-    values = {gen_plan_key(gen): sealer.seal(gen_plan_key(gen), {"type": "plan", **plan}).encode(),
+    values = {gen_plan_key(gen): sealer.seal(gen_plan_key(gen), wire).encode(),
               GEN_KEY: sealer.seal(GEN_KEY, {"type": "gen", "gen": gen}).encode()}
     # One round trip: the plan and the pointer to it land together.
     store.multi_set(list(values), list(values.values()))
@@ -535,15 +540,20 @@ class Reader:
             self._refuse(key, f"not a {kind}: {str(exc)[:80]}", raw)
         return None
 
-    def plan(self, store: dist.Store, gen: int) -> dict[str, Any] | None:
-        """Generation `gen`'s genuine, well-formed plan, or None (not there, or refused)."""
+    def plan(self, store: dist.Store, gen: int) -> GenerationPlan | None:
+        """Generation `gen`'s genuine, well-formed plan, or None (not there, or refused). A plan
+        that opens but does not decode (an unknown kind of source, a field missing or of the
+        wrong type) is refused like a forged one: nothing of it is used."""
         key = gen_plan_key(gen)
-        plan = self.read(store, key, "plan")
-        if plan is None:
+        raw = self.read(store, key, "plan")
+        if raw is None:
             return None
-        if self.opener is not None and (plan.get("gen") != gen or not _is_int(plan.get("world_size"))
-                                        or not isinstance(plan.get("sources"), dict)):
-            self._refuse(key, f"sealed plan of generation {gen} is malformed", short_repr(plan).encode())
+        try:
+            plan = decode_plan({**raw, "type": "plan"})  # `read` checked its kind, or found none
+            if plan.gen != gen:
+                raise DecodeError(f"plan of generation {plan.gen} under generation {gen}'s key")
+        except DecodeError as exc:
+            self._refuse(key, f"malformed plan: {exc.reason}", short_repr(raw).encode())
             return None
         return plan
 
@@ -556,7 +566,7 @@ def current_gen(store: dist.Store, opener: Opener | None = None, on_reject: Reje
 
 
 def wait_plan(store: dist.Store, gen: int, timeout: float, opener: Opener | None = None,
-              on_reject: RejectHook | None = None, _reader: Reader | None = None) -> dict[str, Any]:
+              on_reject: RejectHook | None = None, _reader: Reader | None = None) -> GenerationPlan:
     """Block until a genuine plan of `gen` is published (or raise TimeoutError)."""
     deadline = time.monotonic() + timeout
     reader = _reader or Reader(opener, on_reject)
@@ -574,7 +584,7 @@ def wait_plan(store: dist.Store, gen: int, timeout: float, opener: Opener | None
 PLAN_PROBE = 64
 
 
-def _newest_from(store: dist.Store, start: int, reader: Reader) -> tuple[int, dict[str, Any]] | None:
+def _newest_from(store: dist.Store, start: int, reader: Reader) -> tuple[int, GenerationPlan] | None:
     """The newest generation from `start` on whose genuine plan is published, and that plan."""
     found = None
     for gen in range(start, start + PLAN_PROBE):
@@ -586,7 +596,7 @@ def _newest_from(store: dist.Store, start: int, reader: Reader) -> tuple[int, di
 
 
 def newest_plan(store: dist.Store, at_least: int, timeout: float, opener: Opener | None = None,
-                on_reject: RejectHook | None = None, reader: Reader | None = None) -> tuple[int, dict[str, Any]]:
+                on_reject: RejectHook | None = None, reader: Reader | None = None) -> tuple[int, GenerationPlan]:
     """The newest generation >= `at_least` and its plan, waiting up to `timeout`. A `reader`
     kept across calls (a rank keeps one for its life) refuses a generation pointer older than
     any it has read before, and reports each refused value once.

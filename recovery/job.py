@@ -33,12 +33,14 @@ from recovery.faults import InStepFaults
 from recovery.group import Generation, SeenHook
 from recovery.jobenv import JobEnv, Strategy
 from recovery.peer import ChannelError, PeerClient
+from recovery.plan import Disk, Fresh, GenerationPlan, LocalSlot, PeerReplica, Source
 from recovery.slots import SlotContent, SlotWriter, read_slot, slot_path
 from recovery.restore import KEPT, Prepared, Unusable, agree, prepare, restore
 from recovery.snapshot import Capture, StateEntry, capture
+from runs.events import RestoreHow
 
 T = TypeVar("T")
-CONTINUED = "continued"  # a survivor kept its state and goes on with the step it was in
+CONTINUED = RestoreHow.CONTINUED  # a survivor kept its state and goes on with the step it was in
 # How long a rank waits for the next generation's plan: the controller publishes one within
 # about 90 s of a failure at most (abort 5 s, inventory 10 s, an agent restarted 60 s, teardown
 # 15 s). Past twice that the rank gives up and exits with the reason, a failure the controller
@@ -290,7 +292,7 @@ class Job:
             # down) ends the process as usual instead of raising inside interpreter shutdown.
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
-    def _recover(self, exc: PeerFailure, in_step: bool = False) -> tuple[int, str]:
+    def _recover(self, exc: PeerFailure, in_step: bool = False) -> tuple[int, RestoreHow | None]:
         """Leave the failed generation, then join the newest one and restore its step, again as
         long as faults interrupt that. Returns the restored step and how this rank got its state
         (`recovery.restore`, or CONTINUED: see `_collective`, which passes `in_step`)."""
@@ -330,11 +332,13 @@ class Job:
         except Exception:  # noqa: BLE001 - the controller is gone: nobody to tell
             pass
 
-    def _join(self, gen: int, plan: dict[str, Any], in_step: bool = False) -> tuple[int, str]:
+    def _join(self, gen: int, plan: GenerationPlan, in_step: bool = False) -> tuple[int, RestoreHow | None]:
+        """Join generation `gen` and restore its plan's step (none: a fresh start). Returns the
+        step and how this rank got its state (None for a fresh start)."""
         if self.group is not None:
             self.group.close()  # destroyed on a thread of its own, once no collective is blocked
-        step, world = int(plan.get("restore_step") or 0), int(plan["world_size"])
-        source = plan["sources"][str(self.env.rank)] if step > 0 else {}
+        step, world = plan.restore_step, plan.world_size
+        source = plan.source(self.env.rank)
         prepared: list[Prepared] = []
 
         def fetch_and_check() -> None:
@@ -347,7 +351,7 @@ class Job:
                                 meanwhile=fetch_and_check if step > 0 else None, opener=self._opener,
                                 on_forged=lambda key, reason, raw: self._rejected(key, -1, reason, raw),
                                 on_seen=self._abort_seen(gen))
-        how = ""
+        how: RestoreHow | None = None
         if step == 0:
             self.group.barrier()
             for start in self._on_fresh_start:
@@ -362,7 +366,7 @@ class Job:
             keep_live = in_step and step == self._step - 1
             how = self._restore(gen, step, source, prepared[0], table, keep_live)
             how = CONTINUED if keep_live and how == KEPT else how
-            self._send(messages.Restored, gen=gen, step=step, source=source["kind"], how=how)
+            self._send(messages.Restored, gen=gen, step=step, source=source.kind, how=how)
         self.last_committed = step
         if step == 0 and self.writer is not None:
             # The initial state is a step too: a rank lost in step 1 is restored from step 0
@@ -370,31 +374,34 @@ class Job:
             self._snapshot(capture(self.entries, 0, self.env.rank, self.group.world_size))
         return step, how
 
-    def _fetch(self, step: int, source: dict[str, Any]) -> SlotContent | None:
-        kind = source["kind"]
-        if kind == "disk":
+    def _fetch(self, step: int, source: Source) -> SlotContent | None:
+        """This rank's copy of `step` from its plan's source (None: not there, or unreachable;
+        the restore then finds it unusable and the controller decides again without it)."""
+        if isinstance(source, Disk):
             return disk.load(self.env.ckpt_dir, step, self.env.rank)
-        if source.get("address"):
+        if isinstance(source, PeerReplica):
             try:
-                client = PeerClient(source["address"], int(source["port"]), self.env.token)
+                client = PeerClient(source.address, source.port, self.env.token)
                 try:
-                    return client.get(self.env.rank, step, source.get("where", "replica"))
+                    return client.get(self.env.rank, step, source.where.value)
                 finally:
                     client.close()
             except ChannelError:
                 return None
-        node = int(source.get("node", self.env.node))
-        return read_slot(slot_path(self.env.shm_dir, self.env.run_id, node, self.env.rank, step % 2))
+        if isinstance(source, LocalSlot):
+            return read_slot(slot_path(self.env.shm_dir, self.env.run_id, source.node, self.env.rank, step % 2))
+        assert isinstance(source, Fresh), source  # the plan's decoder admits no other kind
+        return None
 
-    def _restore(self, gen: int, step: int, source: dict[str, Any], prepared: Prepared,
-                 table: list[list[int]], keep_live: bool) -> str:
+    def _restore(self, gen: int, step: int, source: Source, prepared: Prepared,
+                 table: list[list[int]], keep_live: bool) -> RestoreHow:
         assert self.group is not None
         try:
             return restore(self.group, self.entries, prepared, table, keep_live)
         except Unusable as exc:
             why = "missing" if prepared.content is None else "checksum mismatch"
             if exc.mine:
-                self._send(messages.RestoreFailed, gen=gen, step=step, source=source["kind"], reason=why)
+                self._send(messages.RestoreFailed, gen=gen, step=step, source=source.kind, reason=why)
             raise PeerFailure(gen, f"state for step {step} unusable on some rank ({why if exc.mine else 'peer'})") from None
 
     def _train(self, step_fn: Callable[[StepContext], float], start: int, steps: int,

@@ -24,6 +24,8 @@ import math
 from enum import Enum
 from typing import Any, Callable, ClassVar, Mapping, NamedTuple, TypeVar
 
+from runs.events import RestoreHow, RestoreSource
+
 # Without a job to compare with (`limits` not given), ranks and nodes are only bounded by these.
 MAX_RANKS = 1 << 20
 MAX_NODES = 1 << 16
@@ -95,6 +97,9 @@ def short_repr(value: Any, limit: int = 60) -> str:
 
 # -- value checks: (value, limits or None) -> whether it is valid ---------------------------------
 Check = Callable[[Any, "Limits | None"], bool]
+# A field's value once checked, made into its type (an enum member, a nested message); may
+# refuse with DecodeError where a check alone cannot name what is wrong (a nested message).
+Convert = Callable[[Any, "Limits | None"], Any]
 
 
 def _is_int(v: Any) -> bool:
@@ -209,6 +214,14 @@ def _rank_specs(v: Any, lim: Limits | None) -> bool:  # spawn: [{"rank": r, "env
         for s in v)
 
 
+def _restore_source(v: Any, _: Limits | None) -> bool:
+    return isinstance(v, str) and v in RestoreSource._value2member_map_
+
+
+def _restore_how(v: Any, _: Limits | None) -> bool:
+    return isinstance(v, str) and v in RestoreHow._value2member_map_
+
+
 _WANT: dict[Check, str] = {
     _int: "an integer", _nat: "an integer >= 0", _num: "a number", _seconds: "a finite number of seconds >= 0",
     _time: "a timestamp", _grace: f"seconds from 0 to {MAX_GRACE_S:g}", _str: "a string",
@@ -217,22 +230,29 @@ _WANT: dict[Check, str] = {
     _rank_words: "{rank: string}", _rank_seconds: "{rank: seconds}", _held: "{rank: [steps]}",
     _req: "1-64 ASCII letters or digits", _addr: "a host address", _port: "a port (1-65535)",
     _rank_specs: '[{"rank": rank, "env": {string: string}}]', _api: " or ".join(APIS),
+    _restore_source: " or ".join(s.value for s in RestoreSource),
+    _restore_how: " or ".join(h.value for h in RestoreHow),
 }
 
 
-def _field(check: Check) -> Any:
-    """A field every message of its kind carries."""
-    return dataclasses.field(metadata={"check": check})
+def _enum(cls: type[Enum]) -> Convert:
+    """The member of `cls` a checked value names: the decoded message holds the enum."""
+    return lambda v, _: cls(v)
 
 
-def _optional(check: Check) -> Any:
+def _field(check: Check, convert: Convert | None = None) -> Any:
+    """A field every message of its kind carries; `convert` makes the checked value its type."""
+    return dataclasses.field(metadata={"check": check, "convert": convert})
+
+
+def _optional(check: Check, convert: Convert | None = None) -> Any:
     """A field that may be absent (or null): None then."""
-    return dataclasses.field(default=None, metadata={"check": check, "optional": True})
+    return dataclasses.field(default=None, metadata={"check": check, "optional": True, "convert": convert})
 
 
 class _Spec(NamedTuple):
     cls: type[Message]
-    fields: tuple[tuple[str, Check, bool], ...]  # (name, check, optional)
+    fields: tuple[tuple[str, Check, bool, Convert | None], ...]  # (name, check, optional, convert)
     names: frozenset[str]
 
 
@@ -242,13 +262,13 @@ class Message:
     `@_report` or `@_command`, which build their wire tables once."""
 
     __slots__ = ()
-    kind: ClassVar[Kind | CommandKind]
+    kind: ClassVar[Enum]  # Kind, CommandKind, or another table's kinds (`recovery.plan`)
     _spec: ClassVar[_Spec]
 
     def to_dict(self) -> dict[str, Any]:
         """The wire form: `{"type": kind, field: value, ...}`, optional fields left out when None."""
         out: dict[str, Any] = {"type": self.kind.value}
-        for name, _, optional in self._spec.fields:
+        for name, _, optional, _ in self._spec.fields:
             value = getattr(self, name)
             if value is not None or not optional:
                 out[name] = value
@@ -267,13 +287,15 @@ REPORTS: dict[str, _Spec] = {}
 COMMANDS: dict[str, _Spec] = {}
 
 
-def _register(table: dict[str, _Spec], kind: Kind | CommandKind) -> Callable[[type[M]], type[M]]:
+def _register(table: dict[str, _Spec], kind: Enum) -> Callable[[type[M]], type[M]]:
+    """Make `cls` a frozen dataclass and the message of `kind` in `table` (one table per
+    decoder: reports, commands, and the plan's tables in `recovery.plan`)."""
     def wrap(cls: type[M]) -> type[M]:
         cls = dataclasses.dataclass(frozen=True, slots=True, kw_only=True)(cls)
-        fields = tuple((f.name, f.metadata["check"], bool(f.metadata.get("optional")))
+        fields = tuple((f.name, f.metadata["check"], bool(f.metadata.get("optional")), f.metadata.get("convert"))
                        for f in dataclasses.fields(cls))  # type: ignore[arg-type]
         cls.kind = kind
-        cls._spec = _Spec(cls, fields, frozenset(name for name, _, _ in fields))
+        cls._spec = _Spec(cls, fields, frozenset(name for name, _, _, _ in fields))
         table[kind.value] = cls._spec
         return cls
     return wrap
@@ -320,14 +342,15 @@ class Joined(Message):
 
 @_report(Kind.RESTORED)
 class Restored(Message):
-    """A rank holds the state of `step`, from `source`; `how` it got it (kept, received, ...)."""
+    """A rank holds the state of `step`, from `source` (the kind of its plan's source); `how`
+    it got its replicated state (kept, received, gathered, continued: `recovery.restore`)."""
 
     rank: int = _field(_rank)
     node: int = _field(_node)
     gen: int = _field(_nat)
     step: int = _field(_nat)
-    how: str | None = _optional(_str)
-    source: str | None = _optional(_str)
+    how: RestoreHow | None = _optional(_restore_how, _enum(RestoreHow))
+    source: RestoreSource | None = _optional(_restore_source, _enum(RestoreSource))
 
 
 @_report(Kind.TRAINING)
@@ -378,7 +401,7 @@ class RestoreFailed(Message):
     node: int = _field(_node)
     gen: int = _field(_nat)
     step: int = _field(_nat)
-    source: str = _field(_str)
+    source: RestoreSource = _field(_restore_source, _enum(RestoreSource))
     reason: str | None = _optional(_str)
 
 
@@ -566,7 +589,7 @@ def report_type(kind: Kind | str) -> type[Message]:
 
 def _decode_fields(spec: _Spec, kind: str, raw: Mapping[Any, Any], limits: Limits | None) -> Message:
     values: dict[str, Any] = {}
-    for name, check, optional in spec.fields:
+    for name, check, optional, convert in spec.fields:
         value = raw.get(name)
         if value is None:
             if optional:
@@ -575,6 +598,11 @@ def _decode_fields(spec: _Spec, kind: str, raw: Mapping[Any, Any], limits: Limit
                 raise DecodeError(f"{kind}: missing field {name!r}")
         if not check(value, limits):
             raise DecodeError(f"{kind}: bad {name}={short_repr(value)} (want {_WANT[check]})")
+        if convert is not None:
+            try:
+                value = convert(value, limits)
+            except DecodeError as exc:
+                raise DecodeError(f"{kind}: {name}: {exc.reason}") from None
         values[name] = value
     if len(raw) > len(values) + 1:
         extra = [k for k in raw if k != "type" and k not in spec.names]

@@ -33,6 +33,7 @@ import torch
 
 from recovery.errors import RecoveryError
 from recovery.slots import SlotContent
+from runs.events import RestoreHow
 from recovery.snapshot import (
     Layout, Replicated, StateEntry, assemble, byte_view, read_meta, rebuild, replicated, slice_pieces,
 )
@@ -40,7 +41,7 @@ from recovery.snapshot import (
 if TYPE_CHECKING:
     from recovery.group import Generation
 
-KEPT, RECEIVED, GATHERED = "kept", "received", "gathered"
+KEPT, RECEIVED, GATHERED = RestoreHow.KEPT, RestoreHow.RECEIVED, RestoreHow.GATHERED
 TAG = 1 << 20  # point-to-point tag of slice 0 of the state transfer; slice q has TAG + q
 
 
@@ -101,7 +102,7 @@ def agree(group: Generation, prepared: Prepared) -> list[list[int]]:
 
 
 def restore(group: Generation, entries: list[StateEntry], prepared: Prepared, table: list[list[int]],
-            keep_live: bool = False) -> str:
+            keep_live: bool = False) -> RestoreHow:
     """Load the restore step on this rank from its copy, as `prepare` found it (nothing may have
     changed the live state since) and as the group agreed (`table`); every rank of the group
     calls it together. Returns how this rank got its replicated state: "kept", "received" or

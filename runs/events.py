@@ -76,6 +76,15 @@ class RestoreSource(Label):
     SCRIPT = "script"  # an unchanged script restarted: it restores itself (its own checkpoint)
 
 
+class RestoreHow(Label):
+    """How a rank got the replicated state of the restore step (`recovery.restore`)."""
+
+    KEPT = "kept"  # its live state matched the step: it loaded nothing of it
+    RECEIVED = "received"  # the slices it lacked came from ranks that kept theirs
+    GATHERED = "gathered"  # no rank kept its state: every rank gathered every slice
+    CONTINUED = "continued"  # kept, and it goes on with the step it was in (`Job._collective`)
+
+
 @dataclass(frozen=True)
 class Event:
     """One line of events.jsonl."""

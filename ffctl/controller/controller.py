@@ -33,6 +33,7 @@ from ffctl.controller.backend import NodeBackend
 from ffctl.controller.progress import StepReport
 from recovery import control, disk, messages
 from recovery.jobenv import JobEnv, Strategy
+from recovery.plan import GenerationPlan
 from recovery.throttle import Throttle
 from runs import shm
 from runs.events import EventKind, RestoreSource, RunStatus
@@ -688,11 +689,9 @@ class Controller:
 
     def open_generation(self, gen: int, decision: Decision | None, respawn: list[int]) -> None:
         assert self.store is not None
-        plan = {"gen": gen, "world_size": self.spec.world_size, "strategy": self.spec.recovery,
-                "restore_step": decision.restore_step if decision else 0,
-                "sources": {str(r): s for r, s in (decision.sources.items() if decision else [])}}
+        plan = decision.plan if decision else GenerationPlan.fresh(gen, self.spec.world_size, self.spec.recovery)
         self.job.gen = gen
-        self.job.progress.open(gen, int(plan["restore_step"]))
+        self.job.progress.open(gen, plan.restore_step)
         self._guarded = control.publish_plan(self.store, gen, plan, self.sealer)
         self._spawn(gen, respawn)
 

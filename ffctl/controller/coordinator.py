@@ -219,14 +219,14 @@ class RecoveryCoordinator:
         else:
             lost = set(job.members)
             self._kill(lost)
-        if self.script_restores_itself:
-            decision: Decision | None = Decision(0, RestoreSource.SCRIPT, {r: {"kind": "none"} for r in job.members})
-        else:
-            decision = self._decide(lost, lost_nodes)
         new_gen = old_gen + 1
+        if self.script_restores_itself:
+            decision: Decision | None = Decision.fresh(new_gen, len(job.members), self.strategy, RestoreSource.SCRIPT)
+        else:
+            decision = self._decide(new_gen, lost, lost_nodes)
         if decision is None and job.progress.committed_step == 0:
             # Nothing was trained yet: starting over from step 0 loses nothing.
-            decision = Decision(0, RestoreSource.NONE, {r: {"kind": "none"} for r in job.members})
+            decision = Decision.fresh(new_gen, len(job.members), self.strategy)
             self._kill(set(job.members) - lost)
             lost = set(job.members)
         if decision is None:
@@ -318,10 +318,12 @@ class RecoveryCoordinator:
                     job.members[r] = n
                     free[n] -= 1
 
-    def _decide(self, lost: set[int], lost_nodes: set[int]) -> Decision | None:
+    def _decide(self, gen: int, lost: set[int], lost_nodes: set[int]) -> Decision | None:
+        """Generation `gen`'s plan, from what the live agents hold (their inventories)."""
         job = self.job
         if self.strategy is Strategy.RESTART_DISK:
-            return decide(self.strategy, job.members, lost, lost_nodes, {}, sorted(job.nodes), job.disk_step)
+            return decide(self.strategy, job.members, lost, lost_nodes, {}, sorted(job.nodes), job.disk_step,
+                          gen=gen)
         self._req += 1
         req = self._req
         live = job.live_nodes()
@@ -342,4 +344,4 @@ class RecoveryCoordinator:
             )
         # Nodes that restarted hold nothing from before; count them as lost for the decision.
         return decide(self.strategy, job.members, lost, lost_nodes, invs, sorted(job.nodes), job.disk_step,
-                      frozenset(job.bad_sources))
+                      frozenset(job.bad_sources), gen=gen)

@@ -7,13 +7,17 @@ fault) or from the ring neighbour's replicas (node fault). Survivors only hold t
 slots, so s is never more than one step behind them. When no step is held everywhere, the newest
 complete disk checkpoint is used; when there is none either, there is no decision (never
 silently wrong state).
+
+The decision is the next generation's typed plan (`recovery.plan.GenerationPlan`), published to
+the ranks as it is, plus what only the controller needs to know about it.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Mapping
 
 from recovery.jobenv import Strategy
+from recovery.plan import FRESH, Disk, GenerationPlan, LocalSlot, PeerReplica, Source, Where
 from runs.events import RestoreSource
 
 
@@ -30,10 +34,26 @@ class Inventory:
 
 @dataclass(frozen=True)
 class Decision:
-    restore_step: int
-    restore_source: RestoreSource  # local-memory | peer-memory | disk | none (fresh start)
-    sources: dict[int, dict[str, Any]]
-    lost_both_copies: tuple[int, ...] = ()  # ranks whose memory copies were all gone
+    """The next generation's plan, where the lost ranks' state comes from (the run record's
+    `restore_source`: local-memory | peer-memory | disk | none, a fresh start | script, an
+    unchanged script restoring itself), and the ranks whose memory copies were all gone."""
+
+    plan: GenerationPlan
+    restore_source: RestoreSource
+    lost_both_copies: tuple[int, ...] = ()
+
+    @property
+    def restore_step(self) -> int:
+        return self.plan.restore_step
+
+    @property
+    def sources(self) -> Mapping[int, Source]:
+        return self.plan.sources
+
+    @classmethod
+    def fresh(cls, gen: int, world_size: int, strategy: str, label: RestoreSource = RestoreSource.NONE) -> Decision:
+        """Every rank of generation `gen` starts from step 0."""
+        return cls(GenerationPlan.fresh(gen, world_size, strategy), label)
 
 
 def ring_holder(node: int, nodes: list[int]) -> int | None:
@@ -44,10 +64,16 @@ def ring_holder(node: int, nodes: list[int]) -> int | None:
     return ring[(ring.index(node) + 1) % len(ring)]
 
 
-def _disk(world: list[int], disk_step: int | None, lost_both: tuple[int, ...]) -> Decision | None:
+def _plan(gen: int, strategy: str, world: list[int], step: int, sources: Mapping[int, Source]) -> GenerationPlan:
+    return GenerationPlan(gen=gen, world_size=len(world), strategy=Strategy(strategy), restore_step=step,
+                          sources=dict(sources))
+
+
+def _disk(gen: int, strategy: str, world: list[int], disk_step: int | None,
+          lost_both: tuple[int, ...]) -> Decision | None:
     if disk_step is None:
         return None
-    return Decision(disk_step, RestoreSource.DISK, {r: {"kind": "disk"} for r in world}, lost_both)
+    return Decision(_plan(gen, strategy, world, disk_step, {r: Disk() for r in world}), RestoreSource.DISK, lost_both)
 
 
 def decide(
@@ -59,36 +85,39 @@ def decide(
     all_nodes: list[int],
     disk_step: int | None,
     exclude: frozenset[tuple[int, int, str]] = frozenset(),
+    *,
+    gen: int,
 ) -> Decision | None:
-    """`exclude` holds (rank, step, source kind) copies a rank found corrupt: never offered again."""
+    """Generation `gen`'s plan. `exclude` holds (rank, step, source kind) copies a rank found
+    corrupt: never offered again."""
     world = sorted(members)
     if strategy == Strategy.RESTART_DISK:
         if disk_step is None:
-            return Decision(0, RestoreSource.NONE, {r: {"kind": "none"} for r in world})
-        return _disk(world, disk_step, ())
-    options: dict[int, dict[int, dict[str, Any]]] = {}
+            return Decision(_plan(gen, strategy, world, 0, {r: FRESH for r in world}), RestoreSource.NONE)
+        return _disk(gen, strategy, world, disk_step, ())
+    options: dict[int, dict[int, Source]] = {}
     for rank in world:
         node = members[rank]
-        here: dict[int, dict[str, Any]] = {}
+        here: dict[int, Source] = {}
         # A replica held by any live node (normally the ring neighbour; after several faults a
         # rank's newest copy may sit elsewhere). A local slot wins over a replica of the same step.
         for holder, inv in sorted(inventories.items()):
             if holder in lost_nodes:
                 continue
             for step in inv.replica.get(rank, frozenset()):
-                if (rank, step, "peer-memory") not in exclude:
-                    here[step] = {"kind": "peer-memory", "address": inv.address, "port": inv.port, "where": "replica"}
+                if (rank, step, RestoreSource.PEER_MEMORY) not in exclude:
+                    here[step] = PeerReplica(address=inv.address, port=inv.port, where=Where.REPLICA)
         if node not in lost_nodes and node in inventories:
             for step in inventories[node].local.get(rank, frozenset()):
-                if (rank, step, "local-memory") not in exclude:
-                    here[step] = {"kind": "local-memory", "node": node}
+                if (rank, step, RestoreSource.LOCAL_MEMORY) not in exclude:
+                    here[step] = LocalSlot(node=node)
         options[rank] = here
     common = set.intersection(*(set(o) for o in options.values())) if options else set()
     lost_both = tuple(sorted(r for r in lost_ranks if not options.get(r)))
     if not common:
-        return _disk(world, disk_step, lost_both)
+        return _disk(gen, strategy, world, disk_step, lost_both)
     step = max(common)
     sources = {r: options[r][step] for r in world}
-    lost_kinds = {sources[r]["kind"] for r in lost_ranks} or {"local-memory"}
-    label = RestoreSource.PEER_MEMORY if RestoreSource.PEER_MEMORY in lost_kinds else RestoreSource.LOCAL_MEMORY
-    return Decision(step, label, sources)
+    peer = any(isinstance(sources[r], PeerReplica) for r in lost_ranks)
+    label = RestoreSource.PEER_MEMORY if peer else RestoreSource.LOCAL_MEMORY
+    return Decision(_plan(gen, strategy, world, step, sources), label)

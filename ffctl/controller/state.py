@@ -14,7 +14,7 @@ from ffctl.controller.backend import AgentProcess
 from ffctl.controller.failures import Failure, RankFailure
 from ffctl.controller.progress import Progress
 from recovery import messages
-from runs.events import Label
+from runs.events import Label, RestoreHow, RestoreSource
 
 
 class Phase(Label):
@@ -71,12 +71,12 @@ class JobState:
     progress: Progress = field(default_factory=Progress)
     last_progress: float = field(default_factory=time.monotonic)  # when the open generation last moved
     gen_msgs: dict[tuple[str, int], set[int]] = field(default_factory=dict)  # (report kind, gen) -> ranks
-    restore_how: dict[int, dict[int, str]] = field(default_factory=dict)  # gen -> rank -> kept | received | gathered
+    restore_how: dict[int, dict[int, RestoreHow]] = field(default_factory=dict)  # gen -> rank -> kept | received | ...
     # (gen, rank) -> how its worker started (spare | template | cold) and the agent's seconds
     started_by: dict[tuple[int, int], tuple[str, float | None]] = field(default_factory=dict)
     ckpt_reports: dict[int, set[int]] = field(default_factory=dict)  # step -> ranks that wrote it
     disk_step: int | None = None  # the newest complete disk checkpoint
-    bad_sources: set[tuple[int, int, str]] = field(default_factory=set)  # (rank, step, source kind) found corrupt
+    bad_sources: set[tuple[int, int, RestoreSource]] = field(default_factory=set)  # (rank, step, source kind) found corrupt
     inventories: dict[tuple[int, int], messages.Inventory] = field(default_factory=dict)  # (node, req) -> answer
     pending: Failure | None = None  # detected, not yet taken by the coordinator
     rank_failed: dict[int, RankFailure] = field(default_factory=dict)  # rank -> its newest failure

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from recovery import control, messages
+from recovery.plan import GenerationPlan
 from tests.helpers.store import loopback_store
 from recovery.peer import _LEN, ChannelError, PeerClient, PeerStore
 from recovery.slots import SlotContent, slot_path
@@ -160,9 +161,9 @@ def test_a_forged_plan_is_reported_and_the_genuine_one_found() -> None:
     # Both refused: the pointer is only a hint, so the plan itself was looked for as well.
     assert {k for k, _ in reported} == {control.GEN_KEY, control.gen_plan_key(1)}
     # ...then the controller's, written over them.
-    control.publish_plan(store, 1, {"gen": 1, "world_size": 2, "restore_step": 0, "sources": {}}, sealer)
+    control.publish_plan(store, 1, GenerationPlan.fresh(1, 2, "peer"), sealer)
     gen, plan = control.newest_plan(store, 1, 5.0, opener)
-    assert gen == 1 and plan["world_size"] == 2
+    assert gen == 1 and plan.world_size == 2
     # A genuine plan copied to another generation's key does not open there.
     store.set(control.gen_plan_key(2), store.get(control.gen_plan_key(1)))
     with pytest.raises(TimeoutError):

@@ -8,6 +8,7 @@ import threading
 import time
 
 from recovery import control
+from recovery.plan import GenerationPlan
 from tests.helpers.store import loopback_store
 
 TOKEN = "d" * 64
@@ -141,9 +142,8 @@ def test_the_generation_never_goes_back_and_its_pointer_is_only_a_hint() -> None
     sealer, opener = control.Sealer(TOKEN, "controller"), control.Opener(TOKEN)
     reports: list[tuple[str, str]] = []
     hook = lambda key, i, reason, raw: reports.append((key, reason))  # noqa: E731
-    plan = {"world_size": 2, "restore_step": 0, "sources": {}}
-    old = control.publish_plan(store, 1, {"gen": 1, **plan}, sealer)[control.GEN_KEY]
-    control.publish_plan(store, 2, {"gen": 2, **plan}, sealer)
+    old = control.publish_plan(store, 1, GenerationPlan.fresh(1, 2, "peer"), sealer)[control.GEN_KEY]
+    control.publish_plan(store, 2, GenerationPlan.fresh(2, 2, "peer"), sealer)
     reader = control.Reader(opener, hook)
     assert control.current_gen(store, _reader=reader) == 2
     store.set(control.GEN_KEY, old)  # the genuine pointer of generation 1, written back

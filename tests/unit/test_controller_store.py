@@ -13,6 +13,7 @@ import torch.distributed as dist
 from ffctl.controller.controller import Controller
 from ffctl.controller.state import JobState, NodeState
 from recovery import control, messages
+from recovery.plan import GenerationPlan
 from recovery.throttle import Throttle
 from runs.events import EventKind
 from tests.helpers.store import loopback_store
@@ -93,7 +94,7 @@ def test_only_a_newer_sealed_beat_of_the_current_agent_is_a_sign_of_life() -> No
 def test_keys_the_controller_owns_are_written_again_when_changed_or_deleted() -> None:
     ctl, rec = _controller()
     assert ctl.store is not None
-    ctl._guarded = control.publish_plan(ctl.store, 1, {"gen": 1, "world_size": 2, "restore_step": 0, "sources": {}},
+    ctl._guarded = control.publish_plan(ctl.store, 1, GenerationPlan.fresh(1, 2, "peer"),
                                         control.Sealer(TOKEN, "controller"))
     ctl.store.set(control.GEN_KEY, "0")
     ctl.pump()

@@ -19,7 +19,7 @@ from ffctl.controller.controller import Controller
 from recovery import control, messages
 from recovery.messages import CommandKind, DecodeError, Kind
 from recovery.throttle import Throttle
-from runs.events import EventKind
+from runs.events import EventKind, RestoreHow, RestoreSource
 from tests.helpers.store import loopback_store
 
 LIMITS = messages.Limits(world_size=4, nnodes=2)
@@ -92,6 +92,12 @@ def test_every_command_round_trips(kind: CommandKind) -> None:
     assert messages.decode(msg.to_dict(), command=True) == msg
 
 
+def test_restore_words_decode_to_their_enums() -> None:
+    msg = messages.decode(_wire(Kind.RESTORED, REPORTS[Kind.RESTORED]), LIMITS)
+    assert isinstance(msg, messages.Restored)
+    assert msg.how is RestoreHow.RECEIVED and msg.source is RestoreSource.REPLICA
+
+
 def test_optional_fields_may_be_absent_or_null_and_are_left_out_when_none() -> None:
     msg = messages.decode({"type": "done", "rank": 0, "node": 0, "gen": 1, "step": None})
     assert msg == messages.Done(rank=0, node=0, gen=1) and msg.to_dict() == {"type": "done", "rank": 0, "node": 0, "gen": 1}
@@ -136,6 +142,9 @@ def _step(**change: Any) -> dict[str, Any]:
     (_wire(Kind.ERROR, {**REPORTS[Kind.ERROR], "traceback": [1]}), "error: bad traceback=[1]"),
     (_wire(Kind.RESTORE_FAILED, {**REPORTS[Kind.RESTORE_FAILED], "source": {"kind": "disk"}}),
      "restore_failed: bad source"),
+    (_wire(Kind.RESTORE_FAILED, {**REPORTS[Kind.RESTORE_FAILED], "source": "peer-memroy"}),
+     "restore_failed: bad source='peer-memroy'"),
+    (_wire(Kind.RESTORED, {**REPORTS[Kind.RESTORED], "how": "copied"}), "restored: bad how='copied'"),
 ])
 def test_decode_refuses_with_one_line_naming_the_field(raw: dict[str, Any], why: str) -> None:
     with pytest.raises(DecodeError) as info:
