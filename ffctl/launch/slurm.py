@@ -210,6 +210,16 @@ def _bindable(address: str) -> bool:
         return False
 
 
+def _route_source(destination: str, run: Runner = subprocess.run) -> str:
+    """This host's source address on its route to `destination` (``ip route get``); "" if none."""
+    try:
+        words = run(["ip", "route", "get", destination], capture_output=True, text=True,
+                    timeout=COMMAND_TIMEOUT_S, check=False).stdout.split()
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return words[words.index("src") + 1] if "src" in words[:-1] else ""
+
+
 def interface_of(address: str, ip_addr_output: str) -> str | None:
     """The interface `ip -o addr show` lists `address` on."""
     for line in ip_addr_output.splitlines():
@@ -388,9 +398,11 @@ class SlurmNodes:
             return self._master_addr
         here = os.environ.get(NODENAME_ENV, "")
         candidates = [node_address(here, self._run)] if here else []
-        candidates += [a for a in self._addresses.values() if ipaddress.ip_address(a).is_loopback]
+        # Under salloc the shell may be on a login node: our source address toward the first node.
+        first = self._addresses[self._slots[0].host]
+        candidates += [first] if ipaddress.ip_address(first).is_loopback else [_route_source(first, self._run)]
         for addr in candidates:
-            if _bindable(addr):
+            if addr and _bindable(addr):
                 return addr
         raise InfraError(f"cannot tell which address of this host ({here or socket.gethostname()}) the Slurm "
                          "nodes reach; give --master-addr")

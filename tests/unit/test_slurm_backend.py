@@ -22,6 +22,7 @@ from ffctl.launch.slurm import (
     agent_argv,
     allocation,
     expand_nodelist,
+    interface_of,
     split_nodes,
 )
 from ffctl.spec import LaunchSpec
@@ -178,3 +179,30 @@ def test_kill_node_cancels_its_step_and_a_spare_node_takes_over(fakes: Path, tmp
     assert steps[0].poll() is not None and again.poll() is not None
     cancelled = [c[-1] for c in _calls(fakes, "scancel")]
     assert len(cancelled) == 3
+
+
+def test_interface_of_reads_ip_addr_show() -> None:
+    out = ("1: lo    inet 127.0.0.1/8 scope host lo\\       valid_lft forever\n"
+           "2: eth0@if7    inet 10.1.0.5/24 brd 10.1.0.255 scope global eth0\\       valid_lft forever\n")
+    assert interface_of("10.1.0.5", out) == "eth0"
+    assert interface_of("127.0.0.1", out) == "lo"
+    assert interface_of("10.9.9.9", out) is None
+
+
+def test_the_store_listens_on_the_batch_node(fakes: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("SLURMD_NODENAME", "n1")
+    nodes = SlurmNodes.for_launch(LaunchSpec(nnodes=2), "r1", {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[1-3]"})
+    assert nodes.prepare() == "127.0.0.1"
+    assert [nodes.address(n) for n in range(2)] == ["127.0.0.1"] * 2 and nodes.interface(1) == "lo"
+    assert ["show", "node", "n1", "--oneliner"] in _calls(fakes, "scontrol")
+
+
+def test_dry_run_inside_an_allocation_names_the_slurm_nodes(fakes: Path, tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env.update(SLURM_JOB_ID="7", SLURM_JOB_NODELIST="n[1-3]", PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, "-m", "ffctl", "launch", "--backend", "slurm", "--nnodes", "2",
+                          "--runs-dir", str(tmp_path / "runs"), "--inject", "kill-node:node=1,step=5", "--dry-run"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "on Slurm node n1" in out.stdout and "on Slurm node n2" in out.stdout
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
