@@ -5,6 +5,7 @@ and nothing left in Slurm afterwards."""
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.launch import launch, rid
+from tests.helpers.launch import assert_nothing_left, launch, rid, shm_left, wait_step
 from tests.helpers.slurm import SlurmCluster, skip_reason, slurm_cluster
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -79,3 +80,39 @@ def test_sbatch_example_kills_a_node_and_recovers_it_from_peer_memory(cluster: S
     assert f["recovery_s"] <= 2 * lf["recovery_s"] + 0.25
     # Every step the job started ended with it (the harness checks squeue and sinfo as well).
     assert cluster.wait_empty() == []
+
+
+def _allocation(cluster: SlurmCluster, nodes: int) -> dict[str, str]:
+    """An allocation with no shell (as `salloc` on a login node gives), as its environment."""
+    out = cluster.run(["salloc", f"--nodes={nodes}", "--no-shell"], timeout=60)
+    job = next((w for w in out.stderr.split() if w.isdigit()), None)
+    assert out.returncode == 0 and job, out.stderr
+    nodelist = cluster.run(["squeue", f"--jobs={job}", "--noheader", "--format=%N"]).stdout.strip()
+    return {**cluster.env, "SLURM_JOB_ID": job, "SLURM_JOB_NODELIST": nodelist}
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL])
+def test_every_agent_step_ends_with_the_launch(cluster: SlurmCluster, tmp_path: Path, sig: signal.Signals) -> None:
+    """Ctrl-C: the launch cancels its steps; SIGKILL (a lost controller): the agents see their
+    stdin close and their steps end. Only the allocation itself is left, then cancelled."""
+    env = _allocation(cluster, 2)
+    run_id = rid("slurm-stop")
+    proc = subprocess.Popen([sys.executable, "-m", "ffctl", "launch", "--backend", "slurm", "--nnodes", "2",
+                             "--steps", "100000", "--run-id", run_id, "--runs-dir", str(tmp_path / "runs")],
+                            cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_step(tmp_path / "runs", run_id, 3, timeout=90)
+        assert len(cluster.steps()) == 2, cluster.steps()
+        proc.send_signal(sig)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+    deadline = time.monotonic() + 30
+    while cluster.steps() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert cluster.steps() == []
+    assert_nothing_left(tmp_path)
+    assert not shm_left(run_id) or sig is signal.SIGKILL  # a killed controller cannot sweep
+    cluster.run(["scancel", env["SLURM_JOB_ID"]])
