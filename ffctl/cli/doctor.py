@@ -1,7 +1,8 @@
 """`ffctl doctor [--hosts FILE]`: can these hosts run ffctl jobs, and which faults can they take?
 
 Without ``--hosts`` it checks this machine; with it, every host of the hostfile over SSH (all at
-once). It draws one table row per host and one line per problem, and exits 0 when every host can
+once); with ``--backend slurm``, every node of the Slurm allocation it runs in (each check a job
+step on its node). It draws one table row per host and one line per problem, and exits 0 when every host can
 run a job, 3 when one cannot (unreachable, refused, no python/torch/ffctl) and 2 for a bad
 hostfile. Problems that only rule out some faults (no root, no netem) are shown but do not
 change the exit code.
@@ -21,8 +22,20 @@ from ffctl.render.doctor import render_doctor
 
 
 def diagnose(hosts: Path | None, *, accept_new_host_keys: bool = False, python: str = "python3",
-             timeout: float = 15.0, connect_timeout: float = 10.0) -> list[HostReport]:
-    """The reports `ffctl doctor` draws: this machine's, or each host's (in hostfile order)."""
+             timeout: float = 15.0, connect_timeout: float = 10.0, backend: str | None = None) -> list[HostReport]:
+    """The reports `ffctl doctor` draws: this machine's, each host's (in hostfile order), or
+    each node's of the Slurm allocation it runs in (`backend="slurm"`, checks run as job steps)."""
+    if backend not in (None, "local", "slurm"):
+        raise BadInput(f"--backend {backend!r}: doctor checks local or slurm")
+    if backend == "slurm":
+        if hosts is not None:
+            raise BadInput("--backend slurm checks the allocation's nodes: give it without --hosts")
+        import sys
+
+        from ffctl.launch.slurm import doctor_transports
+
+        # The agents run with this interpreter on every node (a shared filesystem's).
+        return check_hosts(doctor_transports(), timeout=timeout, python=sys.executable)
     if hosts is None:
         return [check_local(timeout=timeout)]
     from ffctl.hosts.ssh.transport import SSHError, SSHTransport
@@ -52,9 +65,10 @@ def register(app: typer.Typer) -> None:
         accept_new_host_keys: Annotated[bool, typer.Option("--accept-new-host-keys", help="Trust and save host keys not yet in known_hosts.")] = False,
         remote_python: Annotated[str, typer.Option("--remote-python", help="Python the agents would run with on the hosts.")] = "python3",
         timeout: Annotated[float, typer.Option("--timeout", help="Seconds each check may take on a host.")] = 15.0,
+        backend: Annotated[Optional[str], typer.Option("--backend", help="slurm: check every node of the Slurm allocation this runs in (each check a job step).")] = None,
     ) -> int:
         """Check that hosts can run ffctl jobs (python, torch, ffctl) and which faults they can take."""
         reports = diagnose(hosts, accept_new_host_keys=accept_new_host_keys, python=remote_python,
-                           timeout=timeout)
+                           timeout=timeout, backend=backend)
         render_doctor(reports, make_console())
         return EXIT_OK if all(r.can_run_job for r in reports) else EXIT_INFRA

@@ -344,6 +344,13 @@ class StepKill:
         raise OSError("a step cancel is not detached")
 
 
+def doctor_transports(env: Mapping[str, str] | None = None) -> list[SlurmTransport]:
+    """One transport per node of the allocation (spares included), for `ffctl doctor --backend
+    slurm`: each check runs on its node as a step; BadInput outside an allocation."""
+    job, names = allocation(os.environ if env is None else env)
+    return [SlurmTransport(job, host, "ffctl-doctor") for host in names]
+
+
 # --------------------------------------------------------------------------------------------
 # the backend
 
