@@ -62,19 +62,22 @@ PRIVATE_GROUP_TIMEOUT = datetime.timedelta(seconds=60)
 
 
 class Host(Protocol):
-    """What this module needs of the `Job` it serves (`recovery.job` imports this module)."""
+    """What this module needs of the `Job` it serves (`recovery.job` imports this module): its
+    public surface only, so the DDP path is one more user of what any script may call."""
 
-    api: str
-    _ddp: Any
-    _after_step: list[Callable[[float], float]]
-    _on_fresh_start: list[Callable[[Generation], None]]
+    @property
+    def world_size(self) -> int: ...
 
-    def register(self, name: str, get: Callable[[], Any], set: Callable[[Any], None], *,
-                 replicated: bool = False) -> None: ...
+    def register(self, name: str, state_dict: Callable[[], Any] | None = None,
+                 load_state_dict: Callable[[Any], None] | None = None, *, replicated: bool = False) -> None: ...
+
+    def on_after_step(self, hook: Callable[[float], float]) -> None: ...
+
+    def on_fresh_start(self, hook: Callable[[Generation], None]) -> None: ...
+
+    def use_reduction(self, reduction: Reduction) -> None: ...
 
     def fence(self) -> None: ...
-
-    def _group(self) -> Generation: ...
 
     def allreduce(self, tensor: torch.Tensor) -> torch.Tensor: ...
 
@@ -232,7 +235,7 @@ class Reduction:
         if flat is None or flat.numel() != total or flat.dtype != grads[0].dtype or flat.device != grads[0].device:
             flat = self._flat = torch.empty(total, dtype=grads[0].dtype, device=grads[0].device)
         torch.cat(parts, out=flat)
-        flat.div_(self.job._group().world_size)  # DDP's default hook divides before it sums
+        flat.div_(self.job.world_size)  # DDP's default hook divides before it sums
         try:
             # The job's allreduce: it fences the previous step's snapshot first (the optimizer
             # update that follows must not race its copy), and as the step's first collective,
@@ -279,7 +282,7 @@ class Reduction:
             return mean  # reduced with the gradients
         total = torch.tensor([loss], dtype=torch.float64)
         self.job.allreduce(total)
-        return float(total.item()) / self.job._group().world_size
+        return float(total.item()) / self.job.world_size
 
     def before_update(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """Optimizer step pre-hook: no parameter moves after a failed reduction, nor before the
@@ -326,12 +329,11 @@ def attach(job: Host, model: DistributedDataParallel, optimizer: torch.optim.Opt
         raise ValueError(f"register_ddp: the DDP model's process group has {size} ranks; "
                          "build it with DistributedDataParallel(..., process_group=job.ddp_group())")
     reduction = Reduction(job, model, optimizer)
-    job.api = "ddp"
-    job._ddp = reduction
+    job.use_reduction(reduction)
     model.register_comm_hook(state=None, hook=reduction.hook)
     optimizer.register_step_pre_hook(reduction.before_update)
-    job._after_step.append(reduction.after_step)
-    job._on_fresh_start.append(lambda group: _broadcast_from_rank0(group, model.module))
+    job.on_after_step(reduction.after_step)
+    job.on_fresh_start(lambda group: _broadcast_from_rank0(group, model.module))
     module = model.module
     # Parameters are the same on every rank (the reduction sees to it): replicated. Buffers are
     # each rank's own: DDP broadcasts rank 0's before every forward over its group, which is

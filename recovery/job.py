@@ -1,8 +1,8 @@
 """`Job`: the recovery API a training script links (DESIGN.md, "One-step restoration").
 
     job = Job.from_env()
-    job.register("model", model.state_dict, model.load_state_dict, replicated=True)
-    job.register("optim", opt.state_dict, opt.load_state_dict, replicated=True)
+    job.register_stateful("model", model, replicated=True)   # anything with state_dict/load_state_dict
+    job.register("optim", opt.state_dict, opt.load_state_dict, replicated=True)  # or the two callables
     job.run(step_fn, steps)          # step_fn(ctx) -> loss; uses ctx.allreduce(tensor)
 
 Per step the library commits, snapshots into the agent's shared memory (the copy overlaps the
@@ -36,7 +36,7 @@ from recovery.peer import ChannelError, PeerClient
 from recovery.plan import Disk, Fresh, GenerationPlan, LocalSlot, PeerReplica, Source
 from recovery.slots import SlotContent, SlotWriter, read_slot, slot_path
 from recovery.restore import KEPT, Prepared, Unusable, agree, prepare, restore
-from recovery.snapshot import Capture, StateEntry, capture
+from recovery.snapshot import Capture, StateEntry, capture, state_entry
 from runs.events import RestoreHow
 
 T = TypeVar("T")
@@ -76,9 +76,10 @@ class StepContext:
     def reduce_loss(self, loss: torch.Tensor) -> None:
         """On the DDP path, before `backward()`: the step's loss travels with the gradients, so
         the mean over the ranks that the run reports costs no collective of its own."""
-        if self.job._ddp is None:
+        reduction = self.job.reduction
+        if reduction is None:
             raise RuntimeError("reduce_loss is for a job with register_ddp")
-        self.job._ddp.take_loss(loss)
+        reduction.take_loss(loss)
 
 
 def _exit_on_term(signum: int, frame: Any) -> None:
@@ -119,14 +120,11 @@ class Job:
         self._collectives = 0  # collectives the step has started so far
         self._retry_input: torch.Tensor | None = None
         self._ack_degraded = False
-        # Set by `register_ddp` (recovery/ddp.py): what runs after each step function, given its
-        # loss and returning the loss to report (a step whose gradient reduction failed must not
-        # commit; the job's loss is the mean over the ranks), and work done when the job starts
-        # fresh over the first generation's group (DDP's broadcast of rank 0's parameters).
+        # Hooks (`on_after_step`, `on_fresh_start`; `register_ddp` adds its own through them).
         self._after_step: list[Callable[[float], float]] = []
         self._on_fresh_start: list[Callable[[Generation], None]] = []
         self.api = "step-function"  # how the script trains, told to the controller (`register_ddp`: "ddp")
-        self._ddp: ddp.Reduction | None = None  # set by `register_ddp`
+        self._reduction: ddp.Reduction | None = None  # `use_reduction`, by `register_ddp`
         signal.signal(signal.SIGTERM, _exit_on_term)
         self._send(messages.Started, gen=env.gen, pid=os.getpid())
 
@@ -142,13 +140,55 @@ class Job:
         return cls(JobEnv.from_env())
 
     # -- registration -------------------------------------------------------------------------
-    def register(self, name: str, get: Callable[[], Any], set: Callable[[Any], None], *, replicated: bool = False) -> None:
-        """Hand the library a piece of state as callables. `replicated=True` for state that is the
-        same on every rank (data-parallel parameters, a replicated optimizer): it is snapshotted
-        once per replica group, each rank keeping a 1/W slice."""
+    def register(self, name: str, state_dict: Callable[[], Any] | None = None,
+                 load_state_dict: Callable[[Any], None] | None = None, *, replicated: bool = False,
+                 **aliases: Callable[..., Any]) -> None:
+        """Hand the library a piece of state as two callables, named as torch names them: one
+        that returns the state (`state_dict`), one that puts a returned state back
+        (`load_state_dict`). The older keywords `get=` and `set=` still work. `replicated=True`
+        for state that is the same on every rank (data-parallel parameters, a replicated
+        optimizer): it is snapshotted once per replica group, each rank keeping a 1/W slice."""
         if any(e.name == name for e in self.entries):
             raise ValueError(f"state {name!r} registered twice")
-        self.entries.append(StateEntry(name, get, set, replicated))
+        self.entries.append(state_entry(name, state_dict, load_state_dict, replicated, aliases))
+
+    def register_stateful(self, name: str, obj: Any, *, replicated: bool = False) -> None:
+        """Hand the library an object with torch's `state_dict()` and `load_state_dict(state)`
+        (a module, an optimizer, a scheduler: torch's `Stateful`), as `dcp.save` takes them."""
+        self.register(name, obj.state_dict, obj.load_state_dict, replicated=replicated)
+
+    # -- hooks (what `register_ddp` builds on; a script may use them too) ------------------------
+    @property
+    def world_size(self) -> int:
+        """The number of ranks of the generation this rank is in (the job's, before the first
+        is joined). ffctl keeps it constant across generations; read it here, not from the
+        environment, so code that divides by it follows the group it reduces over."""
+        return self.group.world_size if self.group is not None else self.env.world_size
+
+    def on_after_step(self, hook: Callable[[float], float]) -> None:
+        """Run `hook(loss)` after each step function, in the order added; it returns the loss to
+        report (the DDP path makes it the mean over the ranks) and may raise `PeerFailure` to
+        unwind a step that must not commit (one whose gradient reduction failed)."""
+        self._after_step.append(hook)
+
+    def on_fresh_start(self, hook: Callable[[Generation], None]) -> None:
+        """Run `hook(group)` on every rank when the job starts from step 0, once the first
+        generation's group is up and before the first step (DDP's broadcast of rank 0's
+        parameters, which its constructor did not do over a private group)."""
+        self._on_fresh_start.append(hook)
+
+    def use_reduction(self, reduction: ddp.Reduction) -> None:
+        """The DDP gradient reduction this job's steps go through (`register_ddp` makes it):
+        the job reports itself as a DDP job, and `StepContext.reduce_loss` hands it the loss."""
+        if self._reduction is not None:
+            raise RuntimeError("register_ddp was called twice")
+        self._reduction = reduction
+        self.api = "ddp"
+
+    @property
+    def reduction(self) -> ddp.Reduction | None:
+        """The DDP reduction `register_ddp` registered, or None (a step-function job)."""
+        return self._reduction
 
     # -- torch DDP (recovery/ddp.py) ----------------------------------------------------------
     def ddp_group(self) -> Any:

@@ -25,6 +25,21 @@ class StateEntry:
     replicated: bool
 
 
+def state_entry(name: str, state_dict: Callable[[], Any] | None, load_state_dict: Callable[[Any], None] | None,
+                replicated: bool, aliases: dict[str, Callable[..., Any]]) -> StateEntry:
+    """The entry `register` makes, in torch's words (`state_dict`, `load_state_dict`) or in the
+    older ones (`get=`, `set=`, kept as aliases), whichever the caller used, never both."""
+    unknown = sorted(set(aliases) - {"get", "set"})
+    if unknown:
+        raise TypeError(f"register() got an unexpected keyword argument {unknown[0]!r}")
+    if "get" in aliases and state_dict is not None or "set" in aliases and load_state_dict is not None:
+        raise TypeError("register(): give state_dict/load_state_dict or get/set, not both")
+    save, load = state_dict or aliases.get("get"), load_state_dict or aliases.get("set")
+    if not callable(save) or not callable(load):
+        raise TypeError(f"register({name!r}): state_dict and load_state_dict must be callables")
+    return StateEntry(name, save, load, replicated)
+
+
 class _TensorRef:
     """Placeholder left in a state's structure where tensor number `index` was."""
 

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from recovery.ddp import Batches
 from recovery.jobenv import JobEnv, Strategy
-from recovery.snapshot import StateEntry
+from recovery.snapshot import StateEntry, state_entry
 
 
 def under_ffctl(environ: dict[str, str] | None = None) -> bool:
@@ -76,10 +76,22 @@ class PlainJob:
                           store_host=env.get("MASTER_ADDR", "127.0.0.1"), store_port=int(env.get("MASTER_PORT", "0") or 0),
                           gen=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")), strategy=Strategy.NONE))
 
-    def register(self, name: str, get: Callable[[], Any], set: Callable[[Any], None], *, replicated: bool = False) -> None:
+    def register(self, name: str, state_dict: Callable[[], Any] | None = None,
+                 load_state_dict: Callable[[Any], None] | None = None, *, replicated: bool = False,
+                 **aliases: Callable[..., Any]) -> None:
+        """`Job.register`: kept, never snapshotted here."""
         if any(e.name == name for e in self.entries):
             raise ValueError(f"state {name!r} registered twice")
-        self.entries.append(StateEntry(name, get, set, replicated))
+        self.entries.append(state_entry(name, state_dict, load_state_dict, replicated, aliases))
+
+    def register_stateful(self, name: str, obj: Any, *, replicated: bool = False) -> None:
+        """`Job.register_stateful`: an object with `state_dict()` and `load_state_dict(state)`."""
+        self.register(name, obj.state_dict, obj.load_state_dict, replicated=replicated)
+
+    @property
+    def world_size(self) -> int:
+        """`Job.world_size`: torch's world size (it never changes here)."""
+        return self.env.world_size
 
     def _world(self) -> Any:
         if not dist.is_initialized():

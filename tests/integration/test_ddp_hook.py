@@ -55,23 +55,34 @@ class _Holder:
     def __init__(self) -> None:
         self.group: Generation | None = None
         self.api = "step-function"
-        self._ddp: Any = None
-        self._after_step: list[Callable[[float], float]] = []
-        self._on_fresh_start: list[Callable[[Generation], None]] = []
+        self.reduction: Any = None
+        self.after_step: list[Callable[[float], float]] = []
+        self.fresh_start: list[Callable[[Generation], None]] = []
         self.registered: list[str] = []
 
-    def register(self, name: str, get: Any, set: Any, *, replicated: bool = False) -> None:
+    def register(self, name: str, state_dict: Any, load_state_dict: Any, *, replicated: bool = False) -> None:
         self.registered.append(name)
+
+    def use_reduction(self, reduction: Any) -> None:
+        self.reduction, self.api = reduction, "ddp"
+
+    def on_after_step(self, hook: Callable[[float], float]) -> None:
+        self.after_step.append(hook)
+
+    def on_fresh_start(self, hook: Callable[[Generation], None]) -> None:
+        self.fresh_start.append(hook)
+
+    @property
+    def world_size(self) -> int:
+        assert self.group is not None
+        return self.group.world_size
 
     def fence(self) -> None:
         pass
 
-    def _group(self) -> Generation:
-        assert self.group is not None
-        return self.group
-
     def allreduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        return self._group().allreduce(tensor)
+        assert self.group is not None
+        return self.group.allreduce(tensor)
 
 
 def _params(model: DDP) -> list[float]:

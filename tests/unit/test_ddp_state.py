@@ -17,13 +17,23 @@ class _Job:
 
     def __init__(self) -> None:
         self.api = "step-function"
-        self._ddp: Any = None
-        self._after_step: list[Callable[[float], float]] = []
-        self._on_fresh_start: list[Any] = []
+        self.reduction: Any = None
+        self.after_step: list[Callable[[float], float]] = []
+        self.fresh_start: list[Any] = []
         self.entries: dict[str, tuple[Callable[[], Any], Callable[[Any], None], bool]] = {}
 
-    def register(self, name: str, get: Callable[[], Any], set: Callable[[Any], None], *, replicated: bool = False) -> None:
-        self.entries[name] = (get, set, replicated)
+    def register(self, name: str, state_dict: Callable[[], Any], load_state_dict: Callable[[Any], None], *,
+                 replicated: bool = False) -> None:
+        self.entries[name] = (state_dict, load_state_dict, replicated)
+
+    def use_reduction(self, reduction: Any) -> None:
+        self.reduction, self.api = reduction, "ddp"
+
+    def on_after_step(self, hook: Callable[[float], float]) -> None:
+        self.after_step.append(hook)
+
+    def on_fresh_start(self, hook: Any) -> None:
+        self.fresh_start.append(hook)
 
 
 class _Tied(torch.nn.Module):
@@ -44,7 +54,7 @@ def test_parameters_are_replicated_and_buffers_the_ranks_own() -> None:
     job = _Job()
     opt = torch.optim.AdamW(model.parameters())
     assert attach(job, model, opt, None, None) is None  # type: ignore[arg-type]
-    assert job.api == "ddp" and job._ddp is not None
+    assert job.api == "ddp" and job.reduction is not None and len(job.after_step) == len(job.fresh_start) == 1
     assert {n: r for n, (_, _, r) in job.entries.items()} == {"model": True, "buffers": False, "optimizer": True}
     params, buffers = job.entries["model"][0](), job.entries["buffers"][0]()
     assert set(params) == {"emb.weight", "head.weight", "norm.weight", "norm.bias"}
