@@ -447,6 +447,7 @@ class SlurmNodes:
         self._record.update_run_info(slurm={
             "job_id": self.job, "nodes": [s.host for s in self._slots], "spare_nodes": list(self.spare_hosts),
             "failed_nodes": list(self.failed_hosts),
+            "addresses": {h: [a, self._interfaces.get(h)] for h, a in self._addresses.items()},
             # A step's JOB.STEP id is looked up when it is cancelled (a kill-node, the end).
             "steps": [{"name": s.name, "host": s.host, **({"step": s._step} if s._step else {})} for s in self._steps],
         })
@@ -529,5 +530,6 @@ class SlurmNodes:
 
     def describe(self) -> dict[str, Any]:
         return {"slurm": {"job_id": self.job, "nodes": [s.host for s in self._slots],
-                          "spare_nodes": list(self.spare_hosts)}}
+                          "spare_nodes": list(self.spare_hosts), "failed_nodes": list(self.failed_hosts),
+                          "addresses": {h: [a, self._interfaces.get(h)] for h, a in self._addresses.items()}}}
 

@@ -1,6 +1,8 @@
 """A private Slurm cluster on this machine for the tests marked `slurm`: munged, slurmctld and a
 few slurmd, each node with its own name (`slurmd -N nX`), port, spool directory and hostname (a
-UTS namespace of its own, so a job step sees its node's name), every daemon on loopback.
+UTS namespace of its own, so a job step sees its node's name), and either its own network
+namespace on a private bridge (entered with `nsenter --net`: slurmd's cgroup plugin dies under
+`ip netns exec`) or, without `netns`, every daemon on loopback.
 
 `slurm_cluster()` writes slurm.conf and a munge key in a temporary directory, starts the
 daemons in the foreground as children of the test, waits for every node to be idle, and on the
@@ -18,7 +20,10 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence
+
+if TYPE_CHECKING:
+    from ffctl.launch.sandbox import NetnsSandbox
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "srun", "scancel", "scontrol", "squeue", "sinfo")
@@ -34,7 +39,7 @@ def skip_reason() -> str | None:
     """Why this machine cannot run a private Slurm cluster, or None when it can."""
     if os.geteuid() != 0:
         return "needs root (slurmd runs job steps as their user; munged and the hostnames need root)"
-    missing = [t for t in (*DAEMONS, *CLIENTS, "unshare") if _which(t) is None]
+    missing = [t for t in (*DAEMONS, *CLIENTS, "unshare", "nsenter") if _which(t) is None]
     if missing:
         return f"Slurm not installed (missing {', '.join(missing)}): apt-get install {PACKAGES} (scripts/setup does as root)"
     return None
@@ -125,12 +130,21 @@ class SlurmCluster:
         return left
 
 
-def _conf(root: Path, nodes: Sequence[str], ctld_port: int, node_ports: Sequence[int], cpus: int) -> str:
+def _conf(root: Path, nodes: Sequence[str], ctld_port: int, node_ports: Sequence[int], cpus: int,
+          addresses: Sequence[str] | None = None, ctld_address: str = "127.0.0.1") -> str:
     host = socket.gethostname()
     names = f"{nodes[0].rstrip('0123456789')}[1-{len(nodes)}]"
+    if addresses is None:
+        # Every slurmd on loopback: one line, a port each.
+        node_lines = [f"NodeName={names} NodeHostname={host} NodeAddr=127.0.0.1 "
+                      f"Port=[{node_ports[0]}-{node_ports[-1]}] CPUs={cpus} State=UNKNOWN"]
+    else:
+        # Each slurmd in its own network namespace, at its own address.
+        node_lines = [f"NodeName={n} NodeHostname={n} NodeAddr={a} Port={p} CPUs={cpus} State=UNKNOWN"
+                      for n, a, p in zip(nodes, addresses, node_ports)]
     return "\n".join([
         "ClusterName=ffctltest",
-        f"SlurmctldHost={host}(127.0.0.1)",
+        f"SlurmctldHost={host}({ctld_address})",
         f"SlurmctldPort={ctld_port}",
         "SlurmUser=root",
         "SlurmdUser=root",
@@ -164,8 +178,7 @@ def _conf(root: Path, nodes: Sequence[str], ctld_port: int, node_ports: Sequence
         "MinJobAge=2",
         "MessageTimeout=5",
         "MailProg=/bin/true",
-        f"NodeName={names} NodeHostname={host} NodeAddr=127.0.0.1 Port=[{node_ports[0]}-{node_ports[-1]}] "
-        f"CPUs={cpus} State=UNKNOWN",
+        *node_lines,
         f"PartitionName=test Nodes={names} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES",
         "",
     ])
@@ -182,9 +195,30 @@ def _stop(proc: subprocess.Popen[bytes], timeout: float = 10.0) -> None:
 
 
 @contextmanager
-def slurm_cluster(tmp: Path, nnodes: int = 3, cpus: int = 4) -> Iterator[SlurmCluster]:
+def slurm_cluster(tmp: Path, nnodes: int = 3, cpus: int = 4, netns: bool = False) -> Iterator[SlurmCluster]:
     """A private Slurm cluster of `nnodes` idle nodes ``n1``.. (see the module docstring); torn
-    down afterwards, asserting that no job, step or daemon is left."""
+    down afterwards, asserting that no job, step or daemon is left. With `netns`, each slurmd
+    (and so each node's steps) runs in a network namespace of its own on a private bridge
+    (`NetnsSandbox`'s), slurmctld on the bridge's address; else all on loopback."""
+    if netns:
+        from ffctl.launch.sandbox import NetnsSandbox, cleanup_stale
+
+        sandbox = NetnsSandbox(f"slurm-{os.urandom(3).hex()}", nnodes).create()
+        try:
+            with _cluster(tmp, nnodes, cpus, sandbox) as cluster:
+                yield cluster
+        finally:
+            try:
+                sandbox.destroy()
+            finally:
+                cleanup_stale(sandbox.prefix)
+    else:
+        with _cluster(tmp, nnodes, cpus, None) as cluster:
+            yield cluster
+
+
+@contextmanager
+def _cluster(tmp: Path, nnodes: int, cpus: int, sandbox: NetnsSandbox | None) -> Iterator[SlurmCluster]:
     root = tmp / "slurm"
     (root / "state").mkdir(parents=True)
     nodes = [f"n{i}" for i in range(1, nnodes + 1)]
@@ -193,7 +227,11 @@ def slurm_cluster(tmp: Path, nnodes: int = 3, cpus: int = 4) -> Iterator[SlurmCl
     os.chmod(root, 0o755)
     ports = _free_ports(nnodes + 1)
     conf = root / "slurm.conf"
-    conf.write_text(_conf(root, nodes, ports[0], ports[1:], cpus))
+    if sandbox is None:
+        conf.write_text(_conf(root, nodes, ports[0], ports[1:], cpus))
+    else:
+        conf.write_text(_conf(root, nodes, ports[0], ports[1:], cpus, [n.address for n in sandbox.nodes],
+                              sandbox.controller_address))
     key = root / "munge.key"
     key.write_bytes(os.urandom(1024))
     os.chmod(key, 0o400)
@@ -219,10 +257,15 @@ def slurm_cluster(tmp: Path, nnodes: int = 3, cpus: int = 4) -> Iterator[SlurmCl
                 raise RuntimeError(f"munged did not start:\n{cluster.logs()}")
             time.sleep(0.05)
         start("slurmctld", [_which("slurmctld") or "slurmctld", "-D", "-c", "-i", "-f", str(conf)])
-        for n in nodes:
+        for i, n in enumerate(nodes):
             # Its own hostname (UTS namespace), so the node's steps see the node's name.
-            start(f"slurmd-{n}", ["unshare", "--uts", "sh", "-c", 'hostname "$1" && exec "$2" -D -N "$1" -f "$3"',
-                                  "sh", n, _which("slurmd") or "slurmd", str(conf)])
+            argv = ["unshare", "--uts", "sh", "-c", 'hostname "$1" && exec "$2" -D -N "$1" -f "$3"',
+                    "sh", n, _which("slurmd") or "slurmd", str(conf)]
+            if sandbox is not None:
+                # Only the network namespace: slurmd needs this machine's /sys (its cgroup
+                # plugin dies under `ip netns exec`, which mounts a /sys of the namespace's).
+                argv = ["nsenter", f"--net=/run/netns/{sandbox.nodes[i].netns}", *argv]
+            start(f"slurmd-{n}", argv)
         cluster.wait_idle()
         yield cluster
     finally:
