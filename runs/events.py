@@ -39,12 +39,20 @@ class EventKind(str, Enum):
     FAULT_FAILED = "fault_failed"  # fault_id, error (the fault could not be applied)
     RANK_EXITED = "rank_exited"  # node, rank, pid, exitcode, gen; log_tail (a failed rank's last log lines)
     NODE_LOST = "node_lost"  # node, reason
-    FAILURE_DETECTED = "failure_detected"  # fault_ids, cause, ranks, nodes, gen, summary (one line per rank)
-    RECOVERY_DECIDED = "recovery_decided"  # fault_ids, gen, restore_step, restore_source, strategy
+    # fault_ids (the injected faults it is blamed on), cause, ranks, nodes, gen, summary (one line
+    # per rank); failure_id ("d1", "d2", ...: every detected failure, numbered for the run);
+    # onset_t, onset (when it began as far as the controller can tell, and how that is known:
+    # "reported" (when the report of a rank's exit or error arrived, within 0.1 s of it),
+    # "agent-exit", "last-heartbeat", "last-progress"); explained_by (injected faults that explain it: fault_ids,
+    # else those of the recovery it cut short; empty: the report makes it a fault of kind `detected`)
+    FAILURE_DETECTED = "failure_detected"
+    # fault_ids, gen, restore_step, restore_source, strategy; failure_ids (every failure this
+    # recovery handles, those that cut an earlier attempt short included)
+    RECOVERY_DECIDED = "recovery_decided"
     RANKS_SPAWNED = "ranks_spawned"  # gen, ranks
     RENDEZVOUS_DONE = "rendezvous_done"  # gen
     RESTORE_DONE = "restore_done"  # gen, step, source
-    RECOVERY_FAILED = "recovery_failed"  # fault_ids, reason, root_cause, restarts, max_restarts
+    RECOVERY_FAILED = "recovery_failed"  # fault_ids, reason, root_cause, restarts, max_restarts, failure_ids
     RUN_FINISHED = "run_finished"  # status, steps_completed, reason; root_cause when it failed
     # gen, ranks (still running), finished (exited 0), waited_s, timeout_s: some ranks finished
     # and others linger (said once per generation; the exit barrier stops them at timeout_s)

@@ -27,6 +27,7 @@ Figures of an incomplete run stop at the controller's last event.
 """
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import asdict, dataclass, field, replace
 from enum import Enum
@@ -92,6 +93,12 @@ class FaultMetrics:
     # ("step"); lost_s is then that restart time, a lower bound (its replay is unseen).
     step_known: bool = True
     recovery_until: str = "step"
+    # What `injected_at` is: "injection" for a fault ffctl injected; for a failure no injected
+    # fault explains (kind DETECTED) the onset its record gives ("reported", "agent-exit",
+    # "last-heartbeat", "last-progress"; "detection" in a record that predates onsets).
+    measured_from: str = "injection"
+    # How the job noticed it: the `failure_detected` event's cause (None: never detected).
+    cause: str | None = None
 
 
 @dataclass(frozen=True)
@@ -212,10 +219,15 @@ def _final_step_times(events: list[Event], plain_script: bool = False) -> dict[i
     return _final_values(events, lambda ev: typical if id(ev) in firsts else float(ev.get("step_time_s") or 0.0))
 
 
-def _fault_metrics(inj: Event, events: list[Event], world_size: int, end_t: float) -> FaultMetrics:
+def _fault_metrics(inj: Event, events: list[Event], world_size: int, end_t: float,
+                   mentions: Callable[[Event], bool] | None = None) -> FaultMetrics:
+    """One fault's figures. `inj` is its `fault_injected` event (or, for a failure no injected
+    fault explains, one `_detected_faults` made up); `mentions` picks the events that name it
+    (by default those whose `fault_ids` hold its id)."""
     fid = str(inj.get("fault_id"))
     ti = inj.t
-    mentions = lambda ev: fid in (ev.get("fault_ids") or [])  # noqa: E731
+    if mentions is None:
+        mentions = lambda ev: fid in _ids(ev.get("fault_ids"))  # noqa: E731
     detected = _first(events, lambda ev: ev.kind is EventKind.FAILURE_DETECTED and mentions(ev))
     decisions = [ev for ev in events if ev.kind is EventKind.RECOVERY_DECIDED and mentions(ev)]
     gen_at_fault = _gen_at(inj, events)
@@ -317,7 +329,94 @@ def _fault_metrics(inj: Event, events: list[Event], world_size: int, end_t: floa
         started_by={str(r): str(h) for r, h in started_by.items()} if isinstance(started_by, dict) else {},
         step_known=step_known,
         recovery_until="step" if step_known else "workers-up",
+        measured_from=str(inj.get("measured_from") or "injection"),
+        cause=_text(detected.get("cause")) if detected is not None and detected.get("cause") is not None else None,
     )
+
+
+# The kind of a fault ffctl did not inject: a failure the controller detected and no injected
+# fault explains (a rank that crashed or was killed from outside, an agent stopped, a store attack).
+DETECTED = "detected"
+
+
+def _ids(value: Any) -> list[str]:
+    """A list of ids from a record field; anything else holds none."""
+    return [str(v) for v in value] if isinstance(value, list) else []
+
+
+def _onset(ev: Event) -> tuple[float, str]:
+    """(when a `failure_detected` began, what that time is): its `onset_t` when the record has a
+    usable one (a number no later than the detection), else the detection itself."""
+    onset = ev.get("onset_t")
+    if isinstance(onset, (int, float)) and not isinstance(onset, bool) and math.isfinite(onset) \
+            and float(onset) <= ev.t:
+        return float(onset), str(ev.get("onset") or "reported")
+    return ev.t, "detection"
+
+
+def _in_effect(events: list[Event], end_t: float) -> list[tuple[float, float]]:
+    """When each injected fault with a duration was in force: from its injection to its revert
+    (without one, until its duration ran out, or the run's end). A fault that could not be
+    applied never was (a failed revert leaves it in force: its switch reverts it later)."""
+    never = {str(ev.get("fault_id")) for ev in events if ev.kind is EventKind.FAULT_FAILED
+             and not str(ev.get("error") or "").startswith("revert")}
+    spans = []
+    for ev in events:
+        fid = str(ev.get("fault_id"))
+        duration = ev.get("duration")
+        if ev.kind is not EventKind.FAULT_INJECTED or duration is None or fid in never:
+            continue
+        reverted_at, _, _ = _revert_of(fid, events)
+        if reverted_at is None:
+            ok = isinstance(duration, (int, float)) and not isinstance(duration, bool) and math.isfinite(duration)
+            reverted_at = min(end_t, ev.t + float(duration)) if ok else end_t
+        spans.append((ev.t, reverted_at))
+    return spans
+
+
+def _target(ranks: list[str], nodes: list[str]) -> str:
+    """`node:1`, `rank:3`, `node:1 rank:3`, or `job` for a failure that names neither (a hang)."""
+    parts = [f"node:{','.join(nodes)}"] if nodes else []
+    parts += [f"rank:{','.join(ranks)}"] if ranks else []
+    return " ".join(parts) or "job"
+
+
+def _detected_faults(events: list[Event], end_t: float) -> list[tuple[Event, Callable[[Event], bool]]]:
+    """A fault of kind DETECTED for each `failure_detected` event that no injected fault explains:
+    its `explained_by` is empty (`fault_ids` in an older record) and no injected fault with a
+    duration was in force when it began (ffctl cannot tell a failure from an effect of such a
+    fault). Each comes as a made-up `fault_injected` event at the failure's onset, with what
+    picks the events that name it: the detection and the recoveries whose `failure_ids` hold its
+    id (in a record without failure ids, the first recovery decided or failed after it)."""
+    spans = _in_effect(events, end_t)
+    committed = commits(events)
+    out: list[tuple[Event, Callable[[Event], bool]]] = []
+    count = 0
+    for i, det in enumerate(events):
+        if det.kind is not EventKind.FAILURE_DETECTED:
+            continue
+        count += 1  # the controller numbers every detected failure, explained or not
+        explained = det.get("explained_by") if "explained_by" in det.data else det.get("fault_ids")
+        onset, measured_from = _onset(det)
+        if _ids(explained) or any(a <= onset <= b for a, b in spans):
+            continue
+        fid = str(det.get("failure_id") or f"d{count}")
+        if det.get("failure_id"):
+            mentions = (lambda det, fid: lambda ev: ev is det or fid in _ids(ev.get("failure_ids")))(det, fid)
+        else:
+            outcome = _first(events[i + 1:], lambda ev: ev.kind in (EventKind.RECOVERY_DECIDED,
+                                                                      EventKind.RECOVERY_FAILED))
+            mentions = (lambda det, outcome: lambda ev: ev is det or (outcome is not None and ev is outcome))(
+                det, outcome)
+        ranks, nodes = _ids(det.get("ranks")), _ids(det.get("nodes"))
+        gen = det.get("gen")
+        made_up = Event(EventKind.FAULT_INJECTED, onset, {
+            "fault_id": fid, "kind": DETECTED, "target": _target(ranks, nodes), "ranks": ranks, "nodes": nodes,
+            "at_step": _step_at(committed, onset), "gen": int(gen) if isinstance(gen, int) else 0,
+            "emulated": False, "breaks_job": True, "measured_from": measured_from,
+        })
+        out.append((made_up, mentions))
+    return out
 
 
 def _script_restore(events: list[Event], decision: Event, m: int) -> tuple[int | None, str, int | None]:
@@ -504,6 +603,10 @@ def compute(run_id: str, events: list[Event], controller_alive: bool | None = No
         for ev in events
         if ev.kind is EventKind.FAULT_INJECTED
     ]
+    # Failures ffctl did not inject count as faults too, in time order with the injected ones.
+    faults += [_fault_metrics(ev, events, world_size, end_t, mentions)
+               for ev, mentions in _detected_faults(events, end_t)]
+    faults.sort(key=lambda f: f.injected_at)
     committed = commits(events)
     windows = []
     for f in faults:

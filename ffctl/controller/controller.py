@@ -573,7 +573,7 @@ class Controller:
             if st.proc.poll() is not None:
                 st.up = False
                 self.record(EventKind.NODE_LOST, node=n, reason="agent-exit")
-                self._fail(Failure(Cause.NODE_LOST, nodes={n}))
+                self._fail(Failure(Cause.NODE_LOST, nodes={n}, since_what="agent-exit"))
                 continue
             if now - st.hb_read_at >= HEARTBEAT_READ_S:
                 st.hb_read_at = now
@@ -581,7 +581,9 @@ class Controller:
             if now - st.hb_seen > self._heartbeat_limit():
                 st.up = False
                 self.record(EventKind.NODE_LOST, node=n, reason="heartbeat")
-                self._fail(Failure(Cause.NODE_LOST, nodes={n}))
+                # It began with the silence: the last genuine beat is the failure's onset.
+                self._fail(Failure(Cause.NODE_LOST, nodes={n}, since=_wall(st.hb_seen),
+                                   since_what="last-heartbeat"))
 
     def _read_heartbeat(self, st: NodeState) -> None:
         """Take the node's heartbeat key: a sealed beat of its current agent, newer than the last
@@ -618,7 +620,8 @@ class Controller:
         else:
             limit = self.job.progress.hang_limit(self.spec.hang_min_s)
         if time.monotonic() - self.job.last_progress > limit:
-            self._fail(Failure(Cause.HANG, detail=f"no step progress for {limit:.1f}s"))
+            self._fail(Failure(Cause.HANG, detail=f"no step progress for {limit:.1f}s",
+                               since=_wall(self.job.last_progress), since_what="last-progress"))
 
     def _adhoc_inject(self, msg: messages.InjectRequest) -> None:
         from fault_injectors.spec import FaultSpecError, parse_spec
@@ -914,6 +917,11 @@ def _runs_the_library(text: str) -> bool:
         used = set(re.findall(r"\brecovery\.(\w+)", text))
         return not used or bool(used - _PLAIN_NAMES)
     return False
+
+
+def _wall(monotonic_t: float) -> float:
+    """A `time.monotonic()` reading as wall-clock time (the record's clock)."""
+    return time.time() - (time.monotonic() - monotonic_t)
 
 
 def _lines(value: Any, limit: int = 50) -> list[str]:

@@ -110,6 +110,10 @@ class RecoveryCoordinator:
         # recovery's request must not pass for an answer to this one.
         self._req = 0
         self.restarts = 0  # recoveries that spent the --max-restarts budget
+        # Every detected failure is numbered for the run (`failure_id` "d1", "d2", ...), so the
+        # record ties a failure no injected fault explains to the recovery that handled it.
+        self._failures = 0
+        self._handling: list[str] = []  # failure ids of the recovery under way
         self._restored_from: tuple[object, ...] | None = None  # signature of the last such failure
         # Off for an unchanged script, which torchrun restarts until the budget is spent.
         self.crash_loop_guard = True
@@ -123,16 +127,26 @@ class RecoveryCoordinator:
         job, cluster = self.job, self.cluster
         attempts = 0
         fault_ids: list[str] = []
+        self._handling = []
         while True:
             failure = job.take_pending()
             if failure is None:
                 raise RuntimeError("recover() with no pending failure")
             attempts += 1
             ids = cluster.attribute_faults(failure.ranks, failure.nodes)
+            # A failure that cuts short the recovery from injected faults is laid to them (a
+            # partition still in force, a survivor failing as its group is torn down): the report
+            # counts it in their loss rather than as a fault of its own. `ids` alone decides
+            # whether the restart budget is spent, as before.
+            explained = ids or list(fault_ids)
             fault_ids += [i for i in ids if i not in fault_ids]
+            self._failures += 1
+            failure_id = f"d{self._failures}"
+            self._handling.append(failure_id)
             cluster.record(EventKind.FAILURE_DETECTED, t=failure.t, fault_ids=ids, cause=failure.cause,
                            ranks=sorted(failure.ranks), nodes=sorted(failure.nodes), gen=job.gen,
-                           detail=failure.detail, summary=describe(failure))
+                           detail=failure.detail, summary=describe(failure), failure_id=failure_id,
+                           onset_t=failure.onset, onset=failure.since_what, explained_by=explained)
             blame = f" (fault {', '.join(ids)})" if ids else ""
             for line in describe(failure).split("; "):
                 cluster.announce(line + blame)
@@ -174,7 +188,8 @@ class RecoveryCoordinator:
         cause = root_cause(failure)
         self.cluster.announce(reason)
         self.cluster.record(EventKind.RECOVERY_FAILED, fault_ids=ids, reason=reason, root_cause=cause,
-                            restarts=self.restarts, max_restarts=self.max_restarts)
+                            restarts=self.restarts, max_restarts=self.max_restarts,
+                            failure_ids=list(self._handling))
         raise FatalRun(reason, cause)
 
     def _kill(self, ranks: set[int], grace: float = 3.0) -> None:
@@ -234,7 +249,8 @@ class RecoveryCoordinator:
                       f"complete disk checkpoint: the job stops")
             cause = root_cause(failure)
             cluster.announce(reason)
-            cluster.record(EventKind.RECOVERY_FAILED, fault_ids=ids, reason=reason, root_cause=cause)
+            cluster.record(EventKind.RECOVERY_FAILED, fault_ids=ids, reason=reason, root_cause=cause,
+                           failure_ids=list(self._handling))
             raise FatalRun(reason, cause)
         if decision.restore_source == RestoreSource.DISK and self.strategy is not Strategy.RESTART_DISK:
             cluster.announce(f"every memory copy of rank(s) {list(decision.lost_both_copies) or sorted(lost)} is "
@@ -249,7 +265,7 @@ class RecoveryCoordinator:
         cluster.record(EventKind.RECOVERY_DECIDED, fault_ids=ids, gen=new_gen, restore_step=restore_step,
                        restore_source=decision.restore_source, strategy=self.strategy, ranks=respawn,
                        placement={str(r): job.members[r] for r in respawn},
-                       lost_both_copies=list(decision.lost_both_copies))
+                       lost_both_copies=list(decision.lost_both_copies), failure_ids=list(self._handling))
         needed = sorted({job.members[r] for r in respawn} & lost_nodes)
         for n in sorted(lost_nodes):
             job.deferred_restarts.pop(n, None)

@@ -111,9 +111,20 @@ class Failure:
     t: float = field(default_factory=time.time)
     detail: str = ""
     rank_failures: dict[int, RankFailure] = field(default_factory=dict)  # what each failed rank said
+    # When the failure began, as far as the controller can tell (`onset_t` in the record, the time
+    # a failure no injected fault explains is measured from): `t` itself when it was seen at once
+    # ("reported": a rank's exit or error, which its agent sees within 0.1 s; "agent-exit"), else
+    # the start of the silence that revealed it ("last-heartbeat", "last-progress").
+    since: float | None = None
+    since_what: str = "reported"
 
     def __post_init__(self) -> None:
         self.cause = str(self.cause)  # a Cause member is stored (and recorded) as its value
+
+    @property
+    def onset(self) -> float:
+        """When the failure began (`since`, else the time it was detected)."""
+        return self.since if self.since is not None else self.t
 
     @property
     def causes(self) -> tuple[Cause, ...]:
@@ -126,6 +137,8 @@ class Failure:
             self.rank_failures.setdefault(r, rf)
         if other.cause not in self.cause.split("+"):
             self.cause += "+" + other.cause
+        if other.onset < self.onset:  # the merged failure began with the earlier of the two
+            self.since, self.since_what = other.onset, other.since_what
 
     def signature(self) -> tuple[object, ...] | None:
         """The crash-loop signature of its first rank failure; None for a failure naming no rank
