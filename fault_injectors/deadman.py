@@ -43,7 +43,6 @@ DEADMAN_PREFIX = "ffctl-deadman"
 DEFAULT_GRACE_S = 5.0
 # A revertible fault always ends: without duration= it ends after this many seconds.
 DEFAULT_DURATION_S = 30.0
-ID_OPTION = "id"  # FaultSpec option the controller sets to its fault id (see with_fault_id)
 
 TransportFor = Callable[[HostCommand], Transport]
 
@@ -99,17 +98,15 @@ def fault_id(spec: FaultSpec) -> str:
     The digest keeps plans pure and `--dry-run` stable; two identical ad hoc faults of one run
     would share it, which is why the controller should always set its own id.
     """
-    given = spec.option(ID_OPTION)
-    if given:
-        return safe_id(given)
+    if spec.fault_id:
+        return safe_id(spec.fault_id)
     text = repr((spec.kind.value, str(spec.target), str(spec.trigger), spec.duration, spec.seed, spec.options))
     return "s" + hashlib.sha1(text.encode()).hexdigest()[:10]
 
 
 def with_fault_id(spec: FaultSpec, fid: str) -> FaultSpec:
     """`spec` carrying the controller's fault id, so rules and guards are tagged with it."""
-    options = tuple((k, v) for k, v in spec.options if k != ID_OPTION) + ((ID_OPTION, fid),)
-    return replace(spec, options=options)
+    return replace(spec, fault_id=fid)
 
 
 def owner_tag(run_id: str, fid: str) -> str:

@@ -108,6 +108,9 @@ class FaultSpec:
     duration: float | None = None  # seconds until revert (revertible faults)
     seed: int = 0
     options: tuple[tuple[str, str], ...] = ()  # kind-specific (rate=, delay=, loss=, port=, action=)
+    # The controller's id of this fault (`fault_injectors.deadman.with_fault_id`), which tags what
+    # the fault installs on a host; None until given. Not an option: no spec text can set it.
+    fault_id: str | None = None
 
     def option(self, key: str, default: str | None = None) -> str | None:
         return dict(self.options).get(key, default)

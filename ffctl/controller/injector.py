@@ -95,7 +95,7 @@ def chaos_faults(chaos: ChaosSpec) -> Iterator[tuple[float, FaultSpec]]:
 @dataclass
 class ActiveFault:
     fault_id: str
-    spec: FaultSpec  # carries the fault id (deadman.with_fault_id)
+    spec: FaultSpec  # carries the fault id (`spec.fault_id`, set by deadman.with_fault_id)
     plan: FaultPlan
     injected_t: float
     gen: int
@@ -212,7 +212,7 @@ class Injector:
     def plan(self, spec: FaultSpec) -> FaultPlan:
         """The checked plan `spec` would run now (for `--dry-run`): touches nothing, raises
         FaultSpecError (FaultUnsupported included) with one line."""
-        plan = plan_fault(spec, self.cluster.topology(), spec.option(deadman.ID_OPTION) or self._peek_id())
+        plan = plan_fault(spec, self.cluster.topology(), spec.fault_id or self._peek_id())
         network.preflight(plan, self.transport_for)
         return plan
 
@@ -226,12 +226,12 @@ class Injector:
         except FaultSpecError as exc:
             if raise_refused:
                 raise
-            self.cluster.record(EventKind.FAULT_FAILED, fault_id=spec.option(deadman.ID_OPTION) or self._take_id(),
+            self.cluster.record(EventKind.FAULT_FAILED, fault_id=spec.fault_id or self._take_id(),
                             kind=spec.kind.value, target=str(spec.target), trigger=str(spec.trigger),
                             error=str(exc), refused=True)
             return None, str(exc)
         fault_id = deadman.fault_id(plan.spec)
-        if spec.option(deadman.ID_OPTION) is None:
+        if spec.fault_id is None:
             self._take_id()
         fault = ActiveFault(fault_id, plan.spec, plan, time.time(), self.job.gen)
         self.cluster.record(

@@ -356,6 +356,12 @@ def test_fault_id_is_given_or_a_stable_digest() -> None:
     assert fault_id(spec) != fault_id(parse_spec("net-delay:node=1,step=4"))
     assert fault_id(with_fault_id(spec, "f 9/x")) == "f_9_x"
     assert fault_id(with_fault_id(with_fault_id(spec, "a"), "b")) == "b"
+    # The id is a field of the spec, not one of its options: giving it changes no option (nor the
+    # digest of a spec without one), and no spec text can set it.
+    given = with_fault_id(spec, "f3")
+    assert given.fault_id == "f3" and given.options == spec.options and spec.fault_id is None
+    with pytest.raises(FaultSpecError, match="id"):
+        parse_spec("net-delay:node=1,step=3,id=f1")
 
 
 # --- preflight against a scripted transport ---
