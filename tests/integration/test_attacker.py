@@ -160,8 +160,9 @@ def test_an_unauthenticated_store_client_can_neither_read_a_secret_nor_control_t
         attacker.set(f"{control.CTL_QUEUE}/{idx}", b"\xde\xad\xbe\xef not json at all")
         attacker.set(control.gen_abort_key(0, 0), "1")
         attacker.set(control.gen_plan_key(1), json.dumps(
-            {"gen": 1, "world_size": NNODES, "restore_step": 1,
-             "sources": {"0": {"kind": "peer-memory", "address": "127.0.0.1", "port": 1}}}))
+            {"type": "plan", "gen": 1, "world_size": NNODES, "strategy": "peer", "restore_step": 1,
+             "sources": {str(r): {"type": "peer-memory", "address": "127.0.0.1", "port": 1, "where": "replica"}
+                         for r in range(NNODES)}}))
 
         # -- the snapshot channel: the port each agent listens on --------------------------------
         agents_up = [e for e in iter_events(run_dir / "events.jsonl") if e.kind is EventKind.AGENT_STARTED]
