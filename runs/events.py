@@ -43,8 +43,9 @@ class EventKind(str, Enum):
     # per rank); failure_id ("d1", "d2", ...: every detected failure, numbered for the run);
     # onset_t, onset (when it began as far as the controller can tell, and how that is known:
     # "reported" (when the report of a rank's exit or error arrived, within 0.1 s of it),
-    # "agent-exit", "last-heartbeat", "last-progress"); explained_by (injected faults that explain it: fault_ids,
-    # else those of the recovery it cut short; empty: the report makes it a fault of kind `detected`)
+    # "agent-exit", "last-heartbeat", "last-progress"); explained_by (the injected faults that
+    # explain it: fault_ids, else those of the recovery it cut short; empty: the report makes it
+    # a fault of kind `detected`)
     FAILURE_DETECTED = "failure_detected"
     # fault_ids, gen, restore_step, restore_source, strategy; failure_ids (every failure this
     # recovery handles, those that cut an earlier attempt short included)
@@ -59,6 +60,9 @@ class EventKind(str, Enum):
     EXIT_BARRIER = "exit_barrier"
     # queue (or key), index, reason, raw (short repr); node/rank when an agent or rank refused it
     MESSAGE_REJECTED = "message_rejected"
+    # lost (count), kinds ({kind: count}), first_t, last_t, error: events dropped while the runs
+    # disk was full and more waited in memory than it may hold; written where they would have been
+    RECORD_LOST = "record_lost"
 
 
 class RunStatus(str, Enum):

@@ -2,7 +2,12 @@
 
 The controller is the only writer of events.jsonl. Each event is written as one line and fsync'd
 before `append` returns, so a SIGKILLed controller leaves every event it reported intact; a torn
-last line (killed mid-write) is skipped on read.
+last line (killed mid-write) is skipped on read. A disk that refuses a line (full, over quota)
+stops nothing: the line is taken back whole (the file truncated to where it began), the event
+waits in memory with those after it (bounded: past the bound newer ones are counted and dropped,
+and a `record_lost` event marks the gap), stderr says once that the record is behind, and each
+later append writes the waiting ones first, in order; `close` writes them, or says exactly which
+events the record lacks.
 
 Two things the controller cannot write come from elsewhere when the record is read:
 - what dead man's switches did: each one that reverted its fault appended a line to
@@ -14,6 +19,7 @@ Two things the controller cannot write come from elsewhere when the record is re
 """
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -21,8 +27,10 @@ import re
 import secrets
 import socket
 import stat
+import sys
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Iterable, Iterator
 
@@ -74,7 +82,8 @@ class RunStore:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._lock = threading.Lock()
-        self._fh: Any = None
+        self._fd: int | None = None  # events.jsonl, opened for appending on the first event
+        self._behind = _Backlog()  # events the disk has not taken yet (full, quota)
 
     @property
     def run_id(self) -> str:
@@ -131,12 +140,16 @@ class RunStore:
     def write_json(self, name: str, obj: Any) -> None:
         """Atomically replace `name` (write to a temp file, fsync, rename)."""
         tmp = self.path / f".{name}.tmp"
-        with open(tmp, "w") as fh:
-            json.dump(obj, fh, indent=2, sort_keys=False)
-            fh.write("\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, self.path / name)
+        try:
+            with open(tmp, "w") as fh:
+                json.dump(obj, fh, indent=2, sort_keys=False)
+                fh.write("\n")
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, self.path / name)
+        except OSError:
+            tmp.unlink(missing_ok=True)  # a full disk: the old file stays whole, no half-written one beside it
+            raise
 
     def read_json(self, name: str) -> Any:
         """The JSON in `name`; CorruptRecord for anything that does not decode (not UTF-8, not
@@ -158,24 +171,66 @@ class RunStore:
         self.write_json("run.json", info)
 
     def append(self, kind: EventKind, /, t: float | None = None, **data: Any) -> Event:
+        """Write one event as a line and fsync it. When the disk refuses (full, quota), the job
+        goes on: the event waits in memory behind those already waiting (bounded, `_Backlog`),
+        and every later append writes them again first, in order, once the disk takes them."""
         event = Event(kind=kind, t=time.time() if t is None else t, data=data)
-        line = event.to_json() + "\n"
+        line = (event.to_json() + "\n").encode()
         with self._lock:
-            if self._fh is None:
-                self._fh = open(self.events_path, "a", buffering=1)
-                # A record reopened after a kill may end in a torn line: start on a fresh one.
-                if self._fh.tell() > 0 and not _ends_with_newline(self.events_path):
-                    self._fh.write("\n")
-            self._fh.write(line)
-            self._fh.flush()
-            os.fsync(self._fh.fileno())
+            if self._behind.waiting():
+                self._catch_up()  # the older events first, and the note of any dropped
+            self._behind.hold(event.kind.value, event.t, line)
+            self._catch_up()
         return event
 
+    def _catch_up(self) -> bool:
+        """Write what waits (lock held): the held lines, then a `record_lost` event for any that
+        were dropped past the bounds. True when nothing is left waiting."""
+        while True:
+            if not self._write_held():
+                return False
+            if not self._behind.dropped:
+                self._behind.caught_up(self.events_path)
+                return True
+            self._behind.note_dropped()
+
+    def _write_held(self) -> bool:
+        """Write the held lines, one write each, and fsync them together. A write or fsync that
+        fails truncates the file back to where the batch began, so the record never holds a torn
+        line (nor one the disk did not store), and the batch waits whole for the next try."""
+        if not self._behind.lines:
+            return True
+        start: int | None = None
+        try:
+            if self._fd is None:
+                self._fd = os.open(self.events_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+                # A record reopened after a kill may end in a torn line: start on a fresh one.
+                if os.fstat(self._fd).st_size > 0 and not _ends_with_newline(self.events_path):
+                    _write_all(self._fd, b"\n")
+            start = os.fstat(self._fd).st_size
+            for line in self._behind.lines:
+                _write_all(self._fd, line)
+            os.fsync(self._fd)
+        except OSError as exc:
+            if start is not None and self._fd is not None:
+                try:
+                    os.ftruncate(self._fd, start)  # giving space back does not need any
+                except OSError:
+                    pass
+            self._behind.failed(self.events_path, exc)
+            return False
+        self._behind.written()
+        return True
+
     def close(self) -> None:
+        """Write what waits if the disk takes it now, else say exactly what the record lacks.
+        Idempotent."""
         with self._lock:
-            if self._fh is not None:
-                self._fh.close()
-                self._fh = None
+            if self._behind.waiting() and not self._catch_up():
+                self._behind.give_up(self.events_path)
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
 
     def events(self, deadman: bool = True) -> list[Event]:
         """The record's events; with `deadman`, the dead man's switches' reverts merged in."""
@@ -199,6 +254,120 @@ class RunStore:
         if any(event.kind is EventKind.RUN_FINISHED for event in events):
             return RunStatus(run_status(events))
         return RunStatus(run_status(events, self.controller_alive()))
+
+
+# How much of the record may wait in memory while its disk is full: beyond either bound, newer
+# events are counted by kind and dropped, and a `record_lost` event says so where they were.
+BACKLOG_MAX_EVENTS = 100_000
+BACKLOG_MAX_BYTES = 64 << 20
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """os.write until all of `data` is written (a full disk may take part of it, then refuse)."""
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        if n <= 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        view = view[n:]
+
+
+@dataclass
+class _Backlog:
+    """The record's events the disk has not taken yet, in order and bounded, and what is said on
+    stderr about them: once when the record falls behind, once when it caught up or gave up."""
+
+    lines: list[bytes] = field(default_factory=list)
+    size: int = 0
+    # Events dropped past the bounds, by kind, and their time span: one `record_lost` event,
+    # written after those that waited, says so where they were.
+    dropped: dict[str, int] = field(default_factory=dict)
+    dropped_span: tuple[float, float] | None = None
+    behind: bool = False
+    failed_once: int = 0  # held lines that a write already failed for (the first ones)
+    late: int = 0  # events written late since the record fell behind
+    lost: int = 0  # ... and dropped
+    error: str = ""
+
+    def waiting(self) -> bool:
+        return bool(self.lines or self.dropped)
+
+    def hold(self, kind: str, t: float, line: bytes) -> None:
+        if self.dropped or len(self.lines) >= BACKLOG_MAX_EVENTS or self.size + len(line) > BACKLOG_MAX_BYTES:
+            # Newer events are dropped, never older ones: what is kept stays in order, and the
+            # gap is in one place. Once one is dropped, all are until the disk takes the rest.
+            self.dropped[kind] = self.dropped.get(kind, 0) + 1
+            self.dropped_span = (self.dropped_span[0] if self.dropped_span else t, t)
+            return
+        self.lines.append(line)
+        self.size += len(line)
+
+    def failed(self, path: Path, exc: OSError) -> None:
+        self.error = exc.strerror or str(exc)
+        self.failed_once = len(self.lines)
+        if not self.behind:
+            self.behind = True
+            _say(f"the run record {path} is behind ({self.error}): the job goes on, its events wait in memory "
+                 f"(up to {BACKLOG_MAX_EVENTS} events or {BACKLOG_MAX_BYTES >> 20} MiB) until the disk takes them")
+
+    def written(self) -> None:
+        self.late += self.failed_once
+        self.failed_once = 0
+        self.lines, self.size = [], 0
+
+    def note_dropped(self) -> None:
+        """Hold the `record_lost` event for the events dropped (the next write takes it)."""
+        first, last = self.dropped_span or (0.0, 0.0)
+        count = sum(self.dropped.values())
+        gap = Event(EventKind.RECORD_LOST, last, {"lost": count, "kinds": dict(self.dropped),
+                                                  "first_t": first, "last_t": last, "error": self.error})
+        self.lost += count
+        self.dropped, self.dropped_span = {}, None
+        self.lines.append((gap.to_json() + "\n").encode())
+        self.size += len(self.lines[-1])
+
+    def caught_up(self, path: Path) -> None:
+        if self.behind:
+            lost = f"{self.lost} lost (a record_lost event marks where)" if self.lost else "none lost"
+            _say(f"the run record {path} caught up: {self.late} event(s) written late, {lost}")
+        self.behind, self.late, self.lost = False, 0, 0
+
+    def give_up(self, path: Path) -> None:
+        """The end, and the disk still refuses: say exactly which events the record lacks."""
+        kinds: dict[str, int] = dict(self.dropped)
+        times: list[float] = list(self.dropped_span or ())
+        for line in self.lines:
+            raw = json.loads(line)  # our own lines
+            if raw["event"] == EventKind.RECORD_LOST.value:
+                for kind, n in raw["kinds"].items():
+                    kinds[kind] = kinds.get(kind, 0) + n
+                times += [raw["first_t"], raw["last_t"]]
+            else:
+                kinds[raw["event"]] = kinds.get(raw["event"], 0) + 1
+                times.append(raw["t"])
+        _say(f"the run record {path} is incomplete ({self.error}): {_count_kinds(kinds)} from "
+             f"{_clock(min(times))} to {_clock(max(times))} could not be written")
+        self.lines, self.size, self.dropped, self.dropped_span = [], 0, {}, None
+        self.behind = False
+
+
+def _count_kinds(kinds: dict[str, int]) -> str:
+    """`12 event(s) (step x10, failure_detected x2)`."""
+    parts = ", ".join(f"{k} x{n}" for k, n in sorted(kinds.items(), key=lambda item: (-item[1], item[0])))
+    return f"{sum(kinds.values())} event(s) ({parts})"
+
+
+def _clock(t: float) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(t)) + f".{int((t % 1) * 1000):03d}"
+
+
+def _say(line: str) -> None:
+    """One line on stderr (the live view, on stdout, stays whole)."""
+    try:
+        sys.stderr.write(f"ffctl: {line}\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass  # no stderr to say it on: the record itself is what matters
 
 
 def _open_regular(path: Path) -> BinaryIO:

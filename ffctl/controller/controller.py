@@ -774,8 +774,13 @@ class Controller:
             self.record(EventKind.RUN_FINISHED, status=status.value, steps_completed=self.job.progress.committed_step,
                         reason=reason, path=self.training_path(), api=self.training_api,
                         **({"root_cause": self.root_cause} if status is RunStatus.FAILED and self.root_cause else {}))
-            self.rec.write_json("report.json", compute(self.rec.run_id, self.rec.events()).to_dict())
-            self.rec.close()
+            self.rec.close()  # the events still waiting for a full disk first, if it takes them now
+            try:
+                self.rec.write_json("report.json", compute(self.rec.run_id, self.rec.events()).to_dict())
+            except OSError as exc:
+                # A full runs disk ends nothing: `ffctl report` computes the same from the events.
+                print(f"ffctl: report.json not written ({exc.strerror or exc}); `ffctl report "
+                      f"{self.rec.run_id}` computes it from the record", file=sys.stderr)
         return status
 
     def _loop(self) -> RunStatus:
