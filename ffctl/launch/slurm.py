@@ -180,6 +180,21 @@ def cancel_argv(step: str, signal: str | None = None) -> list[str]:
     return ["scancel", *([f"--signal={signal}"] if signal else []), step]
 
 
+def node_state(host: str, run: Runner = subprocess.run) -> str | None:
+    """Slurm's state of `host` (``IDLE``, ``MIXED``, ``DOWN+DRAIN``...) with its reason if any;
+    None when scontrol cannot say."""
+    try:
+        out = run(["scontrol", "show", "node", host, "--oneliner"], capture_output=True, text=True,
+                  timeout=COMMAND_TIMEOUT_S, check=False).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    state = re.search(r"\bState=(\S+)", out)
+    reason = re.search(r"\bReason=(.*?)(?: \w+=|$)", out)
+    if state is None:
+        return None
+    return state.group(1) + (f" ({reason.group(1).strip()})" if reason and reason.group(1).strip() else "")
+
+
 def node_address(host: str, run: Runner = subprocess.run) -> str:
     """The address Slurm reaches `host` on (its NodeAddr), as an IP address."""
     addr = host
@@ -376,6 +391,7 @@ class SlurmNodes:
         self._slots = [_Slot(h) for h in hosts]
         self.spare_hosts = list(spares)
         self.failed_hosts: list[str] = []
+        self.failed_states: dict[str, str | None] = {}
         self._master_addr = master_addr
         self._run = run
         self._popen = popen
@@ -446,7 +462,7 @@ class SlurmNodes:
             return
         self._record.update_run_info(slurm={
             "job_id": self.job, "nodes": [s.host for s in self._slots], "spare_nodes": list(self.spare_hosts),
-            "failed_nodes": list(self.failed_hosts),
+            "failed_nodes": list(self.failed_hosts), "failed_node_states": dict(self.failed_states),
             "addresses": {h: [a, self._interfaces.get(h)] for h, a in self._addresses.items()},
             # A step's JOB.STEP id is looked up when it is cancelled (a kill-node, the end).
             "steps": [{"name": s.name, "host": s.host, **({"step": s._step} if s._step else {})} for s in self._steps],
@@ -480,6 +496,9 @@ class SlurmNodes:
         with self._lock:
             if slot.step is not None and slot.step.poll() is not None and self.spare_hosts:
                 self.failed_hosts.append(slot.host)
+                # What Slurm says of the node its step ended on (DOWN, DRAIN... or IDLE after a
+                # step cancel), for the record.
+                self.failed_states[slot.host] = node_state(slot.host, self._run)
                 slot.host = self.spare_hosts.pop(0)
             n = self._starts[cfg.node] = self._starts.get(cfg.node, 0) + 1
         # Where the agent listens is where its node is now (a spare node has its own address).

@@ -65,7 +65,8 @@ def fakes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     calls.mkdir()
     record = f'f=$(mktemp "{calls}/$(basename "$0")-XXXXXX"); for a in "$@"; do printf "%s\\n" "$a" >> "$f"; done\n'
     _fake(bin_dir, "scontrol", record + 'case "$2" in hostnames) echo n1; echo n2; echo n3 ;; '
-                                        'node) echo "NodeName=$3 Arch=x86_64 NodeAddr=127.0.0.1 NodeHostName=$3" ;; esac\n')
+                                        'node) echo "NodeName=$3 Arch=x86_64 NodeAddr=127.0.0.1 NodeHostName=$3 State=DOWN+DRAIN '
+                                        'Reason=Not responding [slurm@2026-01-01] Comment=(null)" ;; esac\n')
     # srun: the step's name, its stdin and its pid, then wait for EOF; a fault's command is run.
     _fake(bin_dir, "srun", record + f'''name=""; for a in "$@"; do case "$a" in --job-name=*) name="${{a#--job-name=}}" ;; esac; done
 case "$name" in
@@ -174,6 +175,7 @@ def test_kill_node_cancels_its_step_and_a_spare_node_takes_over(fakes: Path, tmp
     assert isinstance(other, SlurmTransport) and other.run(["true"], timeout=10.0).ok
     again = nodes.start(_cfg(1, tmp_path))
     assert nodes.host(1) == "n3" and nodes.failed_hosts == ["n2"] and nodes.spare_hosts == []
+    assert nodes.failed_states == {"n2": "DOWN+DRAIN (Not responding [slurm@2026-01-01])"}
     # release() cancels every step still running (a lost controller's agents do not stay).
     nodes.release(None)
     assert steps[0].poll() is not None and again.poll() is not None
