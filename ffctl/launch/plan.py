@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 from fault_injectors import FaultSpecError, NodePlace, RankPlace, Target, TargetMode, Topology
 from fault_injectors.network import preflight
 from fault_injectors.schedule import parse_chaos
-from fault_injectors.spec import FaultSpec
+from fault_injectors.spec import FaultKind, FaultSpec
 from fault_injectors.transport import LocalTransport
 from ffctl import __version__
 from ffctl.controller.backend import NodeBackend
@@ -132,6 +132,9 @@ def plan_launch(spec: LaunchSpec) -> LaunchPlan:
         lines.insert(1, f"sandbox: bridge {sandbox.bridge} on {sandbox.subnet}, the controller's store on "
                         f"{sandbox.controller_address}, one network namespace per node (removed at exit)")
     lines += _fault_lines(spec, topo, probe=hosts is None and slurm_hosts is None)
+    if slurm_hosts and (spec.chaos or any(f.kind in (FaultKind.KILL_NODE, FaultKind.REBOOT_NODE) for f in spec.injects)):
+        lines.append("on Slurm a node's `kill -KILL` is its agent step cancelled (scancel --signal=KILL JOB.STEP); "
+                     "the node comes back on a spare node while the allocation has one")
     warnings = _timeout_findings(spec, plain)
     lines += [f"timeouts: {w}" for w in warnings]
     return LaunchPlan(spec, run_id, tuple(lines), tuple(warnings))

@@ -207,4 +207,5 @@ def test_dry_run_inside_an_allocation_names_the_slurm_nodes(fakes: Path, tmp_pat
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "on Slurm node n1" in out.stdout and "on Slurm node n2" in out.stdout
+    assert "scancel --signal=KILL" in " ".join(out.stdout.split())
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
