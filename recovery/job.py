@@ -157,7 +157,7 @@ class Job:
         (a module, an optimizer, a scheduler: torch's `Stateful`), as `dcp.save` takes them."""
         self.register(name, obj.state_dict, obj.load_state_dict, replicated=replicated)
 
-    # -- hooks (what `register_ddp` builds on; a script may use them too) ------------------------
+    # -- hooks: what `register_ddp` (recovery/ddp.py) builds on, public and documented -----------
     @property
     def world_size(self) -> int:
         """The number of ranks of the generation this rank is in (the job's, before the first

@@ -28,6 +28,9 @@ from __future__ import annotations
 from typing import Any, ClassVar, Mapping, Union
 
 from recovery.jobenv import Strategy
+
+# The plan is decoded by the very machinery of the control plane's messages (their field checks,
+# their descriptions of what a field wants, their table-driven decoder), not by a copy of it.
 from recovery.messages import (
     _WANT,
     DecodeError,
