@@ -171,7 +171,7 @@ def _conf(root: Path, nodes: Sequence[str], ctld_port: int, node_ports: Sequence
         "SelectTypeParameters=CR_Core",
         # More CPUs than this machine has: the nodes share it, and their steps overlap.
         "SlurmdParameters=config_overrides",
-        "ReturnToService=2",
+        "ReturnToService=1",  # a node set down stays down until resumed
         "SlurmdTimeout=5",
         "InactiveLimit=0",
         "KillWait=2",
