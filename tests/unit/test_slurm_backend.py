@@ -209,3 +209,14 @@ def test_dry_run_inside_an_allocation_names_the_slurm_nodes(fakes: Path, tmp_pat
     assert "on Slurm node n1" in out.stdout and "on Slurm node n2" in out.stdout
     assert "scancel --signal=KILL" in " ".join(out.stdout.split())
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+
+
+def test_slurm_tests_say_why_they_are_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.helpers import slurm as harness
+
+    monkeypatch.setattr(harness.os, "geteuid", lambda: 1000)
+    assert harness.skip_reason() is not None and harness.skip_reason().startswith("needs root")  # type: ignore[union-attr]
+    monkeypatch.setattr(harness.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(harness, "_which", lambda tool: None if tool == "slurmd" else f"/usr/bin/{tool}")
+    assert harness.skip_reason() == ("Slurm not installed (missing slurmd): apt-get install slurmctld slurmd "
+                                     "slurm-client munge (scripts/setup does as root)")
