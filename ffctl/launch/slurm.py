@@ -294,6 +294,10 @@ class SlurmStep:
                           timeout=COMMAND_TIMEOUT_S, check=False)
             except (OSError, subprocess.TimeoutExpired):
                 pass
+        elif self.proc.poll() is None:
+            # Not (yet) known to squeue, e.g. still waiting for its resources: srun passes
+            # SIGTERM on to the step's tasks, or gives the step up if it has none yet.
+            self.proc.terminate()
         try:
             self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
