@@ -148,8 +148,10 @@ def test_agents_are_steps_with_their_config_on_stdin_and_stop_when_it_closes(fak
     assert [nodes.host(n) for n in range(2)] == ["n1", "n2"] and nodes.spare_hosts == ["n3"]
     steps = [nodes.start(_cfg(n, tmp_path)) for n in range(2)]
     assert _wait(lambda: all((fakes / f"stdin-ffctl-r1-node{n}-1").exists() for n in range(2)))
-    srun = [c for c in _calls(fakes, "srun")]
+    # The two steps start side by side: their calls may be logged in either order.
+    srun = sorted(_calls(fakes, "srun"), key=lambda c: [a for a in c if a.startswith("--nodelist=")])
     assert ["--jobid=7", "--nodes=1", "--ntasks=1", "--nodelist=n1", "--overlap"] == srun[0][:5]
+    assert ["--jobid=7", "--nodes=1", "--ntasks=1", "--nodelist=n2", "--overlap"] == srun[1][:5]
     assert srun[0][-2:] == ["-m", "ffctl.agent"] and not any("secret-token" in a for c in srun for a in c)
     for s in steps:
         s.stop(timeout=10.0)
