@@ -177,10 +177,12 @@ class RunStore:
         event = Event(kind=kind, t=time.time() if t is None else t, data=data)
         line = (event.to_json() + "\n").encode()
         with self._lock:
-            if self._behind.waiting():
-                self._catch_up()  # the older events first, and the note of any dropped
-            self._behind.hold(event.kind.value, event.t, line)
-            self._catch_up()
+            # The older events first (and the note of any dropped); while the disk still refuses
+            # them, this one waits behind them without another try.
+            behind = self._behind.waiting() and not self._catch_up()
+            self._behind.hold(event.kind.value, event.t, line, late=behind)
+            if not behind:
+                self._catch_up()
         return event
 
     def _catch_up(self) -> bool:
@@ -292,7 +294,8 @@ class _Backlog:
     def waiting(self) -> bool:
         return bool(self.lines or self.dropped)
 
-    def hold(self, kind: str, t: float, line: bytes) -> None:
+    def hold(self, kind: str, t: float, line: bytes, late: bool = False) -> None:
+        """Queue `line`; `late`: it waits behind lines the disk has just refused again."""
         if self.dropped or len(self.lines) >= BACKLOG_MAX_EVENTS or self.size + len(line) > BACKLOG_MAX_BYTES:
             # Newer events are dropped, never older ones: what is kept stays in order, and the
             # gap is in one place. Once one is dropped, all are until the disk takes the rest.
@@ -301,6 +304,8 @@ class _Backlog:
             return
         self.lines.append(line)
         self.size += len(line)
+        if late:
+            self.failed_once = len(self.lines)
 
     def failed(self, path: Path, exc: OSError) -> None:
         self.error = exc.strerror or str(exc)
