@@ -17,6 +17,11 @@ Definitions, all on the controller clock:
 Per run, lost_gpu_hours_total is the sum over the faults: time covered by two faults' windows is
 split between them, so nothing is billed twice.
 
+A failure the controller detected that no injected fault explains is a fault too, of kind
+`detected` (`_detected_faults`): every figure above, measured from the failure's onset (the time
+its record gives, `measured_from` says which) where an injected fault's are measured from its
+injection.
+
 A plain script's run reports strategy `torchrun-restart` (its group is stopped and started again
 whatever --recovery asked, `none` aside) and a goodput only when it reports steps.
 
