@@ -13,6 +13,7 @@ from typing import Any
 import psutil
 import pytest
 
+from recovery.slots import DATA_OFFSET, HEADER
 from runs.events import EventKind
 from runs.store import iter_events
 from tests.helpers.launch import (
@@ -161,11 +162,17 @@ def test_corrupted_slot_is_detected_and_not_used(
         events = list((workdir / "runs" / run_id / "events.jsonl").read_text().splitlines())
         pid = next(json.loads(line)["pids"]["1"] for line in events if '"ranks_spawned"' in line)
         os.kill(pid, signal.SIGSTOP)
-        for slot in sorted(Path("/dev/shm").glob(f"ffctl-{run_id}-*/ffctl-{run_id}-n0-r1-s*")):
+        slots = sorted(Path("/dev/shm").glob(f"ffctl-{run_id}-*/ffctl-{run_id}-n0-r1-s*"))
+        assert len(slots) == 2, slots
+        for slot in slots:
             with open(slot, "r+b") as fh:
-                fh.seek(-1, os.SEEK_END)
+                # The last byte the checksum covers: a slot's file only grows, so its last byte
+                # may lie past a smaller snapshot's end.
+                _, _, _, meta_len, shard_len, _, _ = HEADER.unpack(fh.read(HEADER.size))
+                end = DATA_OFFSET + meta_len + shard_len
+                fh.seek(end - 1)
                 last = fh.read(1)
-                fh.seek(-1, os.SEEK_END)
+                fh.seek(end - 1)
                 fh.write(bytes([last[0] ^ 0xFF]))
         os.kill(pid, signal.SIGKILL)
         proc.wait(timeout=400)
