@@ -66,9 +66,32 @@ def register(app: typer.Typer) -> None:
         remote_python: Annotated[str, typer.Option("--remote-python", help="Python the agents would run with on the hosts.")] = "python3",
         timeout: Annotated[float, typer.Option("--timeout", help="Seconds each check may take on a host.")] = 15.0,
         backend: Annotated[Optional[str], typer.Option("--backend", help="slurm: check every node of the Slurm allocation this runs in (each check a job step).")] = None,
+        script: Annotated[Optional[Path], typer.Option("--script", help="Also check the timeouts that decide how soon a failure of this training script is noticed (its process-group timeout, TORCH_NCCL_* settings, ffctl's heartbeat and hang limits) for inversions and detection over a minute.")] = None,
+        hang_timeout: Annotated[float, typer.Option("--hang-timeout", help="With --script: the launch's --hang-timeout.")] = 5.0,
+        heartbeat_timeout: Annotated[float, typer.Option("--heartbeat-timeout", help="With --script: the launch's --heartbeat-timeout.")] = 1.0,
     ) -> int:
         """Check that hosts can run ffctl jobs (python, torch, ffctl) and which faults they can take."""
+        found = timeouts_of(script, hang_timeout, heartbeat_timeout) if script is not None else None
         reports = diagnose(hosts, accept_new_host_keys=accept_new_host_keys, python=remote_python,
                            timeout=timeout, backend=backend)
-        render_doctor(reports, make_console())
+        console = make_console()
+        render_doctor(reports, console)
+        if found is not None:
+            for line in found or ["none inverted, and every failure is noticed within a minute"]:
+                console.print(f"timeouts: {line}", markup=False, highlight=False)
         return EXIT_OK if all(r.can_run_job for r in reports) else EXIT_INFRA
+
+
+def timeouts_of(script: Path, hang_s: float, heartbeat_s: float) -> list[str]:
+    """What `ffctl launch SCRIPT` would say of its timeouts (ffctl.launch.timeouts)."""
+    from ffctl.controller.controller import uses_recovery_library
+    from ffctl.launch.plan import timeout_findings
+    from ffctl.spec import LaunchSpec, SpecError
+
+    spec = LaunchSpec(nnodes=1, nproc_per_node=1, script=(str(script),), hang_min_s=hang_s,
+                      heartbeat_timeout=heartbeat_s)
+    try:
+        spec.validate()
+    except SpecError as exc:
+        raise BadInput(str(exc)) from None
+    return timeout_findings(spec, plain=not uses_recovery_library(spec.script))

@@ -135,12 +135,12 @@ def plan_launch(spec: LaunchSpec) -> LaunchPlan:
     if slurm_hosts and (spec.chaos or any(f.kind in (FaultKind.KILL_NODE, FaultKind.REBOOT_NODE) for f in spec.injects)):
         lines.append("on Slurm a node's `kill -KILL` is its agent step cancelled (scancel --signal=KILL JOB.STEP); "
                      "the node comes back on a spare node while the allocation has one")
-    warnings = _timeout_findings(spec, plain)
+    warnings = timeout_findings(spec, plain)
     lines += [f"timeouts: {w}" for w in warnings]
     return LaunchPlan(spec, run_id, tuple(lines), tuple(warnings))
 
 
-def _timeout_findings(spec: LaunchSpec, plain: bool) -> list[str]:
+def timeout_findings(spec: LaunchSpec, plain: bool) -> list[str]:
     """What the launch's detection timeouts say (ffctl.launch.timeouts): the script's own
     process-group timeout where its source shows it, the environment's NCCL settings."""
     source = None

@@ -8,6 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from ffctl.cli.app import app
+from tests.unit.test_bad_inputs import run_cli
 from ffctl.launch.timeouts import GLOO_DEFAULT_S, findings, read_timeouts, script_pg_timeout
 
 
@@ -57,3 +58,15 @@ def test_launch_says_them_in_its_dry_run(tmp_path: Path) -> None:
     out = " ".join(res.output.split())  # the plan's lines may wrap on a narrow terminal
     assert "timeouts: a peer lost inside a collective is noticed only when the process-group timeout " \
            "expires, 6000 s (the script's init_process_group(timeout=...))" in out
+
+
+def test_doctor_checks_a_scripts_timeouts(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("import torch.distributed as dist\nfrom datetime import timedelta\n"
+                      "dist.init_process_group('gloo', timeout=timedelta(seconds=2))\n")
+    res = CliRunner().invoke(app, ["doctor", "--script", str(script), "--timeout", "60"])
+    out = " ".join(res.output.split())
+    assert "timeouts: process-group timeout 2 s (the script's init_process_group(timeout=...)) is not above " \
+           "the hang timeout 5 s" in out, res.output
+    code, printed = run_cli(["doctor", "--script", str(tmp_path / "nope.py")], tmp_path / "runs", tmp_path)
+    assert code == 2 and "nope.py" in printed and len(printed.strip().splitlines()) == 1, printed
