@@ -62,6 +62,12 @@ CONFIG_ENV = "FFCTL_AGENT_CONFIG"
 MAX_RANKS = 1 << 20
 
 
+def agent_argv(python: str) -> list[str]:
+    """How every backend starts an agent (its config then comes on stdin or in CONFIG_ENV); the
+    launch's dry run prints this very argv."""
+    return [python, "-m", "ffctl.agent"]
+
+
 @dataclass(frozen=True)
 class AgentConfig:
     run_id: str

@@ -16,7 +16,7 @@ from typing import IO, Any, Sequence
 
 from fault_injectors.plan import HostCommand
 from fault_injectors.transport import LocalTransport, Transport
-from ffctl.agent.agent import AgentConfig
+from ffctl.agent.agent import AgentConfig, agent_argv
 from ffctl.spec import LaunchSpec
 from runs import shm
 from runs.store import RunStore
@@ -43,6 +43,12 @@ class LocalAgent:
             self.proc.kill()
             self.proc.wait(timeout=timeout)
         self._log.close()
+
+
+def local_agent_argv(netns: str | None = None) -> list[str]:
+    """A local node's agent: this interpreter, inside the node's network namespace if it has one."""
+    argv = agent_argv(sys.executable)
+    return ["ip", "netns", "exec", netns, *argv] if netns else argv
 
 
 class LocalNodes:
@@ -127,10 +133,7 @@ class LocalNodes:
         if self.log_dir is None:
             raise RuntimeError("LocalNodes.start before attach(): no log directory")
         self._hold_shm(cfg.shm_dir)
-        argv = [sys.executable, "-m", "ffctl.agent"]
-        ns = self.netns(cfg.node)
-        if ns:
-            argv = ["ip", "netns", "exec", ns, *argv]
+        argv = local_agent_argv(self.netns(cfg.node))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log = open(self.log_dir / f"agent-{cfg.node}.log", "ab")
         proc = subprocess.Popen(

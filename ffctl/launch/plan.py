@@ -117,15 +117,19 @@ def plan_launch(spec: LaunchSpec) -> LaunchPlan:
              f"recovery {recovery}" + (f", checkpoint every {spec.ckpt_every}" if spec.ckpt_every else "")
              + (f", {spec.spares} warm spare(s) per node" if spec.spares else "")]
     worker = " ".join(shlex.quote(a) for a in spec.script) if spec.script else f"built-in GPT ({spec.model})"
+    # The very argv each backend starts its agents with.
+    from ffctl.agent.agent import agent_argv
+    from ffctl.launch.nodes import local_agent_argv
+
     for n in range(spec.nnodes):
         ranks = [r for r in range(spec.world_size) if r // spec.nproc_per_node == n]
-        where = f"`{spec.remote_python} -m ffctl.agent.agent` over SSH on {hosts[n]}" if hosts else \
-            f"`{sys.executable} -m ffctl.agent.agent` on localhost"
+        where = f"`{shlex.join(agent_argv(spec.remote_python))}` over SSH on {hosts[n]}" if hosts else \
+            f"`{shlex.join(local_agent_argv())}` on localhost"
         if slurm_hosts:
-            where = f"`{sys.executable} -m ffctl.agent` as a step (srun --overlap) on Slurm node {slurm_hosts[n]}"
+            where = f"`{shlex.join(agent_argv(sys.executable))}` as a step (srun --overlap) on Slurm node {slurm_hosts[n]}"
         if sandbox is not None:
             place = topo.node(n)
-            where = (f"`ip netns exec {place.netns} {sys.executable} -m ffctl.agent.agent` on localhost "
+            where = (f"`{shlex.join(local_agent_argv(place.netns))}` on localhost "
                      f"(address {place.address}, interface {place.interface})")
         lines.append(f"node {n}: agent {where}, ranks {ranks}: {worker}")
     if sandbox is not None:

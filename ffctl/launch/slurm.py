@@ -41,6 +41,7 @@ from fault_injectors.plan import HostCommand
 from fault_injectors.revert import SHM_SWEEP
 from fault_injectors.transport import CommandResult, LocalTransport, Transport
 from ffctl.agent.agent import AgentConfig
+from ffctl.agent.agent import agent_argv as agent_command
 from ffctl.errors import BadInput, InfraError
 from ffctl.spec import LaunchSpec
 from runs.shm import SHM_ROOT
@@ -172,7 +173,7 @@ def step_argv(job: str, host: str, name: str, argv: Sequence[str]) -> list[str]:
 
 def agent_argv(job: str, host: str, name: str, python: str = sys.executable) -> list[str]:
     """The step that runs a node's agent (its config is the first line of the step's stdin)."""
-    return step_argv(job, host, name, [python, "-m", "ffctl.agent"])
+    return step_argv(job, host, name, agent_command(python))
 
 
 def cancel_argv(step: str, signal: str | None = None) -> list[str]:

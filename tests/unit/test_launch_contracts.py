@@ -75,3 +75,31 @@ def test_sandbox_and_hosts_together_refused(tmp_path: Path) -> None:
 def test_every_family_has_a_planner_and_every_way_a_backend() -> None:
     assert set(PLANNERS) == set(FaultFamily)
     assert set(BACKENDS) == {"local", "netns", "ssh", "slurm"}
+
+
+def test_the_dry_run_prints_the_argv_each_local_agent_is_started_with(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import shlex
+
+    from ffctl.agent.agent import AgentConfig
+    from ffctl.launch import nodes as local
+
+    started: list[list[str]] = []
+
+    class Started(Exception):
+        pass
+
+    def popen(argv: list[str], **kwargs: object) -> None:
+        started.append(list(argv))
+        raise Started
+
+    plan = plan_launch(LaunchSpec(nnodes=2, nproc_per_node=1, runs_dir=tmp_path / "runs"))
+    backend = local.LocalNodes(plan.spec, plan.run_id)
+    backend.log_dir = tmp_path / "logs"
+    monkeypatch.setattr(local.subprocess, "Popen", popen)
+    monkeypatch.setattr(backend, "_hold_shm", lambda shm_dir: None)
+    with pytest.raises(Started):
+        backend.start(AgentConfig(run_id=plan.run_id, node=0, nnodes=2, store_host="127.0.0.1", store_port=1,
+                                  address="127.0.0.1", token="t", log_dir=str(tmp_path), worker_argv=("-m", "x")))
+    [argv] = started
+    shown = [line for line in plan.lines if line.startswith("node 0: agent ")]
+    assert shown and f"`{shlex.join(argv)}` on localhost" in shown[0], (shown, argv)

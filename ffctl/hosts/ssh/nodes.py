@@ -42,7 +42,7 @@ from fault_injectors.plan import HostCommand
 from fault_injectors.revert import SHM_SWEEP
 from fault_injectors.transport import CommandResult, LocalTransport, Transport, TransportError
 from ffctl import __version__
-from ffctl.agent.agent import CONFIG_ENV, TERM_GRACE_S, AgentConfig
+from ffctl.agent.agent import CONFIG_ENV, TERM_GRACE_S, AgentConfig, agent_argv
 from ffctl.hosts.doctor import clock_offset
 from ffctl.errors import BadInput, InfraError
 from ffctl.hosts.hostfile import HostEntry, HostfileError, parse_hostfile
@@ -510,7 +510,7 @@ class SSHNodes:
                     raise InfraError(f"{setup.entry.name}: cannot create {self.remote_log_dir(node)}: "
                                      f"{made.describe()}")
                 self._prepared.add(node)
-            proc = transport.start([setup.python, "-m", "ffctl.agent"], {CONFIG_ENV: remote.to_json()},
+            proc = transport.start(agent_argv(setup.python), {CONFIG_ENV: remote.to_json()},
                                    cwd=self.run_dir, grace_s=REMOTE_GRACE_S, timeout=PROBE_TIMEOUT_S)
         except TransportError as exc:
             # E.g. the host went away and does not come back for a restart: one line, exit 3.
