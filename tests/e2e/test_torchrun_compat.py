@@ -4,7 +4,6 @@ gets torchrun's restart semantics (every worker restarted, up to --max-restarts,
 cause: the failed rank and the error its `@record` error file holds)."""
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path

@@ -379,7 +379,7 @@ def test_closing_the_transport_kills_remote_processes(cluster: SSHCluster) -> No
 def test_process_exit_status_and_cwd(node0: SSHTransport, cluster: SSHCluster) -> None:
     proc = node0.start(["sh", "-c", "pwd; printf partial; exit 7"], cwd=str(cluster.workdir))
     assert proc.wait(10) == 7
-    assert [(l.stream, l.text) for l in proc.iter_lines(5)] == [
+    assert [(line.stream, line.text) for line in proc.iter_lines(5)] == [
         (Stream.STDOUT, str(cluster.workdir)),
         (Stream.STDOUT, "partial"),  # a last line without newline is kept
     ]

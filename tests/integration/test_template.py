@@ -3,12 +3,10 @@ interpreter would, are adopted by the agent, and die with it."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import psutil

@@ -4,7 +4,6 @@ whose globals hold a gloo group never hangs in the group's destructor after its 
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import textwrap

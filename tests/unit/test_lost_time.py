@@ -54,7 +54,7 @@ def test_hang_shorter_than_the_detection_threshold_is_billed() -> None:
     b = StreamBuilder()
     b.run_started(world_size=WORLD, strategy="peer")
     b.steps(1, 10)
-    inj = b.fault_injected("h", kind="hang-rank", at_step=10, dt=0.0625, duration=3.0)
+    b.fault_injected("h", kind="hang-rank", at_step=10, dt=0.0625, duration=3.0)
     b.step(11, step_time_s=0.0625)  # reduced before the stop landed
     b.wait(3.0 - 0.125)
     b.fault_reverted("h")
