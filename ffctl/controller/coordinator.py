@@ -48,6 +48,9 @@ NODE_RESTART_DELAY_S = 0.0
 # How long a stopping job waits for a rank that reported an error to exit by itself, so that the
 # root cause shows its exit code and the traceback it printed.
 EXIT_WAIT_S = 3.0
+# How long a lost node's agent that still runs is given to stop by itself before it is killed
+# (see `_fence`): it is stopped, wedged or cut off, so it is not expected to answer.
+FENCE_STOP_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -207,12 +210,29 @@ class RecoveryCoordinator:
                 for r in rs:
                     job.pids[r] = None  # no agent left to stop or report it
 
+    def _fence(self, nodes: set[int]) -> None:
+        """End the agents of nodes this recovery counts as lost, with their ranks, before the next
+        generation opens. A node lost by its heartbeat is not necessarily dead: an agent that is
+        SIGSTOPped, wedged or cut off stops beating, but its ranks (which a stopped agent does
+        not stop) run on. Left alone they see the abort like any survivor and join generation
+        g+1 under the same rank numbers as their replacements: two processes per rank in one
+        rendezvous, a job that hangs at once, and a recovery from that hang whose survivors'
+        copies share no step. Stopping the agent (the node is restarted later anyway, which
+        stops it too; `stop` is idempotent) ends them: a local agent's workers die with it
+        (PR_SET_PDEATHSIG), a remote agent's host wrapper ends its whole process group. An agent
+        that already exited returns at once."""
+        for n in sorted(nodes):
+            st = self.job.nodes.get(n)
+            if st is not None and st.proc.poll() is None:
+                st.proc.stop(timeout=FENCE_STOP_S)
+
     def _recover_once(self, failure: Failure, ids: list[str]) -> tuple[Decision, list[int]]:
         job, cluster = self.job, self.cluster
         old_gen = job.gen
         lost_nodes = set(failure.nodes) | {n for n, st in job.nodes.items() if not st.up}
         for n in lost_nodes:
             job.nodes[n].up = False
+        self._fence(set(failure.nodes))
         cluster.wire_ring()  # survivors must not wait on a dead neighbour's copy
         lost = set(failure.ranks) | {r for r, n in job.members.items() if n in lost_nodes}
         lost |= {r for r, pid in job.pids.items() if pid is None}
@@ -225,6 +245,7 @@ class RecoveryCoordinator:
             newly = {n for n, st in job.nodes.items() if not st.up} - lost_nodes
             if newly:
                 lost_nodes |= newly
+                self._fence(newly)
                 cluster.wire_ring()
                 for r, n in job.members.items():
                     if n in newly:
@@ -245,16 +266,22 @@ class RecoveryCoordinator:
             self._kill(set(job.members) - lost)
             lost = set(job.members)
         if decision is None:
-            reason = (f"no copy of the state of rank(s) {sorted(lost)} survives and there is no "
-                      f"complete disk checkpoint: the job stops")
+            # Without a lost rank, "no copy survives" would be false and name no one: every rank
+            # still holds its own slots, and they share no step only when the generation held
+            # processes it should not have (e.g. a lost node's ranks that ran on, see `_fence`).
+            what = (f"no copy of the state of rank(s) {sorted(lost)} survives" if lost else
+                    "the ranks' memory copies hold no step in common")
+            reason = f"{what} and there is no complete disk checkpoint: the job stops"
             cause = root_cause(failure)
             cluster.announce(reason)
             cluster.record(EventKind.RECOVERY_FAILED, fault_ids=ids, reason=reason, root_cause=cause,
                            failure_ids=list(self._handling))
             raise FatalRun(reason, cause)
         if decision.restore_source == RestoreSource.DISK and self.strategy is not Strategy.RESTART_DISK:
-            cluster.announce(f"every memory copy of rank(s) {list(decision.lost_both_copies) or sorted(lost)} is "
-                             f"gone: falling back to the disk checkpoint of step {decision.restore_step}")
+            gone = list(decision.lost_both_copies) or sorted(lost)
+            cluster.announce((f"every memory copy of rank(s) {gone} is gone" if gone else
+                              "the ranks' memory copies hold no step in common") +
+                             f": falling back to the disk checkpoint of step {decision.restore_step}")
             # Survivors hold no memory copy of the disk step: every rank restarts from disk.
             self._kill(set(job.members) - lost)
             lost = set(job.members)

@@ -367,6 +367,49 @@ def test_a_node_lost_while_survivors_acknowledge_moves_its_ranks_to_spares() -> 
     assert job.pending is None
 
 
+class StoppedAgent(FakeProc):
+    """An agent that stopped beating but still runs (SIGSTOPped): it ends only when stopped."""
+
+    def __init__(self, log: list[str]) -> None:
+        self.code: int | None = None
+        self.log = log
+
+    def poll(self) -> int | None:
+        return self.code
+
+    def stop(self, timeout: float) -> None:
+        self.log.append("stopped")
+        self.code = -9
+
+
+def test_a_node_lost_by_heartbeat_has_its_agent_stopped_before_the_next_generation_opens() -> None:
+    # Its ranks outlive a stopped agent: left running they would join generation 1 beside their
+    # replacements.
+    job = _job(spares=2)
+    cluster = _cluster(job)
+    log: list[str] = []
+    job.nodes[1].proc = StoppedAgent(log)
+    job.nodes[1].up = False
+    job.fail(Failure(Cause.NODE_LOST, nodes={1}))
+    cluster.hooks["teardown"] = [lambda: log.append("teardown")]
+    outcome = _coordinator(cluster).recover()
+    assert outcome.ranks == (2, 3) and outcome.restore_source is RestoreSource.PEER_MEMORY
+    assert log == ["stopped", "teardown"] and job.nodes[1].proc.poll() is not None
+
+
+def test_no_common_step_without_a_lost_rank_names_no_empty_list() -> None:
+    job = _job()
+    cluster = _cluster(job)
+    cluster.held[1] = ({2: {3}, 3: {3}}, cluster.held[1][1])  # node 1's ranks' slots: an older step
+    cluster.held[0] = (cluster.held[0][0], {})
+    job.fail(Failure(Cause.HANG))
+    with pytest.raises(FatalRun) as stopped:
+        _coordinator(cluster).recover()
+    assert "[]" not in stopped.value.reason and "survives" not in stopped.value.reason
+    assert stopped.value.reason == ("the ranks' memory copies hold no step in common and there is no complete "
+                                    "disk checkpoint: the job stops")
+
+
 @pytest.mark.parametrize("gpu", [False, True])
 def test_a_lost_node_without_spares_goes_to_a_warm_template_on_a_cpu_host(gpu: bool) -> None:
     job = _job(spares=0)
