@@ -345,6 +345,14 @@ def attach(job: Host, model: DistributedDataParallel, optimizer: torch.optim.Opt
     if any(k not in names for k in module.state_dict()):
         job.register("buffers", lambda: {k: v for k, v in module.state_dict().items() if k not in names},
                      lambda state: _load(module, state), replicated=False)
+    return register_rest(job, optimizer, scheduler, loader)
+
+
+def register_rest(job: Any, optimizer: torch.optim.Optimizer, scheduler: Any | None,
+                  loader: Iterable | None) -> Batches | None:
+    """The optimizer and scheduler (replicated) and the data position (the rank's own) as the
+    job's state; the batches iterator when there is a loader. Shared with the job outside ffctl
+    (`recovery.standalone`), so the two draw the same batches."""
     job.register("optimizer", optimizer.state_dict, optimizer.load_state_dict, replicated=True)
     if scheduler is not None:
         job.register("scheduler", scheduler.state_dict, scheduler.load_state_dict, replicated=True)

@@ -22,12 +22,12 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
 import torch
 
 from recovery import control, ddp, disk, messages
+from recovery.context import StepContext
 from recovery.errors import PeerFailure, RecoveryError, StepRestart
 from recovery.faults import InStepFaults
 from recovery.group import Generation, SeenHook
@@ -49,37 +49,6 @@ PLAN_TIMEOUT = 180.0
 ACK_TIMEOUT = 2.0
 ACK_POLL_S = 0.001
 ERROR_TRACE_LINES = 20
-
-
-@dataclass
-class StepContext:
-    """What a step function gets: the step number and the collectives of this generation."""
-
-    step: int
-    job: Job
-
-    @property
-    def rank(self) -> int:
-        return self.job.env.rank
-
-    @property
-    def world_size(self) -> int:
-        return self.job.env.world_size
-
-    def allreduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        return self.job.allreduce(tensor)
-
-    def allgather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        """Every rank's `tensor` (same shape on all ranks), in rank order."""
-        return self.job.allgather(tensor)
-
-    def reduce_loss(self, loss: torch.Tensor) -> None:
-        """On the DDP path, before `backward()`: the step's loss travels with the gradients, so
-        the mean over the ranks that the run reports costs no collective of its own."""
-        reduction = self.job.reduction
-        if reduction is None:
-            raise RuntimeError("reduce_loss is for a job with register_ddp")
-        reduction.take_loss(loss)
 
 
 def _exit_on_term(signum: int, frame: Any) -> None:

@@ -19,7 +19,8 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from recovery.ddp import Batches
+from recovery.ddp import Batches, register_rest
+from recovery.context import StepContext
 from recovery.jobenv import JobEnv, Strategy
 from recovery.snapshot import StateEntry, state_entry
 
@@ -29,29 +30,12 @@ def under_ffctl(environ: dict[str, str] | None = None) -> bool:
     return bool((os.environ if environ is None else environ).get("FFCTL_RUN_ID"))
 
 
-class PlainStepContext:
-    """What a step function gets outside ffctl: the step and torch's own collectives."""
+class _LossAfterStep:
+    """`StepContext.reduce_loss` outside ffctl: DDP reduces its own gradients, and the step's
+    mean loss is taken after the step function when `until` asks for it."""
 
-    def __init__(self, step: int, job: PlainJob) -> None:
-        self.step = step
-        self.job = job
-
-    @property
-    def rank(self) -> int:
-        return self.job.env.rank
-
-    @property
-    def world_size(self) -> int:
-        return self.job.env.world_size
-
-    def allreduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        return self.job.allreduce(tensor)
-
-    def allgather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        return self.job.allgather(tensor)
-
-    def reduce_loss(self, loss: torch.Tensor) -> None:
-        """Under ffctl the loss travels with the gradients; here the mean is taken after the step."""
+    def take_loss(self, loss: torch.Tensor) -> None:
+        pass
 
 
 class PlainJob:
@@ -64,6 +48,7 @@ class PlainJob:
         self.entries: list[StateEntry] = []
         self.last_committed = 0
         self._ddp = False
+        self.reduction: _LossAfterStep | None = None  # set by register_ddp (StepContext.reduce_loss)
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> PlainJob:
@@ -108,15 +93,9 @@ class PlainJob:
     def register_ddp(self, *, model: Any, optimizer: torch.optim.Optimizer, scheduler: Any | None = None,
                      loader: Iterable | None = None) -> Batches | None:
         self._ddp = True
+        self.reduction = _LossAfterStep()
         self.register("model", model.module.state_dict, model.module.load_state_dict, replicated=True)
-        self.register("optimizer", optimizer.state_dict, optimizer.load_state_dict, replicated=True)
-        if scheduler is not None:
-            self.register("scheduler", scheduler.state_dict, scheduler.load_state_dict, replicated=True)
-        if loader is None:
-            return None
-        batches = Batches(loader)
-        self.register("data", batches.state_dict, batches.load_state_dict)
-        return batches
+        return register_rest(self, optimizer, scheduler, loader)
 
     def allreduce(self, tensor: torch.Tensor) -> torch.Tensor:
         self._world()
@@ -134,7 +113,7 @@ class PlainJob:
         """Train steps 1..`steps`; `until(step, loss)` (the step's loss, the mean over the ranks
         on the DDP path as under ffctl) ends the job after that step when true."""
         for step in range(1, steps + 1):
-            loss = float(step_fn(PlainStepContext(step, self)))
+            loss = float(step_fn(StepContext(step, self)))
             self.last_committed = step
             if until is not None:
                 if self._ddp:
