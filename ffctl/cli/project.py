@@ -11,7 +11,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from ffctl.cli.report import run_report
+from ffctl.cli.report import check_outputs, run_report
 from ffctl.errors import BadInput
 from ffctl.render import html as html_page
 from ffctl.render import make_console
@@ -163,12 +163,7 @@ def register(app: typer.Typer) -> None:
             raise BadInput(f"--spares-per-1000 {spares_per_1000!r}: 0 or more spare GPUs per 1,000")
         spec = ProjectionSpec(the_fleet, parse_gpus(gpus), spares_per_1000,
                               parse_duration(replace_time, "--replace-time") if replace_time is not None else 0.0)
-        if html is not None:
-            html_page.require_matplotlib()
-            if not html.parent.is_dir() or html.is_dir():
-                raise BadInput(f"--html {str(html)!r}: not a file in an existing directory")
-        if runs_dir.exists() and not runs_dir.is_dir():
-            raise BadInput(f"--runs-dir {str(runs_dir)!r} is not a directory")
+        check_outputs(html, runs_dir)
         doc: dict[str, Any] = project(load_measures(runs_dir, runs), spec)
         if not doc["strategies"]:
             raise BadInput(f"runs {', '.join(map(repr, runs))}: no strategy with a recovery to project "

@@ -82,6 +82,17 @@ def _write(path: Path, page: str, console: Any) -> None:
     console.print(f"HTML report written to {path}", markup=False, highlight=False, soft_wrap=True)
 
 
+def check_outputs(html: Path | None, runs_dir: Path) -> None:
+    """`--html FILE` (matplotlib installed, a file in an existing directory) and `--runs-dir`
+    (a directory when it exists), checked before any record is read: one line, exit 2."""
+    if html is not None:
+        html_page.require_matplotlib()
+        if not html.parent.is_dir() or html.is_dir():
+            raise BadInput(f"--html {str(html)!r}: not a file in an existing directory")
+    if runs_dir.exists() and not runs_dir.is_dir():
+        raise BadInput(f"--runs-dir {str(runs_dir)!r} is not a directory")
+
+
 def register(app: typer.Typer) -> None:
     @app.command("report")
     def report(
@@ -110,12 +121,7 @@ def register(app: typer.Typer) -> None:
             # The projection grew into its own command (fleet presets, Daly's model, several sizes).
             raise BadInput(f"--project {project_to!r}: projection is `ffctl project RUN... --mtbf T@N --gpus N` "
                            "(or --fleet llama3|rsc1|rsc2) now")
-        if html is not None:
-            html_page.require_matplotlib()
-            if not html.parent.is_dir() or html.is_dir():
-                raise BadInput(f"--html {str(html)!r}: not a file in an existing directory")
-        if runs_dir.exists() and not runs_dir.is_dir():
-            raise BadInput(f"--runs-dir {str(runs_dir)!r} is not a directory")
+        check_outputs(html, runs_dir)
         records = []
         for run_id in runs or []:
             try:
