@@ -5,6 +5,7 @@ fault, the lost ranks' state from local then peer memory, and no survivor restar
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -95,8 +96,8 @@ def test_the_library_stops_early_on_every_rank_at_the_same_step(workdir: Path, l
         rep = json.loads((workdir / "runs" / run_id / "report.json").read_text())
         assert rep["status"] == "completed" and rep["steps_completed"] == 7
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert sorted(line[line.index("STOPPED"):] for line in out.splitlines() if "STOPPED" in line) == [
-        "STOPPED after 7"] * 2
+    # Two ranks writing one pipe (torchrun's workers share its stdout) may interleave on a line.
+    assert re.findall(r"STOPPED after \d+", out) == ["STOPPED after 7"] * 2
 
 
 def test_with_ffctl_survives_a_rank_and_a_node_bit_for_bit(workdir: Path) -> None:

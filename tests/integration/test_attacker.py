@@ -103,8 +103,11 @@ class Eavesdropper:
             if value != _ABSENT:
                 self.seen.append(value)
                 self.next += 1
-            elif store.add(f"{self.queue}/n", 0) > self.next + 1:
-                self.next += 1  # written and consumed already (a later one is out): missed
+            elif (control.parse_counter(control.read(store, f"{self.queue}/n")) or 0) > self.next + 1:
+                # Written and consumed already (a later one is out): missed. The counter is read,
+                # never `add`ed to: it holds "<index>:<tag>", and an `add` on that breaks the
+                # connection.
+                self.next += 1
             else:
                 try:
                     store.wait([key], datetime.timedelta(seconds=0.5))
