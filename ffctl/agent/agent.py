@@ -95,6 +95,9 @@ class AgentConfig:
     step_regex: str = ""
     # Seconds a worker being stopped gets between SIGTERM and SIGKILL (torchrun's --shutdown-timeout).
     term_grace: float = TERM_GRACE_S
+    # A spare node's agent (`stand_by`): this config only warms a worker template; the node's own
+    # config comes as the next stdin line when a lost node moves there.
+    standby: bool = False
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -160,7 +163,7 @@ def kill_tree(procs: list[psutil.Process], grace: float) -> None:
 class Agent:
     watch_stdin = True  # False when stdin is not the controller's (see main)
 
-    def __init__(self, cfg: AgentConfig) -> None:
+    def __init__(self, cfg: AgentConfig, template: Template | None = None) -> None:
         if not cfg.shm_dir:
             cfg = replace(cfg, shm_dir=shm.new_run_dir(cfg.run_id))
         self.cfg = cfg
@@ -203,7 +206,9 @@ class Agent:
         self._held: list[tuple[int, list[dict[str, Any]], float]] = []
         # Forked workers are re-parented to us (see ffctl.agent.template): without the
         # subreaper role we could not watch them as our children, so fall back to cold starts.
-        if cfg.template and set_child_subreaper():
+        if template is not None:
+            self.template = template  # warmed while this node's host was a spare node
+        elif cfg.template and set_child_subreaper():
             self.template = Template(cfg.python, self._worker_base_env(), cfg.cwd,
                                      Path(cfg.log_dir) / "template.log")
             self.template.start()
@@ -651,6 +656,26 @@ class Agent:
             shm.remove_run_dir(Path(self.cfg.shm_dir))
 
 
+def stand_by(cfg: AgentConfig) -> tuple[AgentConfig | None, Template | None]:
+    """A spare node's agent, started before any node needs it: its worker template imports
+    torch now, so that a node moving here forks its ranks at once. Waits for the node's own
+    config (the next stdin line) and returns it with the template, which is kept only if it was
+    started for the same workers; (None, None) when stdin closes first (never needed)."""
+    template: Template | None = None
+    if cfg.template and set_child_subreaper():
+        Path(cfg.log_dir).mkdir(parents=True, exist_ok=True)
+        template = Template(cfg.python, worker_env(os.environ, cfg.worker_env, cfg.keep_freed_memory), cfg.cwd,
+                            Path(cfg.log_dir) / "template.log")
+        template.start()
+    line = sys.stdin.readline()
+    real = AgentConfig.from_json(line) if line.strip() else None
+    if template is not None and (real is None or not real.template or (real.python, real.cwd) != (cfg.python, cfg.cwd)
+                                 or worker_env(os.environ, real.worker_env, real.keep_freed_memory) != template.env):
+        template.stop()
+        template = None
+    return real, template
+
+
 def main() -> int:
     text = os.environ.pop(CONFIG_ENV, None)
     try:
@@ -661,7 +686,14 @@ def main() -> int:
             agent = Agent(AgentConfig.from_json(text))
             agent.watch_stdin = False
         else:
-            agent = Agent(AgentConfig.from_json(sys.stdin.readline()))
+            cfg: AgentConfig | None = AgentConfig.from_json(sys.stdin.readline())
+            template = None
+            if cfg is not None and cfg.standby:
+                cfg, template = stand_by(cfg)
+                if cfg is None:
+                    return 0  # the run ended with this spare node unused
+            assert cfg is not None
+            agent = Agent(cfg, template)
     except (NodeBusy, shm.UnsafeShm) as exc:
         print(f"ffctl agent: {exc}", file=sys.stderr)
         return 2

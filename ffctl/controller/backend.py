@@ -68,6 +68,11 @@ class NodeBackend(Protocol):
         """Whether GPU faults act on a real device (else they run emulated, and say so)."""
         ...
 
+    def spare_nodes(self) -> int:
+        """How many idle hosts a lost node can come back on (a scheduler's spare nodes); 0 where
+        a lost node can only come back on its own host."""
+        ...
+
     def clock_offset(self, node: int) -> float | None:
         """The node's clock minus ours as measured before the run; None: not measured (the
         agent's own report is used)."""

@@ -55,6 +55,10 @@ class Cluster(Recorder, Protocol):
         """Whether the hosts have GPUs (a rank then needs a free device, not just a process)."""
         ...
 
+    def spare_nodes(self) -> int:
+        """How many idle hosts a lost node can come back on (the backend's spare nodes)."""
+        ...
+
     def send(self, node: int, msg: messages.Message) -> None:
         """Send a command to node `node`'s agent."""
         ...

@@ -129,6 +129,9 @@ class Controller:
     def has_gpu(self) -> bool:
         return self.launcher.has_gpu()
 
+    def spare_nodes(self) -> int:
+        return self.launcher.spare_nodes()
+
     def announce(self, line: str) -> None:
         """Say `line` on screen once (the live view prints each notice as it comes)."""
         self.notices.append(line)

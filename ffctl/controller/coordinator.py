@@ -346,8 +346,13 @@ class RecoveryCoordinator:
         """Ranks of a lost node go to warm spares on surviving nodes when there are any (no wait
         for the node to come back), or to surviving nodes whose worker template is warm when the
         hosts have no GPU (a CPU host can run another rank; a GPU host's devices are taken);
-        otherwise they wait for the node's restarted agent, whose template must warm up first."""
+        otherwise they wait for the node's restarted agent, whose template must warm up first.
+        While the backend holds spare nodes (a scheduler's idle hosts), a lost node's ranks stay
+        with it: it comes back on a spare node, and the survivors keep their own load."""
         job = self.job
+        # The first lost nodes, as many as there are spare nodes, come back there (in the order
+        # their agents are started again).
+        ranks = [r for r in ranks if job.members[r] not in sorted(lost_nodes)[:self.cluster.spare_nodes()]]
         # A spare still warming up is further along than a node restart, so count it too.
         free = {n: st.spares_total for n, st in job.nodes.items() if st.up and n not in lost_nodes}
         if not self.cluster.has_gpu():

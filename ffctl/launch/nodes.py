@@ -107,6 +107,9 @@ class LocalNodes:
     def clock_offset(self, node: int) -> float | None:
         return None  # one clock: the agents' reports say so themselves
 
+    def spare_nodes(self) -> int:
+        return 0  # a lost node comes back on this machine
+
     def transport_for(self, cmd: HostCommand) -> Transport:
         return LocalTransport(cmd.host, cmd.netns)
 

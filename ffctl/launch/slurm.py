@@ -403,6 +403,9 @@ class SlurmNodes:
         self._addresses: dict[str, str] = {}
         self._interfaces: dict[str, str] = {}
         self._steps: list[SlurmStep] = []  # every step started, to cancel at the end
+        # Spare node -> its standby agent's step (started with the job's first agents, its
+        # worker template warm long before a node needs it; see `ffctl.agent.agent.stand_by`).
+        self._standby: dict[str, SlurmStep] = {}
         self._starts: dict[int, int] = {}
         self._lock = threading.Lock()
         self.log_dir: Path | None = None
@@ -454,7 +457,9 @@ class SlurmNodes:
 
     def release(self, record: RunStore | None) -> None:
         """Cancel every step this launch started that has not ended (the controller stopped the
-        agents already when it could)."""
+        agents already when it could; a standby agent never needed is told by its stdin)."""
+        for step in self._standby.values():
+            step.stop(STEP_END_S)
         for step in self._steps:
             if step.poll() is None:
                 step.cancel("KILL", STEP_END_S)
@@ -492,30 +497,24 @@ class SlurmNodes:
     def clock_offset(self, node: int) -> float | None:
         return None  # the agents' own reports say it
 
-    def start(self, cfg: AgentConfig) -> SlurmStep:
-        """Node `cfg.node`'s agent as a step. A node whose earlier step was ended (a node fault)
-        moves to a spare node while the allocation has one."""
-        if self.log_dir is None:
-            raise RuntimeError("SlurmNodes.start before attach(): no log directory")
-        slot = self._slots[cfg.node]
-        with self._lock:
-            if slot.step is not None and slot.step.poll() is not None and self.spare_hosts:
-                self.failed_hosts.append(slot.host)
-                # What Slurm says of the node its step ended on (DOWN, DRAIN... or IDLE after a
-                # step cancel), for the record.
-                self.failed_states[slot.host] = node_state(slot.host, self._run)
-                slot.host = self.spare_hosts.pop(0)
-            n = self._starts[cfg.node] = self._starts.get(cfg.node, 0) + 1
-        # Where the agent listens is where its node is now (a spare node has its own address).
-        if cfg.address != self.address(cfg.node) or cfg.worker_env.get("GLOO_SOCKET_IFNAME") != self.interface(cfg.node):
-            env = dict(cfg.worker_env)
-            env["GLOO_SOCKET_IFNAME"] = self.interface(cfg.node) or "lo"
-            cfg = replace(cfg, address=self.address(cfg.node), worker_env=env)
-        name = f"ffctl-{self.run_id}-node{cfg.node}-{n}"
+    def spare_nodes(self) -> int:
+        return len(self.spare_hosts)
+
+    def _placed(self, cfg: AgentConfig, host: str) -> AgentConfig:
+        """`cfg` for an agent on `host`: it listens where that node is (its address and interface)."""
+        iface = self._interfaces.get(host) or "lo"
+        if cfg.address == self._addresses.get(host, "127.0.0.1") and cfg.worker_env.get("GLOO_SOCKET_IFNAME") == iface:
+            return cfg
+        return replace(cfg, address=self._addresses.get(host, "127.0.0.1"),
+                       worker_env={**cfg.worker_env, "GLOO_SOCKET_IFNAME": iface})
+
+    def _launch(self, cfg: AgentConfig, host: str, name: str, log_name: str) -> SlurmStep:
+        """An agent step on `host`, `cfg` its stdin's first line."""
+        assert self.log_dir is not None
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_dir / f"agent-{cfg.node}.log", "ab")
+        log = open(self.log_dir / log_name, "ab")
         try:
-            proc = self._popen(agent_argv(self.job, slot.host, name, cfg.python), stdin=subprocess.PIPE,
+            proc = self._popen(agent_argv(self.job, host, name, cfg.python), stdin=subprocess.PIPE,
                                stdout=log, stderr=log, cwd=cfg.cwd or None,
                                # Own session: a Ctrl-C reaches the controller only, which stops
                                # the agents in order (srun would cancel its step on it).
@@ -525,10 +524,62 @@ class SlurmNodes:
             proc.stdin.flush()
         except OSError as exc:
             log.close()
-            raise InfraError(f"cannot start node {cfg.node}'s agent on Slurm node {slot.host}: {exc}") from None
-        step = SlurmStep(proc, self.job, name, slot.host, log, self._run)
-        slot.step = step
+            raise InfraError(f"cannot start node {cfg.node}'s agent on Slurm node {host}: {exc}") from None
+        step = SlurmStep(proc, self.job, name, host, log, self._run)
         self._steps.append(step)
+        return step
+
+    def _stand_by(self, cfg: AgentConfig) -> None:
+        """A standby agent on every spare node, from the first node's config: its worker
+        template warms up beside the job's own, so a node that moves there later forks its
+        ranks at once instead of waiting for torch to import."""
+        for host in self.spare_hosts:
+            if host not in self._standby:
+                standby = replace(self._placed(cfg, host), standby=True,
+                                  log_dir=str(self.log_dir / f"spare-{host}") if self.log_dir else cfg.log_dir)
+                try:
+                    self._standby[host] = self._launch(standby, host, f"ffctl-{self.run_id}-spare-{host}",
+                                                       f"agent-spare-{host}.log")
+                except InfraError:
+                    pass  # a node moving there starts its agent the slow way
+
+    def _adopt(self, cfg: AgentConfig, host: str) -> SlurmStep | None:
+        """The standby agent of spare node `host`, given node `cfg.node`'s config; None when it
+        is gone (its step ended) and a fresh step must start."""
+        step = self._standby.pop(host, None)
+        if step is None or step.poll() is not None or step.proc.stdin is None:
+            return None
+        try:
+            step.proc.stdin.write((cfg.to_json() + "\n").encode())
+            step.proc.stdin.flush()
+        except OSError:
+            return None
+        return step
+
+    def start(self, cfg: AgentConfig) -> SlurmStep:
+        """Node `cfg.node`'s agent as a step. A node whose earlier step was ended (a node fault)
+        moves to a spare node while the allocation has one, and its standby agent takes the node."""
+        if self.log_dir is None:
+            raise RuntimeError("SlurmNodes.start before attach(): no log directory")
+        slot = self._slots[cfg.node]
+        moved = False
+        with self._lock:
+            if slot.step is not None and slot.step.poll() is not None and self.spare_hosts:
+                self.failed_hosts.append(slot.host)
+                # What Slurm says of the node its step ended on (DOWN, DRAIN... or IDLE after a
+                # step cancel), for the record.
+                self.failed_states[slot.host] = node_state(slot.host, self._run)
+                slot.host = self.spare_hosts.pop(0)
+                moved = True
+            n = self._starts[cfg.node] = self._starts.get(cfg.node, 0) + 1
+        # Where the agent listens is where its node is now (a spare node has its own address).
+        cfg = self._placed(cfg, slot.host)
+        step = self._adopt(cfg, slot.host) if moved else None
+        if step is None:
+            step = self._launch(cfg, slot.host, f"ffctl-{self.run_id}-node{cfg.node}-{n}", f"agent-{cfg.node}.log")
+        slot.step = step
+        if cfg.template:
+            self._stand_by(cfg)
         self._note()
         return step
 

@@ -82,9 +82,16 @@ def test_sbatch_example_kills_a_node_and_recovers_it_from_peer_memory(cluster: S
     addresses = info["slurm"]["addresses"]
     assert sorted(addresses) == ["n1", "n2", "n3"] and len({a for a, _ in addresses.values()}) == 3
     assert all(not a.startswith("127.") and iface != "lo" for a, iface in addresses.values()), addresses
-    started = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()
-               if '"agent_started"' in line]
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    started = [e for e in events if e["event"] == "agent_started"]
     assert {e["host"] for e in started} >= {"n1", "n2"}
+    # The spare node took node 1's ranks: they stayed node 1's, whose agent came back on n3 (its
+    # standby agent) before they were spawned again; node 0 (n1) kept only its own.
+    (decided,) = [e for e in events if e["event"] == "recovery_decided"]
+    assert sorted(decided["placement"]) == ["2", "3"] and set(decided["placement"].values()) == {1}, decided
+    back = [i for i, e in enumerate(events) if e["event"] == "agent_started" and e["node"] == 1 and e["host"] == "n3"]
+    respawned = [i for i, e in enumerate(events) if e["event"] == "ranks_spawned" and e["gen"] == decided["gen"]]
+    assert back and respawned and back[0] < respawned[0], (back, respawned)
     # Recovery through Slurm against the local backend's in the same run (README's figures).
     (lf,) = local.report["faults"]
     print(f"kill-node recovery: slurm {f['recovery_s']:.2f}s, local {lf['recovery_s']:.2f}s; "

@@ -47,6 +47,7 @@ class FakeCluster:
     def __init__(self, job: JobState) -> None:
         self.job = job
         self.gpu = False
+        self.spare_hosts = 0  # spare nodes the backend holds
         self.sent: list[tuple[int, messages.Message]] = []
         self.events: list[tuple[EventKind, dict[str, Any]]] = []
         self.notices: list[str] = []
@@ -72,6 +73,9 @@ class FakeCluster:
 
     def has_gpu(self) -> bool:
         return self.gpu
+
+    def spare_nodes(self) -> int:
+        return self.spare_hosts
 
     def announce(self, line: str) -> None:
         self.notices.append(line)
@@ -427,6 +431,23 @@ def test_a_lost_node_without_spares_goes_to_a_warm_template_on_a_cpu_host(gpu: b
         # Forked on node 0 in milliseconds; node 1 comes back later, off the recovery's path.
         assert job.members[2] == job.members[3] == 0
         assert cluster.started_agents == [] and 1 in job.deferred_restarts
+
+
+@pytest.mark.parametrize("spares", [0, 2])
+def test_a_lost_node_comes_back_on_a_spare_node_while_the_backend_holds_one(spares: int) -> None:
+    # A scheduler's spare node takes the lost node's ranks, even where a survivor's template is
+    # warm or holds warm spare processes: the survivors keep their own load.
+    job = _job(spares=spares)
+    cluster = _cluster(job)
+    cluster.spare_hosts = 1
+    job.nodes[0].template = True
+    job.nodes[1].up = False
+    job.fail(Failure(Cause.NODE_LOST, nodes={1}, t=2.0))
+    outcome = _coordinator(cluster).recover()
+    assert outcome.ranks == (2, 3) and outcome.restore_source is RestoreSource.PEER_MEMORY
+    assert job.members[2] == job.members[3] == 1 and cluster.started_agents == [1]
+    (decided,) = cluster.recorded(EventKind.RECOVERY_DECIDED)
+    assert decided["placement"] == {"2": 1, "3": 1}
 
 
 class FakeTransport:

@@ -70,7 +70,7 @@ def fakes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     # srun: the step's name, its stdin and its pid, then wait for EOF; a fault's command is run.
     _fake(bin_dir, "srun", record + f'''name=""; for a in "$@"; do case "$a" in --job-name=*) name="${{a#--job-name=}}" ;; esac; done
 case "$name" in
-  *-node*) echo $$ > "{calls}/pid-$name"; cat > "{calls}/stdin-$name" ;;
+  *-node*|*-spare-*) echo $$ > "{calls}/pid-$name"; cat > "{calls}/stdin-$name" ;;
   *) shift 9; "$@" ;;
 esac
 ''')
@@ -175,8 +175,16 @@ def test_kill_node_cancels_its_step_and_a_spare_node_takes_over(fakes: Path, tmp
     # Any other command runs on the node as a step of its own.
     other = nodes.transport_for(HostCommand(1, "n2", ("true",)))
     assert isinstance(other, SlurmTransport) and other.run(["true"], timeout=10.0).ok
+    # The spare node's standby agent, started with the job's first agents, warms its worker
+    # template from node 0's config; node 1 moving there gets it with node 1's own config.
+    assert _wait(lambda: (fakes / "pid-ffctl-r1-spare-n3").exists())
     again = nodes.start(_cfg(1, tmp_path))
     assert nodes.host(1) == "n3" and nodes.failed_hosts == ["n2"] and nodes.spare_hosts == []
+    assert again.name == "ffctl-r1-spare-n3" and nodes.spare_nodes() == 0
+    assert _wait(lambda: len((fakes / "stdin-ffctl-r1-spare-n3").read_text().splitlines()) == 2)
+    standby, real = (json.loads(line) for line in (fakes / "stdin-ffctl-r1-spare-n3").read_text().splitlines())
+    assert standby["standby"] is True and standby["node"] == 0 and standby["log_dir"].endswith("spare-n3")
+    assert real["standby"] is False and real["node"] == 1
     assert nodes.failed_states == {"n2": "DOWN+DRAIN (Not responding [slurm@2026-01-01])"}
     # release() cancels every step still running (a lost controller's agents do not stay).
     nodes.release(None)

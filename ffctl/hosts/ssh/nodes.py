@@ -472,6 +472,9 @@ class SSHNodes:
         # The hosts' devices are not probed before a run: GPU faults run emulated there.
         return False
 
+    def spare_nodes(self) -> int:
+        return 0  # a lost node comes back on its own host (the hostfile names no spare hosts)
+
     def sweep(self, run_id: str, nodes: Sequence[int]) -> None:
         """Each host's wrapper ends its agent's process group when the channel closes, and the
         agent removes the run's shared memory on the way out; an agent killed with its node
