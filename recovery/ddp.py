@@ -69,7 +69,8 @@ class Host(Protocol):
     def world_size(self) -> int: ...
 
     def register(self, name: str, state_dict: Callable[[], Any] | None = None,
-                 load_state_dict: Callable[[Any], None] | None = None, *, replicated: bool = False) -> None: ...
+                 load_state_dict: Callable[[Any], None] | None = None, *, replicated: bool = False,
+                 sharded: bool = False) -> None: ...
 
     def on_after_step(self, hook: Callable[[float], float]) -> None: ...
 
@@ -280,9 +281,7 @@ class Reduction:
         mean, self._mean_loss, self._loss = self._mean_loss, None, None
         if mean is not None:
             return mean  # reduced with the gradients
-        total = torch.tensor([loss], dtype=torch.float64)
-        self.job.allreduce(total)
-        return float(total.item()) / self.job.world_size
+        return mean_over_ranks(self.job, loss)
 
     def before_update(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """Optimizer step pre-hook: no parameter moves after a failed reduction, nor before the
@@ -295,6 +294,13 @@ class Reduction:
 # evaluation), so the hook carries the objects themselves.
 Reduction.hook.__annotations__.update(bucket=dist.GradBucket, state=object,
                                       **{"return": torch.futures.Future[torch.Tensor]})
+
+
+def mean_over_ranks(job: Host, loss: float) -> float:
+    """The mean of each rank's `loss` (one small allreduce over the job's generation)."""
+    total = torch.tensor([loss], dtype=torch.float64)
+    job.allreduce(total)
+    return float(total.item()) / job.world_size
 
 
 def _broadcast_from_rank0(group: Generation, module: torch.nn.Module) -> None:

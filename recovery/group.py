@@ -220,19 +220,57 @@ class Generation:
         try:
             if meanwhile is not None:
                 meanwhile()
-            while not built and not failed:
-                if self.watcher.aborted.is_set():
-                    raise PeerFailure(gen, "rendezvous aborted: the controller opened a new generation")
-                self._wake.wait(0.05)
-                self._wake.clear()
-            if failed:
-                raise PeerFailure(gen, f"rendezvous failed: {str(failed[0]).splitlines()[0][:200]}")
+            self._await_build(built, failed, "rendezvous")
         except BaseException:
             self.watcher.stop(store)  # no group to watch: end its wait rather than leave it blocked
             raise
         self.pg: Any = built[0]
         self._inflight = _Inflight()
         self._timeout = timeout
+        self._backend = backend
+        self._subgroups: dict[tuple[int, ...], Any] = {}
+
+    def _await_build(self, built: list[Any], failed: list[BaseException], what: str) -> None:
+        """Wait for a group being built on a thread (`built` or `failed` fills), giving up when
+        the controller aborts this generation."""
+        while not built and not failed:
+            if self.watcher.aborted.is_set():
+                raise PeerFailure(self.gen, f"{what} aborted: the controller opened a new generation")
+            self._wake.wait(0.05)
+            self._wake.clear()
+        if failed:
+            raise PeerFailure(self.gen, f"{what} failed: {str(failed[0]).splitlines()[0][:200]}")
+
+    def subgroup(self, members: tuple[int, ...]) -> Any:
+        """This generation's group of the ranks `members` (global ranks, this one among them):
+        built the first time it is asked for, by every member as it reaches its first collective
+        on it, over keys of its own under the generation's prefix. A subgroup of a device mesh
+        (`recovery.process_group`) lives as long as the generation, like the whole group."""
+        if members in self._subgroups:
+            return self._subgroups[members]
+        if self.rank not in members:
+            raise ValueError(f"rank {self.rank} is not in the group of ranks {list(members)}")
+        key = "sub/" + "-".join(str(m) for m in members) + "/"
+        prefix = dist.PrefixStore(control.pg_prefix(self.gen) + key, self._store)
+        rank, size = members.index(self.rank), len(members)
+        td = datetime.timedelta(seconds=self._timeout)
+        built: list[Any] = []
+        failed: list[BaseException] = []
+
+        def build() -> None:
+            try:
+                if self._backend == "nccl":
+                    built.append(dist.ProcessGroupNCCL(prefix, rank, size, dist.ProcessGroupNCCL.Options()))
+                else:
+                    built.append(dist.ProcessGroupGloo(prefix, rank, size, td))
+            except BaseException as exc:  # a member never arrived, or the store went away
+                failed.append(exc)
+            self._wake.set()
+
+        threading.Thread(target=build, name=f"ffctl-pg-{self.gen}-{key}", daemon=True).start()
+        self._await_build(built, failed, f"rendezvous of ranks {list(members)}")
+        self._subgroups[members] = built[0]
+        return built[0]
 
     def wait(self, work: Any, what: str) -> None:
         done = threading.Event()
@@ -316,6 +354,7 @@ class Generation:
         self.watcher.stop(self._store)
         if not hasattr(self, "pg"):
             return  # the rendezvous never finished
-        box = [self.pg]
+        box = [self.pg, *self._subgroups.values()]
         del self.pg
+        self._subgroups.clear()
         _REAPER.drop(box, self._inflight, self._timeout, f"ffctl-reap-{self.gen}")

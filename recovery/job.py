@@ -26,7 +26,7 @@ from typing import Any, Callable, TypeVar
 
 import torch
 
-from recovery import control, ddp, disk, messages
+from recovery import control, ddp, disk, fsdp, messages, process_group
 from recovery.context import StepContext
 from recovery.errors import PeerFailure, RecoveryError, StepRestart
 from recovery.faults import InStepFaults
@@ -87,6 +87,7 @@ class Job:
         self.stopped_at: int | None = None  # the step `run(until=...)` ended the job after
         self._step = 0  # the step being trained
         self._collectives = 0  # collectives the step has started so far
+        self._waited = 0.0  # seconds the step spent in collectives (reported: the straggler signal)
         self._retry_input: torch.Tensor | None = None
         self._ack_degraded = False
         # Hooks (`on_after_step`, `on_fresh_start`; `register_ddp` adds its own through them).
@@ -111,15 +112,17 @@ class Job:
     # -- registration -------------------------------------------------------------------------
     def register(self, name: str, state_dict: Callable[[], Any] | None = None,
                  load_state_dict: Callable[[Any], None] | None = None, *, replicated: bool = False,
-                 **aliases: Callable[..., Any]) -> None:
+                 sharded: bool = False, **aliases: Callable[..., Any]) -> None:
         """Hand the library a piece of state as two callables, named as torch names them: one
         that returns the state (`state_dict`), one that puts a returned state back
         (`load_state_dict`). The older keywords `get=` and `set=` still work. `replicated=True`
         for state that is the same on every rank (data-parallel parameters, a replicated
-        optimizer): it is snapshotted once per replica group, each rank keeping a 1/W slice."""
+        optimizer): it is snapshotted once per replica group, each rank keeping a 1/W slice.
+        `sharded=True` for large state that is each rank's own (an FSDP model's and optimizer's
+        shards, `DTensor`s included): kept whole by the rank, as bytes, never pickled."""
         if any(e.name == name for e in self.entries):
             raise ValueError(f"state {name!r} registered twice")
-        self.entries.append(state_entry(name, state_dict, load_state_dict, replicated, aliases))
+        self.entries.append(state_entry(name, state_dict, load_state_dict, replicated, aliases, sharded))
 
     def register_stateful(self, name: str, obj: Any, *, replicated: bool = False) -> None:
         """Hand the library an object with torch's `state_dict()` and `load_state_dict(state)`
@@ -173,6 +176,25 @@ class Job:
         rest (None without a loader). Call before the first forward."""
         return ddp.attach(self, model, optimizer, scheduler, loader)
 
+    # -- torch FSDP2 / HSDP (recovery/fsdp.py) -------------------------------------------------
+    def device_mesh(self, device_type: str, mesh_shape: tuple[int, ...], *,
+                    mesh_dim_names: tuple[str, ...] | None = None) -> Any:
+        """torch's `init_device_mesh(device_type, mesh_shape, mesh_dim_names=...)`, its process
+        groups ffctl's (`recovery.process_group`): build `fully_shard` on this mesh."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        process_group.init_default_group(self.env.rank, self.env.world_size)
+        return init_device_mesh(device_type, tuple(mesh_shape), mesh_dim_names=mesh_dim_names)
+
+    def register_fsdp(self, *, model: Any, optimizer: torch.optim.Optimizer, scheduler: Any | None = None,
+                      loader: Any | None = None) -> Any:
+        """Hand over an FSDP2 training's state as objects: `model` (sharded with `fully_shard` on
+        `job.device_mesh(...)`), its optimizer, LR scheduler and `DataLoader`. Returns an
+        endless iterator over the loader's batches whose position is restored with the rest
+        (None without a loader). Call before the first forward."""
+        self.api = "fsdp"
+        return fsdp.attach(self, model, optimizer, scheduler, loader)
+
     # -- collectives --------------------------------------------------------------------------
     def allreduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum `tensor` over the ranks of the current generation, in place. Fences the previous
@@ -199,6 +221,13 @@ class Job:
         the collective, with its input as it was, rather than computing the step again. Its
         state at this point, RNG and non-tensor values included, is what a fault-free run has
         here. Any other case unwinds the step (`StepRestart`), to run again from the start."""
+        begun = time.perf_counter()
+        try:
+            return self._collective_once(run, inplace)
+        finally:
+            self._waited += time.perf_counter() - begun
+
+    def _collective_once(self, run: Callable[[], T], inplace: torch.Tensor | None) -> T:
         first = self._collectives == 0
         self._collectives += 1
         if not first or self.env.strategy != Strategy.PEER:
@@ -293,6 +322,7 @@ class Job:
             assert self.group is not None
             self._send(messages.Done, gen=self.group.gen, step=self.last_committed)
         finally:
+            process_group.bind(None)
             if self.group is not None:
                 self.group.close()
             if self.writer is not None:
@@ -360,6 +390,7 @@ class Job:
                                 meanwhile=fetch_and_check if step > 0 else None, opener=self._opener,
                                 on_forged=lambda key, reason, raw: self._rejected(key, -1, reason, raw),
                                 on_seen=self._abort_seen(gen))
+        process_group.bind(self.group)  # torch's own modules' collectives run on it from now on
         how: RestoreHow | None = None
         if step == 0:
             self.group.barrier()
@@ -418,7 +449,7 @@ class Job:
         if until is not None and self.stopped_at is not None and start >= self.stopped_at:
             return  # restored to the step it had already decided to stop after
         for step in range(start + 1, steps + 1):
-            self._step, self._collectives = step, 0
+            self._step, self._collectives, self._waited = step, 0, 0.0
             t0 = time.perf_counter()
             try:
                 self.faults.check()
@@ -429,6 +460,11 @@ class Job:
             except PeerFailure:
                 raise
             except Exception as exc:
+                failed = process_group.failure()
+                if failed is not None:
+                    # A collective of torch's own modules failed on a lost peer and its error
+                    # reached the step through torch's C++ (as a RuntimeError): a peer failure.
+                    raise failed from None
                 self._report_error(step, exc)
                 raise
             self._commit(step, loss, t0)
@@ -463,11 +499,11 @@ class Job:
         gen = self.group.gen if self.group else 0
         needs_disk = self.env.ckpt_every > 0 and step % self.env.ckpt_every == 0 and self.env.ckpt_dir
         if self.writer is None and not needs_disk:
-            self._send(messages.Step, gen=gen, step=step, loss=loss, dt=time.perf_counter() - t0)
+            self._send(messages.Step, gen=gen, step=step, loss=loss, dt=time.perf_counter() - t0, wait=self._waited)
             return
         cap = capture(self.entries, step, self.env.rank, self.group.world_size if self.group else self.env.world_size)
-        dt = time.perf_counter() - t0
-        report = lambda: self._send(messages.Step, gen=gen, step=step, loss=loss, dt=dt)  # noqa: E731
+        dt, waited = time.perf_counter() - t0, self._waited
+        report = lambda: self._send(messages.Step, gen=gen, step=step, loss=loss, dt=dt, wait=waited)  # noqa: E731
         if self.writer is not None:
             self._snapshot(cap, report)
         else:

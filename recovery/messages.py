@@ -185,7 +185,7 @@ def _held(v: Any, lim: Limits | None) -> bool:  # {"<rank>": [steps]}
 
 
 # How a script drives the recovery library (`Training.api`).
-APIS = ("step-function", "ddp")
+APIS = ("step-function", "ddp", "fsdp")
 
 
 def _api(v: Any, _: Limits | None) -> bool:
@@ -312,8 +312,11 @@ def _command(kind: CommandKind) -> Callable[[type[M]], type[M]]:
 # Reports from a rank name the rank, its node and the generation it is in.
 @_report(Kind.STEP)
 class Step(Message):
-    """A rank committed `step` (its snapshot is durable) with this loss, in `dt` seconds. A script
-    that reports its steps itself (`recovery.report_step`, `--step-regex`) may not say its loss."""
+    """A rank committed `step` (its snapshot is durable) with this loss, in `dt` seconds, of which
+    it spent `wait` blocked in the step's collectives (what it did not spend computing: the
+    straggler detector's signal, since every rank of a synchronous job takes the same `dt`). A
+    script that reports its steps itself (`recovery.report_step`, `--step-regex`) may say neither
+    its loss nor its wait."""
 
     rank: int = _field(_rank)
     node: int = _field(_node)
@@ -321,6 +324,7 @@ class Step(Message):
     step: int = _field(_nat)
     dt: float = _field(_seconds)
     loss: float | None = _optional(_num)
+    wait: float | None = _optional(_seconds)
 
 
 @_report(Kind.STARTED)

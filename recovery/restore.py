@@ -1,15 +1,16 @@
 """Putting the state of the restore step back on every rank of a new generation.
 
-Each rank starts from its own copy of step s (its 1/W slice of the replicated state and its whole
-unique state), read from its agent, the ring neighbour or disk. Then:
+Each rank starts from its own copy of step s (its 1/W slice of the replicated state, its whole
+sharded and unique state), read from its agent, the ring neighbour or disk. Then:
 
 1. each rank checks its copy and takes the checksum of every slice of its live replicated state
    (`prepare`: this needs no group, so it runs while the new group is being built); then, in one
    exchange (`agree`, the new group's first collective, which doubles as its barrier), every
    rank learns whether every copy is usable (if not, nobody loads anything), every slice's
    checksum in the copy that holds the slice, and so which ranks' live state matches the step.
-   A survivor that stopped at step s matches ("kept"); a replacement, a rank that got one step
-   further, or a step function that changed state before its first collective does not;
+   A survivor that stopped at step s matches ("kept"), its sharded state included (checked
+   against its own copy); a replacement, a rank that got one step further, or a step function
+   that changed state before its first collective does not;
 2. when some rank matches, each rank that does not receives the slices it lacks (all but its
    own, which its copy holds), each from a rank that matches, point to point and side by side,
    checks them and loads the whole ("received"). Slice q comes from rank q when rank q matches,
@@ -35,7 +36,8 @@ from recovery.errors import RecoveryError
 from recovery.slots import SlotContent
 from runs.events import RestoreHow
 from recovery.snapshot import (
-    Layout, Replicated, StateEntry, assemble, byte_view, read_meta, rebuild, replicated, slice_pieces,
+    Layout, Replicated, StateEntry, assemble, byte_view, own_bytes, own_pieces, read_meta, rebuild, replicated,
+    slice_pieces,
 )
 
 if TYPE_CHECKING:
@@ -84,14 +86,26 @@ class Prepared:
     row: list[int]  # this rank's row of the exchange
 
 
+def _own_crc(layout: Layout, tensors: tuple[torch.Tensor, ...]) -> int:
+    crc = 0
+    for _, piece in own_pieces(layout, tensors):
+        crc = zlib.crc32(byte_view(piece), crc)
+    return crc
+
+
 def prepare(entries: list[StateEntry], content: SlotContent | None, step: int, world: int) -> Prepared:
     usable = content is not None and content.step == step and content.verify()
     meta = read_meta(content.meta) if usable and content is not None else None
     live = replicated(entries, world)
     same_layout = meta is not None and live.layout == meta["layout"]
     mine = _slice_crcs(live.layout, live.tensors, world) if same_layout else [0] * world
-    shard_crc = zlib.crc32(content.shard) if usable and content is not None else 0
-    return Prepared(content, usable, meta, live, [int(usable), shard_crc, int(same_layout), *mine])
+    slice_crc = own_matches = 0
+    if usable and content is not None and meta is not None:
+        slice_crc = zlib.crc32(memoryview(content.shard)[: meta["layout"].slice_len(meta["rank"])])
+        # A rank's sharded state exists nowhere else: it is kept when its live shards are the
+        # copy's, byte for byte, and loaded from its copy otherwise.
+        own_matches = int(same_layout and _own_crc(live.layout, live.tensors) == zlib.crc32(own_bytes(meta, content.shard)))
+    return Prepared(content, usable, meta, live, [int(usable), slice_crc, int(same_layout), own_matches, *mine])
 
 
 def agree(group: Generation, prepared: Prepared) -> list[list[int]]:
@@ -116,13 +130,14 @@ def restore(group: Generation, entries: list[StateEntry], prepared: Prepared, ta
     assert content is not None and meta is not None
     layout: Layout = meta["layout"]
     want = [r[1] for r in table]
-    keepers = [q for q, r in enumerate(table) if r[2] and r[3:] == want]
+    keepers = [q for q, r in enumerate(table) if r[2] and r[3] and r[4:] == want]
     needers = [q for q in range(world) if q not in keepers]
     matches = rank in keepers
 
+    own = _own(meta, content.shard)
     if not keepers:
-        whole = _gather(group, layout, content.shard)
-        _set(entries, assemble(meta, whole, copy=False))
+        whole = _gather(group, layout, memoryview(content.shard)[: layout.slice_len(rank)])
+        _set(entries, assemble(meta, whole, copy=False, own=own))
         return GATHERED
     senders = _senders(keepers, world)
     if matches:
@@ -145,8 +160,18 @@ def restore(group: Generation, entries: list[StateEntry], prepared: Prepared, ta
     if bad:
         raise RecoveryError(f"state for step {content.step}: slices {bad} from ranks "
                             f"{sorted({senders[q] for q in bad})} fail their checksums")
-    _set(entries, assemble(meta, whole, copy=False))
+    _set(entries, assemble(meta, whole, copy=False, own=own))
     return RECEIVED
+
+
+def _own(meta: dict[str, Any], shard: bytes) -> torch.Tensor:
+    """This rank's sharded tensors' bytes from its copy, in a buffer of their own (the loaded
+    tensors are views of it)."""
+    raw = own_bytes(meta, shard)
+    out = torch.empty(len(raw), dtype=torch.uint8)
+    if len(raw):
+        byte_view(out)[:] = raw
+    return out
 
 
 def _senders(keepers: list[int], world: int) -> dict[int, int]:
@@ -176,9 +201,9 @@ def _slice(layout: Layout, tensors: tuple[torch.Tensor, ...], index: int) -> tor
     return out
 
 
-def _gather(group: Generation, layout: Layout, shard: bytes) -> torch.Tensor:
+def _gather(group: Generation, layout: Layout, shard: bytes | memoryview) -> torch.Tensor:
     mine = torch.zeros(layout.chunk, dtype=torch.uint8)
-    if shard:
+    if len(shard):
         mine[: len(shard)] = torch.frombuffer(bytearray(shard), dtype=torch.uint8)
     rows = torch.empty(group.world_size, layout.chunk, dtype=torch.uint8)
     group.allgather_into(mine, rows)

@@ -2,9 +2,17 @@
 
 Replicated state (the same on every data-parallel rank: parameters, a replicated optimizer) is
 laid out as one byte string of all its tensors, and each rank keeps only its 1/W slice, so a
-replica group holds the replicated state once in total. Unique state (RNG, a sharded optimizer's
-own shard, anything registered `replicated=False`) is kept whole by its rank. Restoring gathers
-the slices back (`assemble`). Every tensor is copied byte for byte: a restored run is bit-exact.
+replica group holds the replicated state once in total. Sharded state (registered `sharded=True`:
+an FSDP model's and optimizer's local shards, each rank's own and large) is kept whole by its
+rank, its tensors' bytes after the replicated slice, copied into the slot like the slice and never
+pickled. Unique state (RNG, counters, anything small registered `replicated=False`) is kept whole
+by its rank inside the meta. Restoring gathers the slices back (`assemble`). Every tensor is
+copied byte for byte: a restored run is bit-exact.
+
+A `DTensor` (torch's distributed tensor, what FSDP2's state dicts hold) is snapshotted as its
+local tensor with its placements and global shape, and handed back as a `LocalShard`: the caller
+that knows the device mesh makes it a `DTensor` again (`recovery.fsdp`). Nothing here issues a
+collective.
 """
 from __future__ import annotations
 
@@ -23,10 +31,11 @@ class StateEntry:
     get: Callable[[], Any]
     set: Callable[[Any], None]
     replicated: bool
+    sharded: bool = False  # the rank's own, large: its tensors kept as bytes beside the slice
 
 
 def state_entry(name: str, state_dict: Callable[[], Any] | None, load_state_dict: Callable[[Any], None] | None,
-                replicated: bool, aliases: dict[str, Callable[..., Any]]) -> StateEntry:
+                replicated: bool, aliases: dict[str, Callable[..., Any]], sharded: bool = False) -> StateEntry:
     """The entry `register` makes, in torch's words (`state_dict`, `load_state_dict`) or in the
     older ones (`get=`, `set=`, kept as aliases), whichever the caller used, never both."""
     unknown = sorted(set(aliases) - {"get", "set"})
@@ -37,7 +46,9 @@ def state_entry(name: str, state_dict: Callable[[], Any] | None, load_state_dict
     save, load = state_dict or aliases.get("get"), load_state_dict or aliases.get("set")
     if not callable(save) or not callable(load):
         raise TypeError(f"register({name!r}): state_dict and load_state_dict must be callables")
-    return StateEntry(name, save, load, replicated)
+    if replicated and sharded:
+        raise ValueError(f"register({name!r}): state is replicated or sharded, not both")
+    return StateEntry(name, save, load, replicated, sharded)
 
 
 class _TensorRef:
@@ -52,8 +63,47 @@ class _TensorRef:
         return (_TensorRef, (self.index,))
 
 
+@dataclass(frozen=True)
+class LocalShard:
+    """A `DTensor` as a snapshot holds it: this rank's local tensor, how it is placed on the
+    mesh, and the global shape and stride (`DTensor.from_local` takes them back)."""
+
+    local: torch.Tensor
+    placements: tuple[Any, ...]
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+class _ShardRef:
+    """Placeholder left where a `DTensor` was: its local tensor is tensor number `index`."""
+
+    __slots__ = ("index", "placements", "shape", "stride")
+
+    def __init__(self, index: int, placements: tuple[Any, ...], shape: tuple[int, ...], stride: tuple[int, ...]) -> None:
+        self.index, self.placements, self.shape, self.stride = index, placements, shape, stride
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return (_ShardRef, (self.index, self.placements, self.shape, self.stride))
+
+
+def _dtensor_type() -> type | None:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch without distributed tensors holds none
+        return None
+    return DTensor
+
+
+_DTENSOR = _dtensor_type()
+
+
 def _flatten(obj: Any, out: list[torch.Tensor]) -> Any:
     if isinstance(obj, torch.Tensor):
+        if _DTENSOR is not None and isinstance(obj, _DTENSOR):
+            # Its local tensor only: anything that looks at the DTensor as a whole (a reshape,
+            # a view as bytes) would be a collective.
+            out.append(obj.to_local())
+            return _ShardRef(len(out) - 1, tuple(obj.placements), tuple(obj.shape), tuple(obj.stride()))
         out.append(obj)
         return _TensorRef(len(out) - 1)
     if isinstance(obj, dict):
@@ -68,6 +118,8 @@ def _flatten(obj: Any, out: list[torch.Tensor]) -> Any:
 def _unflatten(obj: Any, tensors: list[torch.Tensor]) -> Any:
     if isinstance(obj, _TensorRef):
         return tensors[obj.index]
+    if isinstance(obj, _ShardRef):
+        return LocalShard(tensors[obj.index], obj.placements, obj.shape, obj.stride)
     if isinstance(obj, dict):
         return {k: _unflatten(v, tensors) for k, v in obj.items()}
     if isinstance(obj, list):
@@ -100,17 +152,31 @@ def byte_view(t: torch.Tensor) -> memoryview:
     return memoryview(arr).cast("B")
 
 
+Spec = tuple[str, tuple[int, ...], int]  # (dtype, shape, nbytes)
+
+
 @dataclass(frozen=True)
 class Layout:
-    """Where each replicated tensor lies in the replicated byte string, and this rank's slice."""
+    """Where each replicated tensor lies in the replicated byte string, and this rank's slice;
+    then the rank's own sharded tensors, which follow its slice in its shard bytes."""
 
-    specs: tuple[tuple[str, tuple[int, ...], int], ...]  # (dtype, shape, nbytes)
+    specs: tuple[Spec, ...]
     total: int
     chunk: int
+    own: tuple[Spec, ...] = ()
+    own_total: int = 0
 
     def shard(self, rank: int) -> tuple[int, int]:
         start = min(self.total, rank * self.chunk)
         return start, min(self.total, start + self.chunk)
+
+    def slice_len(self, rank: int) -> int:
+        lo, hi = self.shard(rank)
+        return hi - lo
+
+
+def _specs(tensors: list[torch.Tensor]) -> tuple[Spec, ...]:
+    return tuple((str(t.dtype).removeprefix("torch."), tuple(t.shape), t.numel() * t.element_size()) for t in tensors)
 
 
 def slice_pieces(layout: Layout, tensors: tuple[torch.Tensor, ...], index: int) -> list[tuple[int, torch.Tensor]]:
@@ -128,20 +194,58 @@ def slice_pieces(layout: Layout, tensors: tuple[torch.Tensor, ...], index: int) 
 
 @dataclass(frozen=True)
 class Replicated:
-    """The replicated entries of the live state, by reference: their structure and tensors."""
+    """The replicated and sharded entries of the live state, by reference: their structure and
+    tensors (the replicated ones first, in layout order, then the rank's own sharded ones)."""
 
     skeletons: dict[str, Any]
     layout: Layout
     tensors: tuple[torch.Tensor, ...]
 
+    @property
+    def own(self) -> tuple[torch.Tensor, ...]:
+        """The sharded entries' tensors, in layout order."""
+        return self.tensors[len(self.layout.specs):]
+
 
 def replicated(entries: list[StateEntry], world_size: int) -> Replicated:
     tensors: list[torch.Tensor] = []
     skeletons = {e.name: _flatten(e.get(), tensors) for e in entries if e.replicated}
-    specs = tuple((str(t.dtype).removeprefix("torch."), tuple(t.shape), t.numel() * t.element_size()) for t in tensors)
+    specs = _specs(tensors)
+    own: list[torch.Tensor] = []
+    # The sharded entries' placeholders count on from the replicated tensors: one list serves both.
+    own_skeletons = {e.name: _flatten(e.get(), own) for e in entries if e.sharded}
+    skeletons.update({name: _offset(sk, len(tensors)) for name, sk in own_skeletons.items()})
+    own_specs = _specs(own)
     total = sum(s[2] for s in specs)
-    layout = Layout(specs=specs, total=total, chunk=-(-total // world_size) if world_size else total)
-    return Replicated(skeletons, layout, tuple(tensors))
+    layout = Layout(specs=specs, total=total, chunk=-(-total // world_size) if world_size else total,
+                    own=own_specs, own_total=sum(s[2] for s in own_specs))
+    return Replicated(skeletons, layout, (*tensors, *own))
+
+
+def _offset(obj: Any, by: int) -> Any:
+    """A skeleton whose tensor placeholders point `by` further on."""
+    if isinstance(obj, _TensorRef):
+        return _TensorRef(obj.index + by)
+    if isinstance(obj, _ShardRef):
+        return _ShardRef(obj.index + by, obj.placements, obj.shape, obj.stride)
+    if isinstance(obj, dict):
+        return {k: _offset(v, by) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_offset(v, by) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_offset(v, by) for v in obj)
+    return obj
+
+
+def own_pieces(layout: Layout, tensors: tuple[torch.Tensor, ...]) -> list[tuple[int, torch.Tensor]]:
+    """(offset within the own part, uint8 source) for each sharded tensor; `tensors` are the
+    replicated ones then the own ones, as `Replicated.tensors` holds them."""
+    pieces, pos = [], 0
+    for t, (_, _, nbytes) in zip(tensors[len(layout.specs):], layout.own):
+        if nbytes:
+            pieces.append((pos, as_bytes(t)))
+        pos += nbytes
+    return pieces
 
 
 @dataclass(frozen=True)
@@ -156,20 +260,22 @@ class Capture:
     meta: bytes  # pickled: step, rank, world size, layout, skeletons, unique state
 
     def shard_pieces(self) -> list[tuple[int, torch.Tensor]]:
-        """(offset within the shard, uint8 source) for every tensor byte range in this rank's slice."""
-        return slice_pieces(self.layout, self.tensors, self.rank)
+        """(offset within the shard, uint8 source) for every tensor byte range this rank keeps:
+        its slice of the replicated state, then its own sharded tensors."""
+        base = self.layout.slice_len(self.rank)
+        own = [(base + off, src) for off, src in own_pieces(self.layout, self.tensors)]
+        return slice_pieces(self.layout, self.tensors, self.rank) + own
 
     @property
     def shard_len(self) -> int:
-        lo, hi = self.layout.shard(self.rank)
-        return hi - lo
+        return self.layout.slice_len(self.rank) + self.layout.own_total
 
 
 def capture(entries: list[StateEntry], step: int, rank: int, world_size: int) -> Capture:
     rep = replicated(entries, world_size)
-    unique = {e.name: e.get() for e in entries if not e.replicated}
+    unique = {e.name: e.get() for e in entries if not e.replicated and not e.sharded}
     buf = io.BytesIO()
-    # Unique state is small (RNG, counters, a sharded optimizer's part); torch.save clones it now,
+    # Unique state is small (RNG, counters, a data position); torch.save clones it now,
     # so later in-place updates cannot tear it.
     torch.save(unique, buf)
     meta = pickle.dumps(
@@ -190,24 +296,45 @@ def unique_states(meta: dict[str, Any]) -> dict[str, Any]:
     return states
 
 
-def assemble(meta: dict[str, Any], replicated: bytes | torch.Tensor, copy: bool = True) -> dict[str, Any]:
-    """Every entry's state from the meta of any rank and the whole replicated byte string.
-    `copy=False` when `replicated` is a fresh buffer the caller gives away: the tensors are then
-    views of it rather than copies (an optimizer adopts loaded tensors as they are)."""
-    layout: Layout = meta["layout"]
-    raw = replicated if isinstance(replicated, torch.Tensor) else torch.frombuffer(bytearray(replicated), dtype=torch.uint8)
+def _tensors(specs: tuple[Spec, ...], raw: torch.Tensor, copy: bool) -> list[torch.Tensor]:
     tensors, pos = [], 0
-    for dtype, shape, nbytes in layout.specs:
+    for dtype, shape, nbytes in specs:
         piece = raw[pos : pos + nbytes]
         piece = piece.clone() if copy else piece
         tensors.append(piece.view(getattr(torch, dtype)).reshape(shape))
         pos += nbytes
+    return tensors
+
+
+def _as_tensor(raw: bytes | memoryview | torch.Tensor) -> torch.Tensor:
+    if isinstance(raw, torch.Tensor):
+        return raw
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8) if len(raw) else torch.empty(0, dtype=torch.uint8)
+
+
+def own_bytes(meta: dict[str, Any], shard: bytes | memoryview) -> memoryview:
+    """The sharded entries' part of a rank's shard bytes (after its replicated slice)."""
+    layout: Layout = meta["layout"]
+    base = layout.slice_len(meta["rank"])
+    return memoryview(shard)[base : base + layout.own_total]
+
+
+def assemble(meta: dict[str, Any], replicated: bytes | torch.Tensor, copy: bool = True,
+             own: bytes | memoryview | torch.Tensor = b"") -> dict[str, Any]:
+    """Every entry's state from the meta of a rank, the whole replicated byte string and that
+    rank's own sharded bytes (`own_bytes`). `copy=False` when `replicated` is a fresh buffer the
+    caller gives away: the tensors are then views of it rather than copies (an optimizer adopts
+    loaded tensors as they are)."""
+    layout: Layout = meta["layout"]
+    tensors = _tensors(layout.specs, _as_tensor(replicated), copy)
+    tensors += _tensors(layout.own, _as_tensor(own), copy=False)  # a fresh buffer already
     return rebuild(meta, tuple(tensors))
 
 
 def rebuild(meta: dict[str, Any], tensors: tuple[torch.Tensor, ...]) -> dict[str, Any]:
     """Every entry's state: the snapshot's structure and non-tensor values (learning rates,
-    counters) around `tensors`, which must hold the snapshot's replicated bytes in layout order."""
+    counters) around `tensors`, which must hold the snapshot's replicated tensors in layout
+    order, then its own sharded ones."""
     states = {name: _unflatten(sk, list(tensors)) for name, sk in meta["skeletons"].items()}
     states.update(unique_states(meta))
     return states

@@ -63,11 +63,11 @@ class PlainJob:
 
     def register(self, name: str, state_dict: Callable[[], Any] | None = None,
                  load_state_dict: Callable[[Any], None] | None = None, *, replicated: bool = False,
-                 **aliases: Callable[..., Any]) -> None:
+                 sharded: bool = False, **aliases: Callable[..., Any]) -> None:
         """`Job.register`: kept, never snapshotted here."""
         if any(e.name == name for e in self.entries):
             raise ValueError(f"state {name!r} registered twice")
-        self.entries.append(state_entry(name, state_dict, load_state_dict, replicated, aliases))
+        self.entries.append(state_entry(name, state_dict, load_state_dict, replicated, aliases, sharded))
 
     def register_stateful(self, name: str, obj: Any, *, replicated: bool = False) -> None:
         """`Job.register_stateful`: an object with `state_dict()` and `load_state_dict(state)`."""
@@ -96,6 +96,24 @@ class PlainJob:
         self.reduction = _LossAfterStep()
         self.register("model", model.module.state_dict, model.module.load_state_dict, replicated=True)
         return register_rest(self, optimizer, scheduler, loader)
+
+    def device_mesh(self, device_type: str, mesh_shape: tuple[int, ...], *,
+                    mesh_dim_names: tuple[str, ...] | None = None) -> Any:
+        """`Job.device_mesh`: torch's `init_device_mesh` over the default group."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self._world()
+        return init_device_mesh(device_type, tuple(mesh_shape), mesh_dim_names=mesh_dim_names)
+
+    def register_fsdp(self, *, model: Any, optimizer: torch.optim.Optimizer, scheduler: Any | None = None,
+                      loader: Iterable | None = None) -> Batches | None:
+        """`Job.register_fsdp`: the same batches, nothing snapshotted."""
+        self._ddp = True  # the step's loss is the mean over the ranks, as under ffctl
+        self.register("model", model.state_dict, model.load_state_dict, sharded=True)
+        self.register("optimizer", optimizer.state_dict, optimizer.load_state_dict, sharded=True)
+        if scheduler is not None:
+            self.register("scheduler", scheduler.state_dict, scheduler.load_state_dict, replicated=True)
+        return Batches(loader) if loader is not None else None
 
     def allreduce(self, tensor: torch.Tensor) -> torch.Tensor:
         self._world()

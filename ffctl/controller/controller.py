@@ -28,6 +28,7 @@ from ffctl.controller.failures import Cause, Failure, RankFailure, error_line
 from ffctl.controller.state import JobState, NodeState, Phase
 from ffctl.controller.decide import Decision, ring_holder
 from ffctl.controller.injector import Injector
+from ffctl.controller.stragglers import Finding, Replace, StragglerDetector, Straggling
 from ffctl.spec import EXEC_MODULE, LIBRARY_MAX_RESTARTS, PLAIN_MAX_RESTARTS, LaunchSpec
 from ffctl.controller.backend import NodeBackend
 from ffctl.controller.progress import StepReport
@@ -105,6 +106,7 @@ class Controller:
         self.coordinator.crash_loop_guard = not self.plain_script
         self.coordinator.script_restores_itself = self.plain_script
         self.job.progress.every_rank_reports = not self.plain_script
+        self.stragglers = StragglerDetector(spec.world_size, spec.straggler_policy)
 
     # -- record & view ------------------------------------------------------------------------
     def record(self, kind: EventKind, /, t: float | None = None, **data: Any) -> None:
@@ -372,6 +374,28 @@ class Controller:
         if self.job.progress.report(rep):
             self.record(EventKind.STEP, t=time.time(), step=rep.step, loss=rep.loss,
                         step_time_s=rep.dt, gen=rep.gen, rank=rep.rank)
+        for finding in self.stragglers.report(msg.gen, msg.step, msg.rank, float(msg.dt),
+                                              None if msg.wait is None else float(msg.wait), time.time()):
+            self._on_straggler(finding)
+
+    def _on_straggler(self, f: Finding) -> None:
+        """Record what the straggler detector found; under `--straggler replace`, fail the rank."""
+        node = self.job.members.get(f.rank)
+        if isinstance(f, Replace):
+            self.announce(f"rank {f.rank} is {f.factor:.1f}x slower than the others: replaced (--straggler replace)")
+            self._fail(Failure(Cause.STRAGGLER, {f.rank}, t=time.time(),
+                               detail=f"rank {f.rank} {f.factor:.1f}x slower than the median at step {f.step}"))
+            return
+        ids = self.injector.explain_straggler(f.rank, f.onset_t)
+        if isinstance(f, Straggling):
+            self.announce(f"straggler: rank {f.rank} (node {node}) is {f.factor:.1f}x slower since step {f.onset_step}")
+            self.record(EventKind.STRAGGLER_DETECTED, rank=f.rank, node=node, gen=f.gen, factor=f.factor,
+                        onset_step=f.onset_step, onset_t=f.onset_t, step=f.step,
+                        policy=str(self.spec.straggler_policy), fault_ids=ids)
+        else:
+            self.record(EventKind.STRAGGLER_ENDED, rank=f.rank, node=node, factor=f.factor, onset_step=f.onset_step,
+                        last_step=f.last_step, steps=f.steps, onset_t=f.onset_t, end_t=f.end_t, lost_s=f.lost_s,
+                        fault_ids=ids)
 
     def _on_agent_failed(self, msg: messages.AgentFailed) -> None:
         self.job.nodes[msg.node].failed = msg.reason
@@ -485,13 +509,13 @@ class Controller:
         # (An older incarnation's beat is what the node's previous agent left in its key: no news.)
 
     def training_path(self) -> str:
-        """Which path the run took, for the record: "built-in", "ddp" or "library" (a script on
-        the recovery library, by what its ranks said) or "script" (an unchanged script)."""
+        """Which path the run took, for the record: "built-in", "ddp", "fsdp" or "library" (a
+        script on the recovery library, by what its ranks said) or "script" (an unchanged script)."""
         if not self.spec.script:
             return "built-in"
         if self.training_api is None:
             return "script"
-        return "ddp" if self.training_api == "ddp" else "library"
+        return self.training_api if self.training_api in ("ddp", "fsdp") else "library"
 
     def _on_rank_exited(self, msg: messages.RankExited) -> None:
         now = time.time()
@@ -773,6 +797,8 @@ class Controller:
             signal.signal(signal.SIGTERM, previous)
             self.job.enter(Phase(status.value))
             self.show(force=True)
+            for finding in self.stragglers.close():  # a slowdown still under way at the end
+                self._on_straggler(finding)
             self._teardown()
             self.record(EventKind.RUN_FINISHED, status=status.value, steps_completed=self.job.progress.committed_step,
                         reason=reason, path=self.training_path(), api=self.training_api,

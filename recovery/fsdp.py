@@ -1,0 +1,122 @@
+"""One-step recovery for a model sharded with torch's `fully_shard` (FSDP2), HSDP included.
+
+    job = Job.from_env()
+    mesh = job.device_mesh("cpu", (world,))              # was: init_device_mesh("cpu", (world,))
+    for block in model.blocks: fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), ...)
+    batches = job.register_fsdp(model=model, optimizer=opt, scheduler=sched, loader=loader)
+    job.run(train_step, steps)                           # train_step(ctx): forward, backward, opt.step()
+
+torch's FSDP2 does its work as it always does (sharded parameters, all-gathers before each
+block's forward and backward, reduce-scatters of the gradients); only the process groups under
+the mesh change: they are ffctl's `ResilientGroup`s (`recovery.process_group`), rebuilt under each
+generation and abortable, so a lost peer never leaves a survivor waiting in a collective.
+
+The state is registered as torch's distributed checkpointing sees it
+(`torch.distributed.checkpoint.state_dict`: `get_model_state_dict`, `get_optimizer_state_dict`,
+and their `set_` twins), sharded: each rank's snapshot holds its local shards of the parameters
+and of the optimizer's state, whole, byte for byte, and is replicated to the ring neighbour's
+agent like every slot. After a failure a survivor whose live shards are its snapshot's keeps them
+(they are checksummed against its copy); a replacement loads its own shards, from its agent after
+a process fault or from the neighbour after a node fault. The scheduler is replicated, the data
+position (`recovery.ddp.Batches`) the rank's own, as on the DDP path.
+
+A step whose collective failed is unwound before any parameter moves: the optimizer's step
+pre-hook raises the failure (and fences the previous step's snapshot, which the update must not
+race), and so does a check after the step function. The step's loss that the run reports is the
+mean over the ranks, one small allreduce after the step function.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+import torch
+
+from recovery import process_group
+from recovery.ddp import Batches, Host, mean_over_ranks
+from recovery.snapshot import LocalShard
+
+
+def _dtensor() -> type:
+    from torch.distributed.tensor import DTensor
+
+    return DTensor
+
+
+def mesh_of(model: torch.nn.Module) -> Any:
+    """The device mesh `model`'s sharded parameters live on (FSDP2 puts all of them on one)."""
+    dtensor = _dtensor()
+    meshes = {id(p.device_mesh): p.device_mesh for p in model.parameters() if isinstance(p, dtensor)}
+    if not meshes:
+        raise TypeError(f"register_fsdp: {type(model).__name__} has no sharded parameter; "
+                        "apply torch's fully_shard to it (with mesh=job.device_mesh(...)) first")
+    if len(meshes) > 1:
+        raise ValueError(f"register_fsdp: the model's parameters live on {len(meshes)} device meshes; one is supported")
+    return next(iter(meshes.values()))
+
+
+def _to_dtensors(state: Any, mesh: Any) -> Any:
+    """A snapshot's state with each `LocalShard` made a `DTensor` on `mesh` again (no collective:
+    the placements and global shape are the snapshot's)."""
+    if isinstance(state, LocalShard):
+        return _dtensor().from_local(state.local, mesh, state.placements, run_check=False,
+                                     shape=torch.Size(state.shape), stride=state.stride)
+    if isinstance(state, dict):
+        return {k: _to_dtensors(v, mesh) for k, v in state.items()}
+    if isinstance(state, list):
+        return [_to_dtensors(v, mesh) for v in state]
+    if isinstance(state, tuple):
+        return tuple(_to_dtensors(v, mesh) for v in state)
+    return state
+
+
+class Guard:
+    """Unwinds a step whose collective failed, before the optimizer moves any parameter."""
+
+    def __init__(self, job: Host, optimizer: torch.optim.Optimizer) -> None:
+        self.job = job
+        self.optimizer = optimizer
+
+    def raise_failure(self) -> None:
+        exc = process_group.failure()
+        if exc is not None:
+            self.optimizer.zero_grad(set_to_none=True)  # gradients of a failed reduce-scatter
+            raise exc
+
+    def before_update(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self.raise_failure()
+        self.job.fence()
+
+    def after_step(self, loss: float) -> float:
+        self.raise_failure()
+        return mean_over_ranks(self.job, loss)
+
+
+def attach(job: Host, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any | None,
+           loader: Iterable | None) -> Batches | None:
+    """`Job.register_fsdp`: see the module's docstring."""
+    from torch.distributed.checkpoint import state_dict as dcp
+
+    mesh = mesh_of(model)
+    guard = Guard(job, optimizer)
+    optimizer.register_step_pre_hook(guard.before_update)
+    job.on_after_step(guard.after_step)
+
+    def load_model(state: Any) -> None:
+        dcp.set_model_state_dict(model, _to_dtensors(state, mesh))
+
+    def load_optimizer(state: Any) -> None:
+        dcp.set_optimizer_state_dict(model, optimizer, _to_dtensors(state, mesh))
+
+    get_model: Callable[[], Any] = lambda: dcp.get_model_state_dict(model)  # noqa: E731
+    get_optimizer: Callable[[], Any] = lambda: dcp.get_optimizer_state_dict(model, optimizer)  # noqa: E731
+    job.register("model", get_model, load_model, sharded=True)
+    job.register("optimizer", get_optimizer, load_optimizer, sharded=True)
+    if scheduler is not None:
+        job.register("scheduler", scheduler.state_dict, scheduler.load_state_dict, replicated=True)
+    if loader is None:
+        return None
+    batches = Batches(loader)
+    job.register("data", batches.state_dict, batches.load_state_dict, replicated=False)
+    return batches

@@ -1,0 +1,245 @@
+"""A torch process group ffctl owns: what torch's own sharded modules run on under ffctl.
+
+`FSDP2` (`fully_shard`), `DeviceMesh` and `DTensor` issue their collectives on torch process
+groups, in C++ and in Python, and block in them until every peer answers: a lost peer leaves every
+survivor in a collective until gloo's or NCCL's timeout. Under ffctl they run instead on
+`ResilientGroup`s, torch `ProcessGroup`s registered as the "ffctl" backend (so `init_device_mesh`
+and `new_group` make them as they make any group):
+
+- A group keeps its rank and size for the whole job (ffctl replaces a lost rank under the same
+  number), so torch's modules and their sharding never change. What changes is the generation:
+  every collective goes to the gloo (or NCCL) group of the generation the rank is in now, the
+  whole world's (`Generation.pg`) or a mesh dimension's (`Generation.subgroup`, built when it is
+  first used in a generation). A rank that joins generation g+1 (`bind`) has every group it made
+  rebuilt in place: same process, same objects, no re-import.
+- Each collective's wait is the generation's abortable wait: a survivor blocked on a dead peer
+  gives up as soon as the controller aborts the generation, within the detection bound.
+- A failure is raised where unwinding is safe and absorbed where it is not. Raised from a
+  collective issued outside autograd (an all-gather in the forward, a clip-norm reduction), it
+  unwinds the step. Inside `backward()` (an FSDP reduce-scatter, a re-gather for the backward),
+  raising would leave torch's post-backward state half-finalized; there the collective completes
+  with its output untouched, backward finishes, and the failure is raised before any parameter
+  moves (`failure`, which `recovery.fsdp` checks in the optimizer's step pre-hook and after the
+  step function). Every later collective of a failed generation completes at once, issuing
+  nothing.
+
+The default group is made with a `HashStore` of this process: nothing of torch's own rendezvous
+goes over the control store, whose clients authenticate nobody; each generation's groups meet
+under keys of that generation, as the rest of ffctl's groups do.
+"""
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from recovery.errors import PeerFailure
+
+if TYPE_CHECKING:
+    from recovery.group import Generation
+
+BACKEND = "ffctl"
+
+
+class _Binding:
+    """The generation this process's groups run on, and its failure if one was seen. One per
+    process, as torch's process groups are (the default group is process-wide)."""
+
+    def __init__(self) -> None:
+        self.gen: Generation | None = None
+        self.failed: PeerFailure | None = None  # the failure seen in `gen`, if any
+        self.lock = threading.Lock()
+
+    def fail(self, exc: PeerFailure) -> None:
+        with self.lock:
+            if self.gen is not None and exc.gen == self.gen.gen and self.failed is None:
+                self.failed = exc
+
+
+_BINDING = _Binding()
+
+
+def bind(gen: Generation | None) -> None:
+    """Run every resilient group on generation `gen` from now on (None: none, the job is over).
+    The groups of the previous generation are the `Generation`'s to destroy."""
+    with _BINDING.lock:
+        _BINDING.gen, _BINDING.failed = gen, None
+
+
+def failure() -> PeerFailure | None:
+    """The failure a collective of the current generation met, if any (see the module's docstring)."""
+    return _BINDING.failed
+
+
+def _in_backward() -> bool:
+    """Whether autograd's engine is running a backward pass on this thread."""
+    return bool(torch._C._current_graph_task_id() != -1)
+
+
+def _absorb_or_raise(exc: PeerFailure) -> bool:
+    _BINDING.fail(exc)
+    if _in_backward():
+        return True  # the output stays as it is; the step is unwound before the optimizer
+    raise exc
+
+
+class _GenerationWork(dist._Work):
+    """A collective of one generation; waiting on it is the generation's abortable wait."""
+
+    def __init__(self, gen: Generation, work: Any, what: str) -> None:
+        super().__init__()
+        self._gen, self._work, self._what = gen, work, what
+        self._done = False
+
+    def wait(self, timeout: Any = None) -> bool:
+        if self._done:
+            return True
+        try:
+            self._gen.wait(self._work, self._what)
+        except PeerFailure as exc:
+            return _absorb_or_raise(exc)
+        self._done = True
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done or bool(self._work.is_completed())
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        return self._work.get_future()
+
+
+class _FailedWork(dist._Work):
+    """A collective of a generation that has failed already: issued to nobody."""
+
+    def __init__(self, exc: PeerFailure) -> None:
+        super().__init__()
+        self._exc = exc
+
+    def wait(self, timeout: Any = None) -> bool:
+        return _absorb_or_raise(self._exc)
+
+    def is_completed(self) -> bool:
+        return True
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        fut: torch.futures.Future[Any] = torch.futures.Future()
+        fut.set_result(None)
+        return fut
+
+
+def _as_process_group(backend: Any, rank: int, size: int) -> dist.ProcessGroup:
+    """A torch `ProcessGroup` over one generation's backend (gloo or NCCL), so every method of
+    torch's group API is there to delegate to. Gloo serves CPU tensors (and CUDA ones where no
+    NCCL is used); NCCL serves CUDA tensors."""
+    group = dist.ProcessGroup(dist.HashStore(), rank, size)
+    if isinstance(backend, dist.ProcessGroupGloo):
+        kind = dist.ProcessGroup.BackendType.GLOO
+        devices = ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
+    else:
+        kind = dist.ProcessGroup.BackendType.NCCL
+        devices = ["cuda"]
+    group._set_default_backend(kind)
+    for device in devices:
+        group._register_backend(torch.device(device), kind, backend)
+    return group
+
+
+def _collective(name: str) -> Callable[..., Any]:
+    def call(self: ResilientGroup, *args: Any) -> Any:
+        return self._issue(name, lambda pg: getattr(pg, name)(*args))
+
+    call.__name__ = name
+    call.__doc__ = f"torch's `ProcessGroup.{name}`, on the current generation's group."
+    return call
+
+
+class ResilientGroup(dist.ProcessGroup):
+    """A process group of fixed ranks whose collectives run on the current generation's group
+    (see the module's docstring). `members` are the global ranks, in group-rank order."""
+
+    def __init__(self, rank: int, size: int, members: tuple[int, ...]) -> None:
+        super().__init__(rank, size)
+        self.members = members
+        self._name = ""
+        self._inner: tuple[int, dist.ProcessGroup] | None = None  # (generation, its group)
+
+    def getBackendName(self) -> str:  # noqa: N802 - torch's name
+        return BACKEND
+
+    def _set_group_name(self, name: str) -> None:
+        self._name = name
+
+    @property
+    def group_name(self) -> str:  # type: ignore[override]
+        return self._name
+
+    def _group_of(self, gen: Generation) -> dist.ProcessGroup:
+        if self._inner is None or self._inner[0] != gen.gen:
+            whole = self.members == tuple(range(gen.world_size))
+            backend = gen.pg if whole else gen.subgroup(self.members)
+            self._inner = (gen.gen, _as_process_group(backend, self.rank(), self.size()))
+        return self._inner[1]
+
+    def _issue(self, what: str, call: Callable[[dist.ProcessGroup], Any]) -> dist._Work:
+        with _BINDING.lock:
+            gen, failed = _BINDING.gen, _BINDING.failed
+        if gen is None:
+            raise RuntimeError(f"ffctl: a collective ({what}) outside job.run(): under ffctl the process "
+                               "group exists only while the job trains")
+        if failed is not None:
+            return _FailedWork(failed)
+        try:
+            inner = self._group_of(gen)
+        except PeerFailure as exc:  # its rendezvous in this generation was aborted
+            _BINDING.fail(exc)
+            return _FailedWork(exc)
+        return _GenerationWork(gen, call(inner), what)
+
+    allreduce = _collective("allreduce")
+    allreduce_coalesced = _collective("allreduce_coalesced")
+    allgather = _collective("allgather")
+    allgather_coalesced = _collective("allgather_coalesced")
+    _allgather_base = _collective("_allgather_base")
+    all_gather_single = _collective("all_gather_single")
+    allgather_into_tensor_coalesced = _collective("allgather_into_tensor_coalesced")
+    all_gather_single_coalesced = _collective("all_gather_single_coalesced")
+    reduce_scatter = _collective("reduce_scatter")
+    _reduce_scatter_base = _collective("_reduce_scatter_base")
+    reduce_scatter_single = _collective("reduce_scatter_single")
+    reduce_scatter_tensor_coalesced = _collective("reduce_scatter_tensor_coalesced")
+    reduce_scatter_single_coalesced = _collective("reduce_scatter_single_coalesced")
+    broadcast = _collective("broadcast")
+    reduce = _collective("reduce")
+    gather = _collective("gather")
+    scatter = _collective("scatter")
+    alltoall = _collective("alltoall")
+    alltoall_base = _collective("alltoall_base")
+    all_to_all_single = _collective("all_to_all_single")
+    send = _collective("send")
+    recv = _collective("recv")
+
+    def barrier(self, opts: Any = None) -> dist._Work:
+        # gloo's barrier ignores an abort; an allreduce of one element is a barrier that does not.
+        return self._issue("barrier", lambda pg: pg.allreduce([torch.zeros(1)]))
+
+
+def _create(opts: Any, _backend_options: Any) -> ResilientGroup:
+    """torch's constructor hook for the "ffctl" backend (`Backend.register_backend`): the
+    default group (no ranks listed: all of them) and every group `new_group` makes of it."""
+    members = tuple(opts.global_ranks_in_group) or tuple(range(opts.group_size))
+    return ResilientGroup(opts.group_rank, opts.group_size, members)
+
+
+def init_default_group(rank: int, world_size: int) -> None:
+    """Make torch's default process group a resilient one (once per process): what
+    `init_device_mesh`, `new_group` and `fully_shard` then build on."""
+    if dist.is_initialized():
+        if dist.get_backend() != BACKEND:
+            raise RuntimeError("torch's default process group exists already; under ffctl let the job "
+                               "make it (job.device_mesh), not init_process_group")
+        return
+    if BACKEND.upper() not in dist.Backend._plugins:
+        dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu", "cuda"])
+    dist.init_process_group(BACKEND, store=dist.HashStore(), rank=rank, world_size=world_size)
