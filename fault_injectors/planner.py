@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from fault_injectors import gpu, network, node, process
+from fault_injectors import gpu, network, node, process, straggler
 from fault_injectors.plan import FaultPlan, PlanError, Topology, run_commands
 from fault_injectors.spec import FaultFamily, FaultSpec, FaultSpecError
 from fault_injectors.targets import resolve
@@ -17,6 +17,7 @@ PLANNERS: dict[FaultFamily, Planner] = {
     FaultFamily.NODE: node.plan,
     FaultFamily.GPU: gpu.plan,
     FaultFamily.NETWORK: network.plan,
+    FaultFamily.STRAGGLER: straggler.plan,
 }
 
 

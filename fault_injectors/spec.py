@@ -22,6 +22,7 @@ class FaultFamily(str, Enum):
     NODE = "node"
     GPU = "gpu"
     NETWORK = "network"
+    STRAGGLER = "straggler"  # slow ranks: the job runs on, at the pace of its slowest rank
 
 
 class FaultKind(str, Enum):
@@ -43,9 +44,13 @@ class FaultKind(str, Enum):
     NET_DELAY = "net-delay"
     NET_LOSS = "net-loss"
     LINK_DOWN = "link-down"
+    SLOW_RANK = "slow-rank"  # the rank's steps take `factor` times as long, for `duration`
+    SLOW_NODE = "slow-node"  # slow-rank on every rank of a node
 
     @property
     def family(self) -> FaultFamily:
+        if self.value.startswith("slow-"):
+            return FaultFamily.STRAGGLER
         if self.value.startswith("gpu-"):
             return FaultFamily.GPU
         if self.value.startswith(("net-", "link-")):
@@ -56,7 +61,7 @@ class FaultKind(str, Enum):
 
     @property
     def targets_rank(self) -> bool:
-        return self.family in (FaultFamily.PROCESS, FaultFamily.GPU)
+        return self.family in (FaultFamily.PROCESS, FaultFamily.GPU) or self is FaultKind.SLOW_RANK
 
     @property
     def breaks_job(self) -> bool:
@@ -141,28 +146,35 @@ MAX_DELAY_S = 3_600.0  # netem: an hour of delay is already a partition
 MIN_RATE_BITS = 8_000  # below this tbf cannot shape (see fault_injectors.network)
 MAX_RATE_BITS = 10**13
 MAX_OOM_MB = 16 * 1024 * 1024  # 16 TiB
+MAX_SLOW_FACTOR = 100.0  # a rank 100 times slower has stopped in all but name: that is hang-rank
 
 _TARGET_KEYS = ("rank", "node", "host", "mode")
 _TRIGGER_KEYS = ("step", "t")
 _KEYS = {*_TARGET_KEYS, *_TRIGGER_KEYS, "duration", "seed"}
-_OPTION_KEYS = {"rate", "delay", "loss", "port", "ports", "action", "mb", "signal", "peer"}
+_OPTION_KEYS = {"rate", "delay", "loss", "port", "ports", "action", "mb", "signal", "peer", "factor", "drain"}
 _BREAKS_JOB = frozenset({FaultKind.KILL_RANK, FaultKind.TERM_RANK, FaultKind.CRASH_RANK, FaultKind.KILL_NODE,
                          FaultKind.REBOOT_NODE, FaultKind.GPU_ERROR, FaultKind.GPU_HANG, FaultKind.GPU_XID})
 _NETWORK = frozenset(k for k in FaultKind if k.family is FaultFamily.NETWORK)
-REVERTIBLE = frozenset({FaultKind.HANG_RANK, *_NETWORK})  # the kinds a duration= applies to
+_SLOW = frozenset({FaultKind.SLOW_RANK, FaultKind.SLOW_NODE})
+REVERTIBLE = frozenset({FaultKind.HANG_RANK, *_NETWORK, *_SLOW})  # the kinds a duration= applies to
 # The kind-specific options each kind reads; any other is refused rather than ignored.
 KIND_OPTIONS: dict[FaultKind, tuple[str, ...]] = {
     FaultKind.CRASH_RANK: ("signal",),
+    FaultKind.KILL_NODE: ("drain",),  # drain=yes: the Slurm node is drained too (--backend slurm)
     FaultKind.GPU_OOM: ("mb",),
     FaultKind.NET_PARTITION: ("action", "peer"),
     FaultKind.NET_PORT_BLOCK: ("port", "ports", "action"),
     FaultKind.NET_BANDWIDTH: ("rate",),
     FaultKind.NET_DELAY: ("delay",),
     FaultKind.NET_LOSS: ("loss",),
+    FaultKind.SLOW_RANK: ("factor",),
+    FaultKind.SLOW_NODE: ("factor",),
 }
 # Options without a default that means anything: a net-bandwidth without a rate shapes nothing
 # a user chose, so it must say which.
-REQUIRED_OPTIONS: dict[FaultKind, tuple[str, ...]] = {FaultKind.NET_BANDWIDTH: ("rate",)}
+REQUIRED_OPTIONS: dict[FaultKind, tuple[str, ...]] = {FaultKind.NET_BANDWIDTH: ("rate",),
+                                                       FaultKind.SLOW_RANK: ("factor",),
+                                                       FaultKind.SLOW_NODE: ("factor",)}
 CRASH_SIGNALS = ("exception", "segv")
 ACTIONS = ("drop", "reject")
 
@@ -266,9 +278,25 @@ def check_option(kind: FaultKind, key: str, value: str) -> None:
     elif key == "mb":
         if _int("mb", value, MAX_OOM_MB) < 1:
             raise FaultSpecError(f"{bad} is not a positive whole number of MiB")
+    elif key == "factor":
+        match = re.fullmatch(r"([0-9]{1,3}(?:\.[0-9]{1,6})?)x?", value, re.ASCII)
+        if not match or not 1.0 < float(match.group(1)) <= MAX_SLOW_FACTOR:
+            raise FaultSpecError(f"{bad} is not a slowdown factor above 1 (like 3 or 1.5, at most {MAX_SLOW_FACTOR:g})")
+    elif key == "drain":
+        if value not in ("yes", "no"):
+            raise FaultSpecError(f"{bad} is not yes or no")
     elif key == "signal":
         if value not in CRASH_SIGNALS:
             raise FaultSpecError(f"{bad} is not one of {', '.join(CRASH_SIGNALS)}")
+
+
+def slow_factor(spec: FaultSpec) -> float:
+    """How many times slower a slow-rank or slow-node fault makes its ranks' steps."""
+    text = spec.option("factor")
+    if text is None:
+        raise FaultSpecError(f"{spec.kind.value} needs factor= (how many times slower, like 3)")
+    check_option(spec.kind, "factor", text)
+    return float(text.rstrip("x"))
 
 
 def _fields(text: str) -> tuple[FaultKind, dict[str, str]]:

@@ -60,6 +60,60 @@ def _seconds(flag: str, value: object) -> None:
         raise SpecError(f"{flag} {value:g}: must be more than 0 and at most {MAX_DURATION_S:g} seconds")
 
 
+# --straggler replace: how many times the others' median busy time a rank must take, and for how
+# many steps in a row, before it is treated as failed and replaced.
+STRAGGLER_FACTOR = 2.0
+STRAGGLER_STEPS = 3
+
+
+@dataclass(frozen=True)
+class StragglerPolicy:
+    """What the controller does about a straggler it detects (`--straggler`): `wait` records it
+    and bills its lost time; `replace` also treats a rank slower than `factor` times the median
+    for `steps` steps in a row as failed, and replaces it through the normal recovery path."""
+
+    action: str = "wait"  # "wait" | "replace"
+    factor: float = STRAGGLER_FACTOR
+    steps: int = STRAGGLER_STEPS
+
+    @property
+    def replaces(self) -> bool:
+        return self.action == "replace"
+
+    def __str__(self) -> str:
+        return "wait" if not self.replaces else f"replace:factor={self.factor:g},steps={self.steps}"
+
+
+def parse_straggler(text: str) -> StragglerPolicy:
+    """`wait`, or `replace[:factor=F][,steps=N]` (F above 1, N from 1 to 100); a bad value is
+    SpecError naming it."""
+    bad = f"--straggler {_shown(text)}"
+    action, _, rest = text.partition(":")
+    if action == "wait" and not rest:
+        return StragglerPolicy()
+    if action != "replace":
+        raise SpecError(f"{bad}: use wait or replace[:factor=F][,steps=N]")
+    factor, steps = STRAGGLER_FACTOR, STRAGGLER_STEPS
+    seen: set[str] = set()
+    for part in filter(None, rest.split(",")):
+        key, eq, value = part.partition("=")
+        if not eq or key not in ("factor", "steps") or key in seen:
+            raise SpecError(f"{bad}: {_shown(part)} is not factor=F or steps=N (each at most once)")
+        seen.add(key)
+        if key == "factor":
+            try:
+                factor = float(value) if value.isascii() else math.nan
+            except ValueError:
+                factor = math.nan
+            if not (math.isfinite(factor) and 1.0 < factor <= 100.0):
+                raise SpecError(f"{bad}: factor={_shown(value)} must be a number above 1 (at most 100)")
+        else:
+            if not (value.isascii() and value.isdigit() and 1 <= int(value) <= 100):
+                raise SpecError(f"{bad}: steps={_shown(value)} must be a whole number from 1 to 100")
+            steps = int(value)
+    return StragglerPolicy("replace", factor, steps)
+
+
 @dataclass(frozen=True)
 class LaunchSpec:
     nnodes: int = 2
@@ -104,6 +158,12 @@ class LaunchSpec:
     # A script's steps read off its output (ffctl.agent.stepscan), for one that prints them but
     # does not call `recovery.report_step`.
     step_regex: str | None = None
+    # --straggler: wait (default) or replace:factor=F (`parse_straggler`)
+    straggler: str = "wait"
+
+    @property
+    def straggler_policy(self) -> StragglerPolicy:
+        return parse_straggler(self.straggler)
 
     @property
     def world_size(self) -> int:
@@ -126,6 +186,7 @@ class LaunchSpec:
             raise SpecError("--recovery restart-disk needs --ckpt-every N (N >= 1)")
         _seconds("--heartbeat-timeout", self.heartbeat_timeout)
         _seconds("--hang-timeout", self.hang_min_s)
+        parse_straggler(self.straggler)
         _seconds("pg_timeout", self.pg_timeout)
         _seconds("--exit-barrier-timeout", self.exit_barrier_timeout)
         _whole("--batch", self.batch, 0, MAX_BATCH)

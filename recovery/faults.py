@@ -1,15 +1,21 @@
-"""Faults raised inside a rank's step: crash-rank and the GPU faults.
+"""Faults raised inside a rank's step: crash-rank, the GPU faults and the stragglers.
 
 An injector writes the fault's name to the rank's fault file (`runs.shm.fault_path`) and sends SIGUSR1.
 The handler only sets a flag (nothing unsafe in a signal handler); the next `check()`, at the
 start of a step, raises the fault there as the real failure would. On a CUDA host the GPU faults
 act on the device; elsewhere they are emulated and say so.
+
+A straggler (`slow:<factor>:<seconds>`, from slow-rank and slow-node) makes every step slower
+instead: `check()` sleeps (factor - 1) times the rank's step time as it was before the slowdown,
+until the seconds are over or `slow:off` arrives (`fault_injectors.straggler` says why a sleep).
 """
 from __future__ import annotations
 
 import os
 import signal
+import statistics
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -22,12 +28,26 @@ class InjectedDeviceError(RuntimeError):
     """An emulated device error (what a CUDA error would raise inside the step)."""
 
 
+# How many recent steps the slowdown's base step time is the median of: one slow step (a
+# warm-up, a recovery) does not make the base.
+BASE_STEPS = 5
+
+
 class InStepFaults:
     def __init__(self, fault_dir: str, run_id: str, rank: int) -> None:
         # No directory (a rank not started by an agent): no in-step fault can reach it.
         self.path = Path(fault_path(fault_dir, run_id, rank)) if fault_dir else None
         self.pending = False
         self._hog: list[Any] = []
+        # The straggler: recent step times (this rank's own sleeps taken out), and while slowed,
+        # the factor, the base step time it multiplies (frozen at the onset: measured during the
+        # slowdown it would include peers' waits for this rank and grow) and when it ends.
+        self._steps: deque[float] = deque(maxlen=BASE_STEPS)
+        self._last_check: float | None = None
+        self._slept = 0.0
+        self.slow_factor: float | None = None
+        self._slow_base: float | None = None
+        self._slow_until = 0.0
 
     def install(self) -> None:
         signal.signal(signal.SIGUSR1, self._on_signal)
@@ -36,8 +56,32 @@ class InStepFaults:
         self.pending = True
 
     def check(self) -> None:
-        if not self.pending or self.path is None:
+        """At the start of a step: fire a fault that arrived, then slow the step if a straggler
+        fault is in force."""
+        now = time.monotonic()
+        if self._last_check is not None:
+            self._steps.append(max(0.0, now - self._last_check - self._slept))
+        self._last_check, self._slept = now, 0.0
+        if self.pending and self.path is not None:
+            self._take()
+        if self.slow_factor is not None:
+            self._slow(now)
+
+    def _slow(self, now: float) -> None:
+        if now >= self._slow_until:
+            self.slow_factor = self._slow_base = None
             return
+        if self._slow_base is None:
+            if not self._steps:
+                return  # no step measured yet: this one is, unslowed, and sets the base
+            self._slow_base = statistics.median(self._steps)
+        assert self.slow_factor is not None
+        pause = min((self.slow_factor - 1.0) * self._slow_base, self._slow_until - now)
+        time.sleep(pause)
+        self._slept = pause
+
+    def _take(self) -> None:
+        assert self.path is not None
         self.pending = False
         try:
             # Bounded and never through a symlink: the file sits in the run's private directory,
@@ -53,6 +97,9 @@ class InStepFaults:
 
     def fire(self, what: str) -> None:
         kind, _, arg = what.partition(":")
+        if kind == "slow":
+            self._set_slow(arg)
+            return
         cuda = torch.cuda.is_available()
         if kind == "crash-rank":
             if arg == "segv":
@@ -82,3 +129,16 @@ class InStepFaults:
             while True:
                 time.sleep(3600)
         raise RuntimeError(f"unknown in-step fault {what!r}")
+
+    def _set_slow(self, arg: str) -> None:
+        """`off`, or `<factor>:<seconds>` (written by `fault_injectors.straggler`)."""
+        if arg == "off":
+            self.slow_factor = self._slow_base = None
+            return
+        factor, _, seconds = arg.partition(":")
+        try:
+            self.slow_factor = max(1.0, float(factor))
+            self._slow_until = time.monotonic() + max(0.0, float(seconds))
+        except ValueError:
+            raise RuntimeError(f"unknown in-step fault 'slow:{arg}'") from None
+        self._slow_base = None

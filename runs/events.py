@@ -60,6 +60,14 @@ class EventKind(str, Enum):
     EXIT_BARRIER = "exit_barrier"
     # queue (or key), index, reason, raw (short repr); node/rank when an agent or rank refused it
     MESSAGE_REJECTED = "message_rejected"
+    # rank, node, gen, factor (its step time over what the step would have taken had it been as
+    # fast as the others), onset_step, onset_t (when its first slow step began), step (the step
+    # that made it known), policy, fault_ids (the injected slow-rank/slow-node faults that
+    # explain it; empty: a fault of kind `detected`)
+    STRAGGLER_DETECTED = "straggler_detected"
+    # rank, node, factor (median over the slowdown), onset_step, last_step, steps, onset_t, end_t,
+    # lost_s (what the others waited for it: its busy time beyond theirs, summed), fault_ids
+    STRAGGLER_ENDED = "straggler_ended"
     # lost (count), kinds ({kind: count}), first_t, last_t, error: events dropped while the runs
     # disk was full and more waited in memory than it may hold; written where they would have been
     RECORD_LOST = "record_lost"

@@ -27,6 +27,7 @@ class Cause(Label):
     RESTORE_FAILED = "restore-failed"  # a rank found the copy it was given unusable
     RENDEZVOUS_TIMEOUT = "rendezvous-timeout"  # a new generation's ranks did not all join
     RESTORE_TIMEOUT = "restore-timeout"  # ... or did not all restore
+    STRAGGLER = "straggler"  # `--straggler replace`: a rank too slow for too long, replaced
 
 
 def signal_name(exitcode: int) -> str | None:

@@ -278,7 +278,8 @@ class Injector:
         nothing of the run is left in the hosts' shared memory."""
         topo = self.cluster.topology()
         for fault in self.faults:
-            if not (fault.spec.kind is FaultKind.CRASH_RANK or fault.spec.kind.family is FaultFamily.GPU):
+            if not (fault.spec.kind is FaultKind.CRASH_RANK
+                    or fault.spec.kind.family in (FaultFamily.GPU, FaultFamily.STRAGGLER)):
                 continue
             for rank in fault.plan.ranks:
                 cmd = next((c for c in fault.plan.apply if c.argv[-2:-1] == (in_step_fault_path(topo, rank),)), None)
@@ -296,10 +297,24 @@ class Injector:
         failure: a fault that breaks the job is noticed within the hang limit."""
         open_faults = [f for f in self.faults if not f.detected and not self._survived(f)]
         hits = [f for f in open_faults if set(f.plan.ranks) & ranks or set(f.plan.nodes) & nodes]
+        # A straggler replaced under `--straggler replace`: the slow fault in force on it explains
+        # it, however long ago it was detected.
+        hits += [f for f in self.faults if f.spec.kind.family is FaultFamily.STRAGGLER and not f.reverted
+                 and set(f.plan.ranks) & ranks and f not in hits]
         chosen = hits or open_faults
         for f in chosen:
             f.detected = True
         return [f.fault_id for f in chosen]
+
+    def explain_straggler(self, rank: int, onset_t: float) -> list[str]:
+        """The slow-rank and slow-node faults that explain a straggler on `rank` whose slowdown
+        began at `onset_t`: applied to that rank before it (a second of slack: the rank's clock
+        and ours), and not reverted before it. They count as detected."""
+        hits = [f for f in self.faults if f.spec.kind.family is FaultFamily.STRAGGLER and rank in f.plan.ranks
+                and f.injected_t <= onset_t + 1.0 and (f.reverted_t is None or f.reverted_t >= onset_t)]
+        for f in hits:
+            f.detected = True
+        return [f.fault_id for f in hits]
 
     def describe_current(self) -> str | None:
         live = [f for f in self.faults if not f.reverted and (not f.detected or f.revert_at)]

@@ -1,0 +1,159 @@
+"""The straggler detector, fed step reports as the ranks of a synchronous job send them: every
+rank takes the same wall time per step, and the fast ranks spend the difference waiting."""
+from __future__ import annotations
+
+import pytest
+
+from ffctl.controller.stragglers import (
+    END_STEPS,
+    ONSET_STEPS,
+    Recovered,
+    Replace,
+    StragglerDetector,
+    Straggling,
+)
+from ffctl.spec import SpecError, StragglerPolicy, parse_straggler
+
+BUSY = 0.1  # a healthy rank's compute per step (seconds)
+COMM = 0.01  # what a collective costs every rank even when nobody is late
+
+
+def feed(det: StragglerDetector, steps: range, slow: dict[int, float], world: int = 4, gen: int = 0,
+         t0: float = 1000.0, order: list[int] | None = None) -> tuple[list[object], float]:
+    """Report `steps` from every rank; ranks in `slow` compute `factor` times longer, the others
+    wait for them. Returns the findings and the time after the last step."""
+    out: list[object] = []
+    t = t0
+    for step in steps:
+        busy = {r: BUSY * slow.get(r, 1.0) for r in range(world)}
+        dt = max(busy.values()) + COMM
+        t += dt
+        for r in order or range(world):
+            out += det.report(gen, step, r, dt, dt - busy[r], t)
+    return out, t
+
+
+def test_names_the_slow_rank_within_the_onset_steps_with_its_factor_and_onset() -> None:
+    det = StragglerDetector(4)
+    found, t = feed(det, range(1, 11), {})
+    assert found == []
+    found, _ = feed(det, range(11, 21), {2: 3.0}, t0=t)
+    named = [f for f in found if isinstance(f, Straggling)]
+    assert len(named) == 1 and not [f for f in found if not isinstance(f, Straggling)]
+    s = named[0]
+    assert s.rank == 2 and s.onset_step == 11 and s.step == 11 + ONSET_STEPS - 1
+    assert s.step - s.onset_step < 5
+    # The step took 0.31 s; with rank 2 as fast as the others it would have taken 0.11 s.
+    assert s.factor == pytest.approx((3 * BUSY + COMM) / (BUSY + COMM))
+    assert s.onset_t == pytest.approx(t)  # when its first slow step began
+
+
+def test_back_at_pace_ends_it_with_the_time_the_others_waited() -> None:
+    det = StragglerDetector(4)
+    _, t = feed(det, range(1, 6), {})
+    _, t = feed(det, range(6, 16), {1: 2.0}, t0=t)
+    found, _ = feed(det, range(16, 16 + END_STEPS + 1), {}, t0=t)
+    ended = [f for f in found if isinstance(f, Recovered)]
+    assert len(ended) == 1
+    e = ended[0]
+    assert (e.rank, e.onset_step, e.last_step, e.steps) == (1, 6, 15, 10)
+    assert e.lost_s == pytest.approx(10 * BUSY)  # ten steps, each 0.1 s longer for everyone
+    assert e.end_t == pytest.approx(t)
+
+
+def test_noise_is_not_a_straggler() -> None:
+    det = StragglerDetector(4)
+    found: list[object] = []
+    t = 0.0
+    for start in range(1, 60, ONSET_STEPS + 1):
+        # Slow for one step short of the onset, then normal: a page fault, a descheduled rank.
+        got, t = feed(det, range(start, start + ONSET_STEPS - 1), {3: 4.0}, t0=t)
+        found += got
+        got, t = feed(det, range(start + ONSET_STEPS - 1, start + ONSET_STEPS + 1), {}, t0=t)
+        found += got
+    # Slower by a few milliseconds: a big factor of a tiny step is still noise.
+    det2 = StragglerDetector(2)
+    for step in range(1, 20):
+        found += det2.report(0, step, 0, 0.004, 0.003, float(step))
+        found += det2.report(0, step, 1, 0.004, 0.0, float(step))
+    assert found == []
+
+
+def test_every_rank_of_a_slow_node_is_named() -> None:
+    det = StragglerDetector(4)
+    found, _ = feed(det, range(1, 10), {2: 3.0, 3: 3.0})
+    assert sorted(f.rank for f in found if isinstance(f, Straggling)) == [2, 3]
+
+
+def test_reports_out_of_order_and_steps_not_yet_complete() -> None:
+    det = StragglerDetector(3)
+    found: list[object] = []
+    # Rank 0's reports run two steps ahead of the others': each step is judged once complete.
+    reports = []
+    for step in range(1, 9):
+        busy = {0: BUSY, 1: BUSY * 4, 2: BUSY}
+        dt = max(busy.values()) + COMM
+        reports += [(step, r, dt, dt - busy[r], 10.0 + step) for r in range(3)]
+    reports.sort(key=lambda x: (x[0] - (2 if x[1] == 0 else 0), x[1]))
+    for step, r, dt, wait, t in reports:
+        found += det.report(0, step, r, dt, wait, t)
+    named = [f for f in found if isinstance(f, Straggling)]
+    assert [(f.rank, f.onset_step) for f in named] == [(1, 1)]
+
+
+def test_a_new_generation_closes_what_was_open_and_starts_over() -> None:
+    det = StragglerDetector(2)
+    _, t = feed(det, range(1, 8), {1: 3.0}, world=2)
+    found, _ = feed(det, range(5, 9), {}, world=2, gen=1, t0=t)  # replayed from step 4, at pace
+    assert [type(f) for f in found] == [Recovered]
+    assert det.report(0, 9, 0, 1.0, 0.0, t) == []  # the old generation is not heard any more
+
+
+def test_a_script_without_wait_times_is_left_alone() -> None:
+    det = StragglerDetector(2)
+    found = []
+    for step in range(1, 10):
+        found += det.report(0, step, 0, 0.1, None, float(step))
+        found += det.report(0, step, 1, 0.5, None, float(step))
+    assert found == []
+    assert det.close() == []
+
+
+def test_close_ends_a_slowdown_under_way() -> None:
+    det = StragglerDetector(2)
+    feed(det, range(1, 8), {0: 3.0}, world=2)
+    ended = det.close()
+    assert [(type(e), e.rank) for e in ended] == [(Recovered, 0)]  # type: ignore[attr-defined]
+
+
+def test_replace_policy_names_a_rank_over_its_factor_for_its_steps_once() -> None:
+    det = StragglerDetector(4, StragglerPolicy("replace", factor=2.0, steps=3))
+    found, _ = feed(det, range(1, 12), {1: 4.0})
+    replace = [f for f in found if isinstance(f, Replace)]
+    assert len(replace) == 1 and replace[0].rank == 1 and replace[0].step == 3
+    assert replace[0].factor >= 2.0
+    # Slower than the detector's threshold but under the policy's factor: waited for.
+    det = StragglerDetector(4, StragglerPolicy("replace", factor=3.0, steps=3))
+    found, _ = feed(det, range(1, 12), {1: 2.0})
+    assert [f for f in found if isinstance(f, Straggling)] and not [f for f in found if isinstance(f, Replace)]
+    # The default policy waits.
+    found, _ = feed(StragglerDetector(4), range(1, 12), {1: 4.0})
+    assert not [f for f in found if isinstance(f, Replace)]
+
+
+def test_straggler_policy_parsing() -> None:
+    assert parse_straggler("wait") == StragglerPolicy()
+    assert parse_straggler("replace") == StragglerPolicy("replace", 2.0, 3)
+    assert parse_straggler("replace:factor=2.5") == StragglerPolicy("replace", 2.5, 3)
+    assert parse_straggler("replace:factor=3,steps=5") == StragglerPolicy("replace", 3.0, 5)
+    assert str(parse_straggler("replace:factor=2")) == "replace:factor=2,steps=3"
+
+
+@pytest.mark.parametrize("text", ["", "kill", "wait:factor=2", "replace:factor=1", "replace:factor=nan",
+                                  "replace:factor=inf", "replace:factor=٣", "replace:steps=0", "replace:steps=1.5",
+                                  "replace:factor=2,factor=3", "replace:speed=2", "replace:factor"])
+def test_bad_straggler_policy_is_one_line_naming_it(text: str) -> None:
+    with pytest.raises(SpecError) as exc:
+        parse_straggler(text)
+    message = str(exc.value)
+    assert message.startswith(f"--straggler {text!r}") and len(message.splitlines()) == 1
