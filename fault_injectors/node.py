@@ -1,7 +1,9 @@
 """Node faults: kill-node (the agent and every worker of a node) and reboot-node.
 
 reboot-node also wipes the node's snapshot memory, as a power cycle would; the controller brings
-an empty agent back on the host afterwards.
+an empty agent back on the host afterwards. kill-node with drain=yes also drains the node in the
+scheduler (``scontrol update ... state=drain``, Slurm backend only), with a reason that names ffctl,
+the run and the fault, so that the launch's end and `ffctl inject revert --all` find it to resume.
 """
 from __future__ import annotations
 
@@ -14,6 +16,27 @@ def shm_prefix(shm_dir: str, run_id: str, node: int) -> str:
     """Name prefix of a node's snapshot slots in the run's shared-memory directory (the agent
     owns them)."""
     return f"{shm_dir.rstrip('/')}/{node_prefix(run_id, node)}"
+
+
+DRAIN_REASON_PREFIX = "ffctl:"
+
+
+def drain_reason(run_id: str, fault_id: str) -> str:
+    """The reason a drained node carries: ``ffctl:<run>:<fault>`` (the sweep's mark)."""
+    return f"{DRAIN_REASON_PREFIX}{run_id}:{fault_id}"
+
+
+def drain_argv(host: str, reason: str) -> tuple[str, ...]:
+    return ("scontrol", "update", f"nodename={host}", "state=drain", f"reason={reason}")
+
+
+def resume_argv(host: str) -> tuple[str, ...]:
+    return ("scontrol", "update", f"nodename={host}", "state=resume")
+
+
+def is_node_drain(cmd: HostCommand) -> bool:
+    """Whether `cmd` drains a node in the scheduler (run where the scheduler's client is)."""
+    return cmd.argv[:2] == ("scontrol", "update") and "state=drain" in cmd.argv
 
 
 def is_node_kill(cmd: HostCommand) -> bool:
@@ -29,6 +52,9 @@ def plan(spec: FaultSpec, topo: Topology, ranks: tuple[int, ...], nodes: tuple[i
         pids = [str(place.agent_pid)] + [str(r.pid) for r in topo.ranks_of(n)]
         # The agent first: it must not see its workers die and report them as rank faults.
         apply.append(HostCommand(n, place.host, ("kill", "-KILL", *pids), place.netns, allow_fail=True))
+        if spec.option("drain") == "yes":
+            # After the kill: the node's steps are gone, and the scheduler gives it no new work.
+            apply.append(HostCommand(n, place.host, drain_argv(place.host, drain_reason(topo.run_id, spec.fault_id or "f?"))))
         if spec.kind is FaultKind.REBOOT_NODE:
             apply.append(
                 HostCommand(

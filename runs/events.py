@@ -39,6 +39,12 @@ class EventKind(str, Enum):
     FAULT_FAILED = "fault_failed"  # fault_id, error (the fault could not be applied)
     RANK_EXITED = "rank_exited"  # node, rank, pid, exitcode, gen; log_tail (a failed rank's last log lines)
     NODE_LOST = "node_lost"  # node, reason
+    # node (None: a spare node), host, state, reason, by ("scheduler"): the scheduler took a
+    # node's host out during the run (Slurm: DOWN, DRAIN, FAIL), as ffctl saw it
+    NODE_STATE = "node_state"
+    # signal, ranks, by ("scheduler"): a signal the launch received (a preemption notice such as
+    # sbatch --signal=USR2@90) and passed on to the job's ranks
+    SIGNAL_FORWARDED = "signal_forwarded"
     # fault_ids (the injected faults it is blamed on), cause, ranks, nodes, gen, summary (one line
     # per rank); failure_id ("d1", "d2", ...: every detected failure, numbered for the run);
     # onset_t, onset (when it began as far as the controller can tell, and how that is known:

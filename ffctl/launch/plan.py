@@ -90,6 +90,9 @@ def plan_launch(spec: LaunchSpec) -> LaunchPlan:
         raise BadInput(str(exc)) from None
     if (spec.runs_dir / run_id).exists():
         raise BadInput(f"run id {run_id!r} already exists in {str(spec.runs_dir)!r}")
+    drains = [str(f) for f in spec.injects if f.option("drain") == "yes"]
+    if drains and spec.backend != SLURM:
+        raise BadInput(f"--inject {drains[0]}: drain=yes drains a Slurm node; it needs --backend slurm")
     slurm_hosts: list[str] | None = None
     if spec.backend == SLURM:
         from ffctl.launch.slurm import plan_hosts

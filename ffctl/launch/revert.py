@@ -1,5 +1,6 @@
 """`ffctl inject revert --all`: remove every rule, qdisc, downed link, dead man's switch and sandbox
-namespace ffctl left, on this machine and on the hosts of a hostfile, whatever the records say.
+namespace ffctl left, on this machine and on the hosts of a hostfile, whatever the records say;
+on a host with the Slurm client, resume the Slurm nodes a kill-node drain=yes left drained.
 
 Everything is found by owner tag (see `fault_injectors.revert`), so this works after a crash,
 a SIGKILLed controller or a cut SSH connection. Per host it runs `revert_all`; on this machine
@@ -9,10 +10,14 @@ removed, and other runs (a sandbox another launch is using) are left alone.
 """
 from __future__ import annotations
 
+import shlex
+import shutil
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
+from fault_injectors.node import resume_argv
 from fault_injectors.plan import HostCommand
 from fault_injectors.revert import FIRE_DEADMEN, SHM_SWEEP, STEP_NAMES, RevertError, removed_lines, revert_all_plan
 from fault_injectors.transport import LocalTransport, Transport, TransportError
@@ -60,6 +65,7 @@ class RevertPlan:
     places: tuple[Place, ...]
     sandbox_prefix: str
     namespaces: tuple[str, ...]
+    drained: tuple[str, ...] = ()  # Slurm nodes drained by ffctl (their reason says so)
 
     @property
     def removes_sandbox(self) -> bool:
@@ -68,6 +74,7 @@ class RevertPlan:
 
     def describe(self) -> list[str]:
         lines = [str(c) for place in self.places for c in place.commands]
+        lines += [f"[{LOCAL}] {shlex.join(resume_argv(n))}" for n in self.drained]
         if self.namespaces:
             lines.append(f"[{LOCAL}] remove namespaces {', '.join(self.namespaces)} and the links tagged "
                          f"ffctl-sandbox:{self.sandbox_prefix}")
@@ -82,6 +89,21 @@ def _commands(host: str, netns: str | None, run_id: str | None) -> tuple[HostCom
     if run_id is not None and netns is None:
         plan = [c for c in plan if c.argv[2] in (FIRE_DEADMEN, SHM_SWEEP)]
     return tuple(plan)
+
+
+def _drained(run_id: str | None) -> tuple[str, ...]:
+    """The Slurm nodes ffctl drained (all runs', or `run_id`'s) as sinfo lists them here; none
+    where there is no Slurm client or it cannot reach its controller."""
+    from ffctl.launch.slurm import COMMAND_TIMEOUT_S, ffctl_drained, parse_node_states
+
+    if shutil.which("sinfo") is None:
+        return ()
+    try:
+        out = subprocess.run(["sinfo", "--noheader", "--Node", "--format=%N|%T|%E"], capture_output=True,
+                             text=True, timeout=COMMAND_TIMEOUT_S, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return ()
+    return tuple(ffctl_drained(parse_node_states(out.stdout), run_id)) if out.returncode == 0 else ()
 
 
 def plan_revert(hostfile: Path | None, run_id: str | None = None) -> RevertPlan:
@@ -103,7 +125,7 @@ def plan_revert(hostfile: Path | None, run_id: str | None = None) -> RevertPlan:
     places += [Place(ns, LOCAL, ns, None, tuple(c for c in revert_all_plan(LOCAL, ns, run_id) if c.netns))
                for ns in namespaces]
     places += [Place(e.name, e.name, None, e, _commands(e.name, None, run_id)) for e in _hosts(hostfile)]
-    return RevertPlan(run_id, tuple(places), prefix, namespaces)
+    return RevertPlan(run_id, tuple(places), prefix, namespaces, _drained(run_id))
 
 
 def _run_place(place: Place, transport_for: Callable[[HostCommand], Transport]) -> list[str]:
@@ -154,6 +176,16 @@ def execute_revert(plan: RevertPlan) -> list[str]:
             failures.append(str(exc))
         finally:
             ssh.close()
+    if plan.drained:
+        resumed = []
+        for node in plan.drained:
+            out = LocalTransport(LOCAL, None).run(resume_argv(node), timeout=60.0)
+            if out.ok:
+                resumed.append(node)
+            else:
+                failures.append(f"on {LOCAL}: cannot resume Slurm node {node}: {out.describe()}")
+        if resumed:
+            lines.append(f"{LOCAL}: resumed Slurm node(s) {', '.join(resumed)} (drained by ffctl)")
     if plan.removes_sandbox:
         try:
             removed = cleanup_stale(plan.sandbox_prefix)

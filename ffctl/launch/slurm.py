@@ -36,7 +36,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO, Any, Callable, Mapping, Sequence
 
-from fault_injectors.node import is_node_kill
+from fault_injectors.node import DRAIN_REASON_PREFIX, is_node_drain, is_node_kill, resume_argv
 from fault_injectors.plan import HostCommand
 from fault_injectors.revert import SHM_SWEEP
 from fault_injectors.transport import CommandResult, LocalTransport, Transport
@@ -44,6 +44,7 @@ from ffctl.agent.agent import AgentConfig
 from ffctl.agent.agent import agent_argv as agent_command
 from ffctl.errors import BadInput, InfraError
 from ffctl.spec import LaunchSpec
+from runs.events import EventKind
 from runs.shm import SHM_ROOT
 from runs.store import RunStore
 
@@ -54,6 +55,10 @@ NODENAME_ENV = "SLURMD_NODENAME"  # the node a step (the batch step included) ru
 COMMAND_TIMEOUT_S = 30.0
 # How long a cancelled step may take to end before the launch says it could not stop it.
 STEP_END_S = 15.0
+# How often the launch asks Slurm for its nodes' states (one sinfo call for all of them).
+NODE_POLL_S = 2.0
+# Node states (sinfo %T, flags stripped) that take a node out of a job's use.
+OUT_STATES = ("down", "drain", "fail")
 
 Runner = Callable[..., "subprocess.CompletedProcess[str]"]
 
@@ -194,6 +199,35 @@ def node_state(host: str, run: Runner = subprocess.run) -> str | None:
     if state is None:
         return None
     return state.group(1) + (f" ({reason.group(1).strip()})" if reason and reason.group(1).strip() else "")
+
+
+def sinfo_argv(hosts: Sequence[str]) -> list[str]:
+    """One line per node: ``NAME|STATE|REASON`` (``sinfo --Node``)."""
+    return ["sinfo", "--noheader", "--Node", f"--nodes={','.join(hosts)}", "--format=%N|%T|%E"]
+
+
+def parse_node_states(text: str) -> dict[str, tuple[str, str]]:
+    """``sinfo --Node --format=%N|%T|%E`` output as {node: (state, reason)}; a node listed once
+    per partition counts once, lines it cannot read are skipped."""
+    states: dict[str, tuple[str, str]] = {}
+    for line in text.splitlines():
+        name, sep, rest = line.strip().partition("|")
+        state, _, reason = rest.partition("|")
+        if sep and name and state:
+            states.setdefault(name, (state.strip(), "" if reason.strip() == "none" else reason.strip()))
+    return states
+
+
+def is_out(state: str) -> bool:
+    """Whether a node in `state` is out of use: DOWN, DRAIN(ED/ING), FAIL(ING), with or without
+    sinfo's flag characters (``down*``, ``drained~``) or another state joined by '+'."""
+    return any(word.strip("*~#%$@!^-").lower().startswith(OUT_STATES) for word in state.split("+"))
+
+
+def ffctl_drained(states: Mapping[str, tuple[str, str]], run_id: str | None = None) -> list[str]:
+    """The nodes ffctl drained (its reason mark), all runs' or one run's, still out of use."""
+    mark = DRAIN_REASON_PREFIX + (f"{run_id}:" if run_id else "")
+    return [n for n, (state, reason) in states.items() if is_out(state) and reason.startswith(mark)]
 
 
 def node_address(host: str, run: Runner = subprocess.run) -> str:
@@ -410,6 +444,12 @@ class SlurmNodes:
         self._lock = threading.Lock()
         self.log_dir: Path | None = None
         self._record: RunStore | None = None
+        self.drained: dict[str, str] = {}  # host -> reason: nodes a fault drained, resumed at the end
+        self.resumed: list[str] = []
+        self.out_nodes: dict[str, str] = {}  # host -> Slurm's state and reason, when it took a node out
+        self._left: dict[str, int] = {}  # host -> the node that left it for a spare node
+        self._stop_poll = threading.Event()
+        self._poller: threading.Thread | None = None
 
     @classmethod
     def for_launch(cls, spec: LaunchSpec, run_id: str, env: Mapping[str, str] | None = None) -> SlurmNodes:
@@ -454,10 +494,65 @@ class SlurmNodes:
         self.log_dir = record.path / "logs"
         self._record = record
         self._note()
+        self._poller = threading.Thread(target=self._poll_nodes, name="ffctl-slurm-nodes", daemon=True)
+        self._poller.start()
+
+    # -- what Slurm says of the nodes -----------------------------------------------------------
+    def _poll_nodes(self) -> None:
+        while not self._stop_poll.wait(NODE_POLL_S):
+            hosts = [s.host for s in self._slots] + self.spare_hosts + self.failed_hosts
+            try:
+                out = self._run(sinfo_argv(hosts), capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S,
+                                check=False)
+            except (OSError, subprocess.TimeoutExpired):
+                continue
+            if out.returncode == 0:
+                self.check_nodes(parse_node_states(out.stdout))
+
+    def check_nodes(self, states: Mapping[str, tuple[str, str]]) -> None:
+        """A node Slurm took out (DOWN, DRAIN, FAIL) while this run used it is a node fault: it
+        is recorded (``node_state``), a spare node out of use is dropped, and a job node whose
+        agent still runs there (a drain leaves steps running) has its step ended, so that the
+        node comes back on a spare node. A node's host it already left (Slurm's DOWN ended its
+        step, and the node moved before this poll) is recorded for that node. Nodes a fault of
+        ours drained are not news."""
+        for host, (state, reason) in states.items():
+            if not is_out(state) or host in self.out_nodes or reason.startswith(DRAIN_REASON_PREFIX):
+                continue
+            with self._lock:
+                node = next((i for i, s in enumerate(self._slots) if s.host == host), None)
+                if node is None and host not in self.spare_hosts and host not in self._left:
+                    continue  # not one of this run's
+                self.out_nodes[host] = f"{state} ({reason})" if reason else state
+                if host in self.spare_hosts:
+                    self.spare_hosts.remove(host)
+                standby = self._standby.pop(host, None) if node is None else None
+                step = self._slots[node].step if node is not None else None
+                node = self._left.get(host) if node is None else node
+            if self._record is not None:
+                self._record.append(EventKind.NODE_STATE, node=node, host=host, state=state, reason=reason,
+                                    by="scheduler")
+            if standby is not None:
+                standby.stop(STEP_END_S)
+            if step is not None and step.poll() is None and self.spare_hosts:
+                step.cancel("KILL", STEP_END_S)
+            self._note()
 
     def release(self, record: RunStore | None) -> None:
         """Cancel every step this launch started that has not ended (the controller stopped the
-        agents already when it could; a standby agent never needed is told by its stdin)."""
+        agents already when it could; a standby agent never needed is told by its stdin), and
+        resume the nodes a fault drained."""
+        self._stop_poll.set()
+        if self._poller is not None:
+            self._poller.join(timeout=COMMAND_TIMEOUT_S)
+        for host in list(self.drained):
+            try:
+                done = self._run(resume_argv(host), capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S,
+                                 check=False).returncode == 0
+            except (OSError, subprocess.TimeoutExpired):
+                done = False  # `ffctl inject revert --all` finds it by its reason
+            if done:
+                self.resumed.append(host)
         for step in self._standby.values():
             step.stop(STEP_END_S)
         for step in self._steps:
@@ -473,6 +568,7 @@ class SlurmNodes:
         self._record.update_run_info(slurm={
             "job_id": self.job, "nodes": [s.host for s in self._slots], "spare_nodes": list(self.spare_hosts),
             "failed_nodes": list(self.failed_hosts), "failed_node_states": dict(self.failed_states),
+            "out_of_use": dict(self.out_nodes), "drained": dict(self.drained), "resumed": list(self.resumed),
             "addresses": {h: [a, self._interfaces.get(h)] for h, a in self._addresses.items()},
             # A step's JOB.STEP id is looked up when it is cancelled (a kill-node, the end).
             "steps": [{"name": s.name, "host": s.host, **({"step": s._step} if s._step else {})} for s in self._steps],
@@ -569,6 +665,7 @@ class SlurmNodes:
                 # What Slurm says of the node its step ended on (DOWN, DRAIN... or IDLE after a
                 # step cancel), for the record.
                 self.failed_states[slot.host] = node_state(slot.host, self._run)
+                self._left[slot.host] = cfg.node
                 slot.host = self.spare_hosts.pop(0)
                 moved = True
             n = self._starts[cfg.node] = self._starts.get(cfg.node, 0) + 1
@@ -588,6 +685,11 @@ class SlurmNodes:
         """A kill-node cancels the node's agent step; any other command runs on its Slurm node as
         a step of its own; a host that is not one of the allocation's is this machine."""
         hosts = {s.host for s in self._slots} | set(self.spare_hosts) | set(self.failed_hosts)
+        if is_node_drain(cmd) and cmd.host in hosts:
+            # scontrol runs here (the batch step); the launch's end resumes the node.
+            self.drained[cmd.host] = cmd.argv[-1].partition("=")[2]
+            self._note()
+            return LocalTransport(cmd.host, None)
         if cmd.host not in hosts:
             return LocalTransport(cmd.host, cmd.netns)
         if 0 <= cmd.node < len(self._slots):

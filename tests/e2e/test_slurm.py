@@ -101,6 +101,13 @@ def test_sbatch_example_kills_a_node_and_recovers_it_from_peer_memory(cluster: S
     assert cluster.wait_empty() == []
 
 
+def _sinfo(cluster: SlurmCluster) -> dict[str, tuple[str, str]]:
+    """Each node's state and reason as sinfo gives them."""
+    from ffctl.launch.slurm import parse_node_states
+
+    return parse_node_states(cluster.run(["sinfo", "--noheader", "--Node", "--format=%N|%T|%E"]).stdout)
+
+
 def _allocation(cluster: SlurmCluster, nodes: int) -> dict[str, str]:
     """An allocation with no shell (as `salloc` on a login node gives), as its environment; a
     node of it going down ends only that node's steps (--no-kill)."""
@@ -116,27 +123,42 @@ def test_every_agent_step_ends_with_the_launch(cluster: SlurmCluster, tmp_path: 
     """Ctrl-C: the launch cancels its steps; SIGKILL (a lost controller): the agents see their
     stdin close and their steps end. Only the allocation itself is left, then cancelled. Before
     the Ctrl-C, Slurm marks node 1's host down: a node fault ffctl did not inject, recovered with
-    node 1 back on the spare node, Slurm's word for the host in the record."""
+    node 1 back on the spare node, Slurm's word for the host in the record; then Slurm drains
+    the spare node node 1 runs on, which is recorded (no spare is left to move to). Before the
+    SIGKILL, a kill-node with drain=yes cancels node 1's step and drains its node, which the
+    killed launch cannot resume: `ffctl inject revert --all --run` does."""
     env = _allocation(cluster, 3)
     run_id = rid("slurm-stop")
+    drain = ["--inject", "kill-node:node=1,step=8,drain=yes"] if sig is signal.SIGKILL else []
     proc = subprocess.Popen([sys.executable, "-m", "ffctl", "launch", "--backend", "slurm", "--nnodes", "2",
-                             "--steps", "100000", "--run-id", run_id, "--runs-dir", str(tmp_path / "runs")],
+                             "--steps", "100000", "--run-id", run_id, "--runs-dir", str(tmp_path / "runs"), *drain],
                             cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    events = tmp_path / "runs" / run_id / "events.jsonl"
     try:
         wait_step(tmp_path / "runs", run_id, 3, timeout=90)
-        assert len(cluster.steps()) == 2, cluster.steps()
+        assert len(cluster.steps()) == 3, cluster.steps()  # node 0's and 1's agents, the spare's standby
         if sig is signal.SIGINT:
             down = cluster.run(["scontrol", "update", "nodename=n2", "state=down", "reason=ffctl-test"])
             assert down.returncode == 0, down.stderr
-            events = tmp_path / "runs" / run_id / "events.jsonl"
             wait_event(events, lambda ev: ev.kind is EventKind.NODE_LOST and ev.get("node") == 1, timeout=60)
             wait_event(events, lambda ev: ev.kind is EventKind.AGENT_STARTED and ev.get("host") == "n3", timeout=90)
+            seen = wait_event(events, lambda ev: ev.kind is EventKind.NODE_STATE and ev.get("host") == "n2", timeout=30)
+            assert seen.get("node") == 1 and seen.get("state").startswith("down") and seen.get("reason") == "ffctl-test"
             step = wait_step(tmp_path / "runs", run_id, 0, timeout=5).get("step")
             wait_step(tmp_path / "runs", run_id, step + 3, timeout=90)  # training goes on
             slurm = json.loads((tmp_path / "runs" / run_id / "run.json").read_text())["slurm"]
             assert slurm["nodes"] == ["n1", "n3"] and slurm["failed_nodes"] == ["n2"]
             assert slurm["failed_node_states"]["n2"].startswith("DOWN"), slurm
             assert cluster.run(["scontrol", "update", "nodename=n2", "state=resume"]).returncode == 0
+            # Slurm drains n3 (steps keep running on a draining node): seen and recorded.
+            assert cluster.run(["scontrol", "update", "nodename=n3", "state=drain", "reason=bad-dimm"]).returncode == 0
+            seen = wait_event(events, lambda ev: ev.kind is EventKind.NODE_STATE and ev.get("host") == "n3", timeout=30)
+            assert seen.get("node") == 1 and "drain" in seen.get("state") and seen.get("reason") == "bad-dimm"
+            assert cluster.run(["scontrol", "update", "nodename=n3", "state=resume"]).returncode == 0
+        else:
+            wait_event(events, lambda ev: ev.kind is EventKind.AGENT_STARTED and ev.get("host") == "n3", timeout=90)
+            state, reason = _sinfo(cluster)["n2"]
+            assert "drain" in state and reason.startswith(f"ffctl:{run_id}:"), (state, reason)
         proc.send_signal(sig)
         proc.wait(timeout=60)
     finally:
@@ -147,6 +169,12 @@ def test_every_agent_step_ends_with_the_launch(cluster: SlurmCluster, tmp_path: 
     while cluster.steps() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert cluster.steps() == []
+    if sig is signal.SIGKILL:
+        # The killed launch could not resume the node it drained: the sweep finds it by its reason.
+        swept = subprocess.run([sys.executable, "-m", "ffctl", "inject", "revert", "--all", "--run", run_id],
+                               cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+        assert swept.returncode == 0 and "resumed Slurm node(s) n2" in swept.stdout, swept.stdout + swept.stderr
+        assert "drain" not in _sinfo(cluster)["n2"][0]
     assert_nothing_left(tmp_path)
     assert not shm_left(run_id)  # the agents, told by their closed stdin, removed it
     cluster.run(["scancel", env["SLURM_JOB_ID"]])

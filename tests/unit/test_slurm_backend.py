@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -22,10 +23,14 @@ from ffctl.launch.slurm import (
     agent_argv,
     allocation,
     expand_nodelist,
+    ffctl_drained,
     interface_of,
+    is_out,
+    parse_node_states,
     split_nodes,
 )
 from ffctl.spec import LaunchSpec
+from runs.events import EventKind
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -230,3 +235,116 @@ def test_slurm_tests_say_why_they_are_skipped(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(harness, "_which", lambda tool: None if tool == "slurmd" else f"/usr/bin/{tool}")
     assert harness.skip_reason() == ("Slurm not installed (missing slurmd): apt-get install slurmctld slurmd "
                                      "slurm-client munge (scripts/setup does as root)")
+
+
+SINFO = """n1|mixed|none
+n2|drained|ffctl:r1:f1
+n2|drained|ffctl:r1:f1
+n3|down*|Not responding
+n4|mixed+drain|admin check
+n5|idle|none
+n6|draining|ffctl:r2:f4
+garbage line
+"""
+
+
+def test_sinfo_node_states_are_read_and_out_of_use_states_told_apart() -> None:
+    states = parse_node_states(SINFO)
+    assert states == {"n1": ("mixed", ""), "n2": ("drained", "ffctl:r1:f1"), "n3": ("down*", "Not responding"),
+                      "n4": ("mixed+drain", "admin check"), "n5": ("idle", ""), "n6": ("draining", "ffctl:r2:f4")}
+    assert [n for n, (s, _) in states.items() if is_out(s)] == ["n2", "n3", "n4", "n6"]
+    assert not is_out("allocated") and is_out("FAIL") and is_out("DOWN+DRAIN") and is_out("idle+drain")
+    # What `ffctl inject revert --all` resumes: ffctl's drains only, all runs' or one run's.
+    assert ffctl_drained(states) == ["n2", "n6"] and ffctl_drained(states, "r1") == ["n2"]
+    assert ffctl_drained({"n2": ("idle", "ffctl:r1:f1")}) == []  # resumed already
+
+
+class _Record:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.events: list[tuple[EventKind, dict[str, object]]] = []
+
+    def append(self, kind: EventKind, /, t: float | None = None, **data: object) -> None:
+        self.events.append((kind, data))
+
+    def update_run_info(self, **fields: object) -> None:
+        self.info = fields
+
+
+def test_a_node_slurm_drains_is_a_node_fault_its_agent_leaves(fakes: Path, tmp_path: Path) -> None:
+    nodes = _nodes(tmp_path)
+    record = _Record(tmp_path)
+    nodes._record = record  # type: ignore[assignment]
+    steps = [nodes.start(_cfg(n, tmp_path)) for n in range(2)]
+    assert _wait(lambda: (fakes / "pid-ffctl-r1-node1-1").exists())
+    nodes.check_nodes({"n1": ("mixed", ""), "n2": ("mixed+drain", "bad dimm"), "n3": ("idle", "")})
+    assert record.events == [(EventKind.NODE_STATE, {"node": 1, "host": "n2", "state": "mixed+drain",
+                                                     "reason": "bad dimm", "by": "scheduler"})]
+    # Its step was ended (a drain leaves steps running), so node 1 comes back on the spare node.
+    assert steps[1].poll() is not None and steps[0].poll() is None
+    nodes.check_nodes({"n2": ("drained", "bad dimm")})
+    assert len(record.events) == 1  # said once
+    assert record.info["slurm"]["out_of_use"] == {"n2": "mixed+drain (bad dimm)"}  # type: ignore[index]
+    nodes.start(_cfg(1, tmp_path))
+    assert nodes.host(1) == "n3"
+    nodes.release(None)
+
+
+def test_a_drain_of_ours_runs_here_is_not_news_and_is_resumed_at_the_end(fakes: Path, tmp_path: Path) -> None:
+    nodes = _nodes(tmp_path)
+    drain = HostCommand(1, "n2", ("scontrol", "update", "nodename=n2", "state=drain", "reason=ffctl:r1:f1"))
+    transport = nodes.transport_for(drain)
+    assert not isinstance(transport, SlurmTransport) and transport.run(drain.argv, timeout=10.0).ok
+    record = _Record(tmp_path)
+    nodes._record = record  # type: ignore[assignment]
+    nodes.check_nodes({"n2": ("drained", "ffctl:r1:f1")})
+    assert record.events == [] and nodes.drained == {"n2": "ffctl:r1:f1"}
+    nodes.release(None)
+    assert _calls(fakes, "scontrol")[-1] == ["update", "nodename=n2", "state=resume"]
+    assert nodes.resumed == ["n2"]
+
+
+def test_a_spare_node_slurm_takes_out_is_no_longer_a_spare(fakes: Path, tmp_path: Path) -> None:
+    nodes = _nodes(tmp_path)
+    nodes.check_nodes({"n3": ("down*", "Not responding")})
+    assert nodes.spare_hosts == [] and nodes.spare_nodes() == 0 and nodes.out_nodes == {"n3": "down* (Not responding)"}
+    nodes.release(None)
+
+
+def test_kill_node_drain_option_is_checked_and_planned_after_the_kill() -> None:
+    from fault_injectors.node import plan as node_plan
+    from fault_injectors.plan import NodePlace, Topology
+    from fault_injectors.spec import FaultSpecError, parse_injection
+
+    spec = parse_injection("kill-node:node=1,step=5,drain=yes", scheduled=True)
+    topo = Topology("r1", (NodePlace(0, "n1", "10.0.0.1", 11), NodePlace(1, "n2", "10.0.0.2", 12)), ())
+    plan = node_plan(replace(spec, fault_id="f1"), topo, (), (1,))
+    assert [c.argv[0] for c in plan.apply] == ["kill", "scontrol"]
+    assert plan.apply[1].argv == ("scontrol", "update", "nodename=n2", "state=drain", "reason=ffctl:r1:f1")
+    with pytest.raises(FaultSpecError, match="drain='maybe' is not yes or no"):
+        parse_injection("kill-node:node=1,step=5,drain=maybe", scheduled=True)
+    with pytest.raises(FaultSpecError, match="drain"):
+        parse_injection("kill-rank:rank=1,step=5,drain=yes", scheduled=True)
+
+
+def test_a_drain_outside_slurm_is_refused_in_one_line(tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, "-m", "ffctl", "launch", "--dry-run", "--runs-dir", str(tmp_path),
+                          "--inject", "kill-node:node=1,step=5,drain=yes"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip().splitlines() == [
+        "ffctl: error: --inject kill-node node:1 @step=5: drain=yes drains a Slurm node; it needs --backend slurm"], out.stderr
+
+
+def test_a_node_down_seen_after_its_node_moved_is_recorded_for_that_node(fakes: Path, tmp_path: Path) -> None:
+    # Slurm's DOWN ended the step, and the node moved to the spare before the next poll.
+    nodes = _nodes(tmp_path)
+    record = _Record(tmp_path)
+    nodes._record = record  # type: ignore[assignment]
+    steps = [nodes.start(_cfg(n, tmp_path)) for n in range(2)]
+    assert _wait(lambda: (fakes / "pid-ffctl-r1-node1-1").exists())
+    steps[1].cancel("KILL", 10.0)
+    nodes.start(_cfg(1, tmp_path))
+    nodes.check_nodes({"n2": ("down*", "Not responding"), "n9": ("down", "not ours")})
+    assert [(k, d["node"], d["host"]) for k, d in record.events] == [(EventKind.NODE_STATE, 1, "n2")]
+    nodes.release(None)
