@@ -102,8 +102,13 @@ class FaultMetrics:
     # fault explains (kind DETECTED) the onset its record gives ("reported", "agent-exit",
     # "last-heartbeat", "last-progress"; "detection" in a record that predates onsets).
     measured_from: str = "injection"
-    # How the job noticed it: the `failure_detected` event's cause (None: never detected).
+    # How the job noticed it: the `failure_detected` event's cause, "straggler" for a slowdown
+    # the straggler detector named (None: never detected).
     cause: str | None = None
+    # The slow ranks the straggler detector named for this fault (`_stragglers`), one each:
+    # rank, factor, onset_step, onset_t, detected_at, detected_after_steps, last_step, end_t,
+    # steps, lost_s (the time the others waited for it, from the ranks' busy times).
+    stragglers: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -234,6 +239,10 @@ def _fault_metrics(inj: Event, events: list[Event], world_size: int, end_t: floa
     if mentions is None:
         mentions = lambda ev: fid in _ids(ev.get("fault_ids"))  # noqa: E731
     detected = _first(events, lambda ev: ev.kind is EventKind.FAILURE_DETECTED and mentions(ev))
+    slow = _stragglers(events, mentions)
+    # A slowdown is detected when the straggler detector names a slow rank, unless a failure
+    # (a replaced straggler) was detected first.
+    noticed_t = detected.t if detected else (min(x["detected_at"] for x in slow) if slow else None)
     decisions = [ev for ev in events if ev.kind is EventKind.RECOVERY_DECIDED and mentions(ev)]
     gen_at_fault = _gen_at(inj, events)
     decision = decisions[-1] if decisions else None
@@ -275,6 +284,10 @@ def _fault_metrics(inj: Event, events: list[Event], world_size: int, end_t: floa
         )
         if restore_source == "script":
             restore_step, restore_source, lost_steps = _script_restore(events, decision, m)
+    elif inj.get("cause") == STRAGGLER:
+        # A straggler no injected fault explains is over when the detector saw it back at pace.
+        ends = [x["end_t"] for x in slow if x.get("end_t") is not None]
+        resumed = Event(EventKind.STEP, max(ends), {}) if ends and len(ends) == len(slow) else None
     elif detected is not None or inj.get("breaks_job"):
         # The job noticed and nothing recovered it (yet), or a kill it has not noticed yet: the
         # steps committed meanwhile were in flight when it hit (a node's loss takes a heartbeat
@@ -317,9 +330,9 @@ def _fault_metrics(inj: Event, events: list[Event], world_size: int, end_t: floa
         target=_text(inj.get("target")),
         emulated=bool(inj.get("emulated", False)),
         injected_at=ti,
-        detected_at=detected.t if detected else None,
+        detected_at=noticed_t,
         resumed_at=resumed.t if resumed else None,
-        detection_s=(detected.t - ti) if detected else None,
+        detection_s=(noticed_t - ti) if noticed_t is not None else None,
         recovery_s=recovery_s,
         breakdown=breakdown,
         at_step=m,
@@ -335,13 +348,39 @@ def _fault_metrics(inj: Event, events: list[Event], world_size: int, end_t: floa
         step_known=step_known,
         recovery_until="step" if step_known else "workers-up",
         measured_from=str(inj.get("measured_from") or "injection"),
-        cause=_text(detected.get("cause")) if detected is not None and detected.get("cause") is not None else None,
+        cause=_text(detected.get("cause")) if detected is not None and detected.get("cause") is not None
+        else (STRAGGLER if slow else None),
+        stragglers=slow,
     )
+
+
+def _stragglers(events: list[Event], mentions: Callable[[Event], bool]) -> list[dict[str, Any]]:
+    """What the straggler detector said of the slow ranks these events name: per detection, its
+    end (the first `straggler_ended` of that rank after it) when there is one."""
+    out = []
+    for det in events:
+        if det.kind is not EventKind.STRAGGLER_DETECTED or not mentions(det):
+            continue
+        rank = det.get("rank")
+        end = _first(events, lambda ev: ev.kind is EventKind.STRAGGLER_ENDED and ev.get("rank") == rank
+                     and ev.t >= det.t and ev.get("onset_step") == det.get("onset_step"))
+        src = end if end is not None else det
+        step, onset = det.get("step"), det.get("onset_step")
+        out.append({
+            "rank": rank, "factor": src.get("factor"), "onset_step": onset, "onset_t": det.get("onset_t"),
+            "detected_at": det.t, "step": step,
+            "detected_after_steps": step - onset + 1 if isinstance(step, int) and isinstance(onset, int) else None,
+            "last_step": end.get("last_step") if end else None, "end_t": end.get("end_t") if end else None,
+            "steps": end.get("steps") if end else None, "lost_s": end.get("lost_s") if end else None,
+        })
+    return out
 
 
 # The kind of a fault ffctl did not inject: a failure the controller detected and no injected
 # fault explains (a rank that crashed or was killed from outside, an agent stopped, a store attack).
 DETECTED = "detected"
+# The cause of a detected fault that is a slowdown the straggler detector named.
+STRAGGLER = "straggler"
 
 
 def _ids(value: Any) -> list[str]:
@@ -421,6 +460,35 @@ def _detected_faults(events: list[Event], end_t: float) -> list[tuple[Event, Cal
             "emulated": False, "breaks_job": True, "measured_from": measured_from,
         })
         out.append((made_up, mentions))
+    return out
+
+
+def _detected_stragglers(events: list[Event], end_t: float) -> list[tuple[Event, Callable[[Event], bool]]]:
+    """A fault of kind DETECTED (cause "straggler") for each straggler the detector named that no
+    injected fault explains (`fault_ids` empty, and no injected fault with a duration in force
+    at its onset) and that was not replaced (a replaced one is a detected failure already):
+    made up as `_detected_faults` does, at the slowdown's onset."""
+    spans = _in_effect(events, end_t)
+    committed = commits(events)
+    out: list[tuple[Event, Callable[[Event], bool]]] = []
+    for i, det in enumerate(events):
+        if det.kind is not EventKind.STRAGGLER_DETECTED or _ids(det.get("fault_ids")):
+            continue
+        onset = det.get("onset_t")
+        onset = float(onset) if isinstance(onset, (int, float)) and not isinstance(onset, bool) \
+            and math.isfinite(onset) and onset <= det.t else det.t
+        rank = det.get("rank")
+        if any(a <= onset <= b for a, b in spans) or _first(
+                events[i + 1:], lambda ev: ev.kind is EventKind.FAILURE_DETECTED
+                and STRAGGLER in str(ev.get("cause") or "").split("+") and rank in (ev.get("ranks") or [])):
+            continue
+        fid = f"s{sum(1 for ev in events[:i + 1] if ev.kind is EventKind.STRAGGLER_DETECTED)}"
+        made_up = Event(EventKind.FAULT_INJECTED, onset, {
+            "fault_id": fid, "kind": DETECTED, "target": _target([str(rank)], []), "ranks": [rank],
+            "nodes": [det.get("node")], "at_step": _step_at(committed, onset), "gen": det.get("gen") or 0,
+            "emulated": False, "breaks_job": False, "measured_from": "onset", "cause": STRAGGLER,
+        })
+        out.append((made_up, (lambda det: lambda ev: ev is det)(det)))
     return out
 
 
@@ -610,7 +678,7 @@ def compute(run_id: str, events: list[Event], controller_alive: bool | None = No
     ]
     # Failures ffctl did not inject count as faults too, in time order with the injected ones.
     faults += [_fault_metrics(ev, events, world_size, end_t, mentions)
-               for ev, mentions in _detected_faults(events, end_t)]
+               for ev, mentions in _detected_faults(events, end_t) + _detected_stragglers(events, end_t)]
     faults.sort(key=lambda f: f.injected_at)
     committed = commits(events)
     windows = []

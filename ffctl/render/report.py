@@ -60,6 +60,20 @@ def _total_lost_steps(faults: list[dict[str, Any]]) -> str:
     return str(sum(int(f["lost_steps"]) for f in faults))
 
 
+def straggler_text(f: dict[str, Any]) -> str:
+    """The slow ranks the straggler detector named for a fault: `rank 1 3.1x from step 11, named
+    at step 12, 6.52s lost waiting for it`; one per rank, joined with `; `."""
+    parts = []
+    for x in f.get("stragglers") or []:
+        factor = x.get("factor")
+        text = f"rank {x.get('rank')} {factor:.1f}x" if isinstance(factor, (int, float)) else f"rank {x.get('rank')}"
+        text += f" from step {x.get('onset_step')}, named at step {x.get('step')}"
+        if x.get("lost_s") is not None:
+            text += f", {_s(x['lost_s'])}s lost waiting for it"
+        parts.append(text)
+    return "; ".join(parts)
+
+
 def fault_fields(f: dict[str, Any]) -> list[tuple[str, str]]:
     """One fault's figures, as the report shows them (terminal and Markdown alike)."""
     reverted = f.get("reverted_by") or "-"
@@ -78,6 +92,7 @@ def fault_fields(f: dict[str, Any]) -> list[tuple[str, str]]:
         ("started by", started_text(f)),
         ("emulated", "yes" if f.get("emulated") else "no"),
         ("reverted by", reverted),
+        ("straggler", straggler_text(f) or "-"),
     ]
 
 
