@@ -83,6 +83,7 @@ class Controller:
         self.max_restarts = spec.max_restarts if spec.max_restarts is not None else (
             PLAIN_MAX_RESTARTS if self.plain_script else LIBRARY_MAX_RESTARTS)
         self._incarnation: dict[int, int] = {}
+        self._signals: list[int] = []  # received, to pass on to the ranks (`_forward_signals`)
         self._view_at = 0.0
         self.injector = Injector(self, self.job, transport_for or nodes.transport_for,
                                  scheduled=[s for s in spec.injects], chaos=spec.chaos, hang_min_s=spec.hang_min_s)
@@ -308,8 +309,26 @@ class Controller:
             self._store_failing_since = None
         except RuntimeError as exc:  # torch's store errors (DistError is one)
             self._store_failed(exc)
+        if self._signals:
+            self._forward_signals()
         # Faults end on time even while a recovery waits on them (a partition, a downed link).
         self.injector.revert_due()
+
+    def _forward_signals(self) -> None:
+        """Pass the signals the launch received (a scheduler's preemption notice) on to every
+        live rank, on its node (`kill -SIG` through the backend, a Slurm step there), and record
+        it: the script decides what a notice means (checkpoint, finish), as under the scheduler."""
+        topo = self.topology()
+        while self._signals:
+            name = signal.Signals(self._signals.pop(0)).name
+            for place in topo.nodes:
+                pids = [str(r.pid) for r in topo.ranks_of(place.node)]
+                if pids:
+                    cmd = HostCommand(place.node, place.host, ("kill", f"-{name[3:]}", *pids), place.netns,
+                                      allow_fail=True)
+                    self.launcher.transport_for(cmd).run(cmd.argv, timeout=30.0)
+            self.record(EventKind.SIGNAL_FORWARDED, signal=name, ranks=[r.rank for r in topo.ranks],
+                        by="scheduler")
 
     def _store_failed(self, exc: RuntimeError) -> None:
         """A store call failed: recorded, then, after a short wait, a fresh connection to our own
@@ -766,6 +785,8 @@ class Controller:
         status, reason = RunStatus.FAILED, ""
         previous = signal.getsignal(signal.SIGTERM)
         signal.signal(signal.SIGTERM, _raise_interrupt)
+        # A scheduler's preemption notice (sbatch --signal=B:USR2@90) goes on to the ranks.
+        forwarded = {s: signal.signal(s, lambda signum, _: self._signals.append(signum)) for s in FORWARDED_SIGNALS}
         try:
             self._start_store()
             self.record(EventKind.RUN_STARTED, world_size=self.spec.world_size, strategy=self.spec.recovery,
@@ -795,6 +816,8 @@ class Controller:
             raise
         finally:
             signal.signal(signal.SIGTERM, previous)
+            for s, handler in forwarded.items():
+                signal.signal(s, handler)
             self.job.enter(Phase(status.value))
             self.show(force=True)
             for finding in self.stragglers.close():  # a slowdown still under way at the end
@@ -963,6 +986,10 @@ def _lines(value: Any, limit: int = 50) -> list[str]:
     if not isinstance(value, list):
         return []
     return [line[:500] for line in value[-limit:] if isinstance(line, str)]
+
+
+# Signals passed on to the ranks: those a scheduler sends as a notice (Slurm's --signal).
+FORWARDED_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
 
 
 def _raise_interrupt(signum: int, frame: Any) -> None:

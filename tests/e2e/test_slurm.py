@@ -178,3 +178,62 @@ def test_every_agent_step_ends_with_the_launch(cluster: SlurmCluster, tmp_path: 
     assert_nothing_left(tmp_path)
     assert not shm_left(run_id)  # the agents, told by their closed stdin, removed it
     cluster.run(["scancel", env["SLURM_JOB_ID"]])
+
+
+# The batch script's part of a preemption notice: the shell gets it (sbatch --signal=B:USR2@90,
+# here `scancel --batch --signal=USR2`), traps it and passes it on to ffctl, as the example does.
+NOTICE_SBATCH = """#!/bin/bash
+#SBATCH --nodes=2
+#SBATCH --output=notice-%j.out
+set -euo pipefail
+"$FFCTL" launch --backend slurm --nnodes 2 --nproc-per-node 1 --run-id "notice-$SLURM_JOB_ID" \\
+  --runs-dir "$FFCTL_RUNS_DIR" "$NOTICE_SCRIPT" &
+pid=$!
+trap 'kill -USR2 "$pid"' USR2
+status=0
+until wait "$pid"; do status=$?; kill -0 "$pid" 2>/dev/null || break; status=0; done
+exit "$status"
+"""
+# Each rank waits for the notice and finishes when it comes (a real script would checkpoint).
+NOTICE_SCRIPT = """import os, signal, sys, time
+got = []
+signal.signal(signal.SIGUSR2, lambda *_: got.append(1))
+print("ready", flush=True)
+deadline = time.time() + 120
+while not got and time.time() < deadline:
+    time.sleep(0.05)
+print(f"rank {os.environ['RANK']} got SIGUSR2" if got else "no notice", flush=True)
+sys.exit(0 if got else 1)
+"""
+
+
+def test_a_preemption_notice_to_the_batch_step_reaches_every_rank(cluster: SlurmCluster, tmp_path: Path) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "notice.sbatch").write_text(NOTICE_SBATCH)
+    (work / "notice.py").write_text(NOTICE_SCRIPT)
+    runs = work / "runs"
+    env = {**cluster.env, "FFCTL": str(Path(sys.executable).with_name("ffctl")), "FFCTL_RUNS_DIR": str(runs),
+           "NOTICE_SCRIPT": str(work / "notice.py")}
+    sub = subprocess.run(["sbatch", "--parsable", f"--chdir={work}", str(work / "notice.sbatch")], env=env, cwd=work,
+                         capture_output=True, text=True, timeout=60)
+    assert sub.returncode == 0, sub.stderr
+    job = sub.stdout.strip().split(";")[0]
+    logs = runs / f"notice-{job}" / "logs"
+    ready = lambda: len([p for p in logs.glob("*/[0-9].log") if "ready" in p.read_text()]) == 2  # noqa: E731
+    deadline = time.monotonic() + 120
+    while not ready() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ready(), (work / f"notice-{job}.out").read_text() if (work / f"notice-{job}.out").exists() else job
+    sent = cluster.run(["scancel", "--batch", "--signal=USR2", job])
+    assert sent.returncode == 0, sent.stderr
+    deadline = time.monotonic() + 120
+    while cluster.run(["squeue", "--noheader", f"--jobs={job}"]).stdout.strip() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    shown = (work / f"notice-{job}.out").read_text()
+    events = [json.loads(line) for line in (runs / f"notice-{job}" / "events.jsonl").read_text().splitlines()]
+    (fwd,) = [e for e in events if e["event"] == "signal_forwarded"]
+    assert fwd["signal"] == "SIGUSR2" and sorted(fwd["ranks"]) == [0, 1] and fwd["by"] == "scheduler", fwd
+    assert all("got SIGUSR2" in p.read_text() for p in logs.glob("*/[0-9].log")), shown
+    assert events[-1]["event"] == "run_finished" and events[-1]["status"] == "completed", shown
+    assert cluster.wait_empty() == []
