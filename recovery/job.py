@@ -454,6 +454,9 @@ class Job:
             try:
                 self.faults.check()
                 loss = float(step_fn(StepContext(step, self)))
+                failed = process_group.failure()
+                if failed is not None:
+                    raise failed  # a collective of torch's modules failed: the step is not committed
                 for after in self._after_step:
                     loss = after(loss)
                 stop = until is not None and self._agree(until(step, loss))
@@ -462,8 +465,9 @@ class Job:
             except Exception as exc:
                 failed = process_group.failure()
                 if failed is not None:
-                    # A collective of torch's own modules failed on a lost peer and its error
-                    # reached the step through torch's C++ (as a RuntimeError): a peer failure.
+                    # The step raised after a collective of torch's modules failed on a lost peer
+                    # (the optimizer's pre-hook, or code that tripped on the garbage): a peer
+                    # failure, not an error of the script.
                     raise failed from None
                 self._report_error(step, exc)
                 raise

@@ -14,14 +14,17 @@ and `new_group` make them as they make any group):
   rebuilt in place: same process, same objects, no re-import.
 - Each collective's wait is the generation's abortable wait: a survivor blocked on a dead peer
   gives up as soon as the controller aborts the generation, within the detection bound.
-- A failure is raised where unwinding is safe and absorbed where it is not. Raised from a
-  collective issued outside autograd (an all-gather in the forward, a clip-norm reduction), it
-  unwinds the step. Inside `backward()` (an FSDP reduce-scatter, a re-gather for the backward),
-  raising would leave torch's post-backward state half-finalized; there the collective completes
-  with its output untouched, backward finishes, and the failure is raised before any parameter
-  moves (`failure`, which `recovery.fsdp` checks in the optimizer's step pre-hook and after the
-  step function). Every later collective of a failed generation completes at once, issuing
-  nothing.
+- A failed collective never raises into torch's modules: it completes with its output left as
+  it was, and the failure is recorded (`failure`) and raised before any parameter moves, by the
+  optimizer's step pre-hook (`recovery.fsdp`) and by the job after the step function. Every
+  later collective of the failed generation completes at once, issuing nothing, so the rest of
+  the step runs through quickly on garbage that is never committed. Raising instead would leave
+  FSDP2's state machine half way: an exception in a forward's all-gather leaves a module's
+  unshard pending, and its next forward skips the all-gather that a replacement rank issues,
+  which pairs different collectives across the ranks of the next generation (measured: gloo
+  aborted the survivor on a size mismatch); inside `backward()` it would leave torch's
+  post-backward state half-finalized. A completed step, however wrong its numbers, leaves every
+  module resharded and ready.
 
 The default group is made with a `HashStore` of this process: nothing of torch's own rendezvous
 goes over the control store, whose clients authenticate nobody; each generation's groups meet
@@ -73,16 +76,10 @@ def failure() -> PeerFailure | None:
     return _BINDING.failed
 
 
-def _in_backward() -> bool:
-    """Whether autograd's engine is running a backward pass on this thread."""
-    return bool(torch._C._current_graph_task_id() != -1)
-
-
-def _absorb_or_raise(exc: PeerFailure) -> bool:
+def _absorb(exc: PeerFailure) -> bool:
+    """Record the failure for the step's end; the collective counts as done (see the module)."""
     _BINDING.fail(exc)
-    if _in_backward():
-        return True  # the output stays as it is; the step is unwound before the optimizer
-    raise exc
+    return True
 
 
 class _GenerationWork(dist._Work):
@@ -99,7 +96,7 @@ class _GenerationWork(dist._Work):
         try:
             self._gen.wait(self._work, self._what)
         except PeerFailure as exc:
-            return _absorb_or_raise(exc)
+            return _absorb(exc)
         self._done = True
         return True
 
@@ -118,7 +115,7 @@ class _FailedWork(dist._Work):
         self._exc = exc
 
     def wait(self, timeout: Any = None) -> bool:
-        return _absorb_or_raise(self._exc)
+        return _absorb(self._exc)
 
     def is_completed(self) -> bool:
         return True
