@@ -7,8 +7,8 @@ rank's excess at a step is its busy time beyond the median of the other ranks' (
 waited for it), and its factor is its step time over that step time less the excess (how much
 longer the step took than it would have with this rank as fast as the others). A rank is slow at
 a step when its factor is at least `SLOW_RATIO` and its excess at least `MIN_EXCESS_S`;
-`ONSET_STEPS` slow steps in a row make it a straggler, and `END_STEPS` normal ones in a row end
-it. The excesses of its slow steps add up to the time the slowdown lost. With `--straggler
+`ONSET_STEPS` slow steps in a row lasting `ONSET_S` in all make it a straggler, and `END_STEPS`
+normal ones in a row end it. The excesses of its slow steps add up to the time the slowdown lost. With `--straggler
 replace`, a rank whose factor reaches the policy's for the policy's number of steps in a row is
 handed back as one to replace.
 
@@ -24,6 +24,10 @@ from ffctl.spec import StragglerPolicy
 SLOW_RATIO = 1.5  # the factor that makes a step slow
 ONSET_STEPS = 3  # slow steps in a row that make a straggler (one or two are noise: a page fault, a GC,
 # a rank descheduled on a loaded host)
+# ... and how long they must last: on a loaded host a rank descheduled for a few short steps is
+# twice as slow for half a second (seen on the 2-core test host in fault-free runs), which is
+# noise to a job, not a straggler to act on.
+ONSET_S = 1.0
 END_STEPS = 2  # normal steps in a row that end it
 # An excess below this is timer and scheduling noise (a page fault, a context switch), whatever
 # factor it makes of a step of a few milliseconds.
@@ -171,7 +175,7 @@ class StragglerDetector:
                 ep.ratios.append(ratios[rank])
                 ep.lost_s += excess[rank]
                 ep.end_t, ep.last_step, ep.normal_run = entry.end[rank], step, 0
-                if not ep.announced and len(ep.ratios) >= ONSET_STEPS:
+                if not ep.announced and len(ep.ratios) >= ONSET_STEPS and ep.end_t - ep.onset_t >= ONSET_S:
                     ep.announced = True
                     out.append(Straggling(rank, ep.onset_step, ep.onset_t, _median(ep.ratios), step, self.gen))
                 if self.policy.replaces and not ep.replaced:

@@ -6,6 +6,7 @@ import pytest
 
 from ffctl.controller.stragglers import (
     END_STEPS,
+    ONSET_S,
     ONSET_STEPS,
     Recovered,
     Replace,
@@ -14,18 +15,18 @@ from ffctl.controller.stragglers import (
 )
 from ffctl.spec import SpecError, StragglerPolicy, parse_straggler
 
-BUSY = 0.1  # a healthy rank's compute per step (seconds)
+BUSY = 0.4  # a healthy rank's compute per step (seconds)
 COMM = 0.01  # what a collective costs every rank even when nobody is late
 
 
 def feed(det: StragglerDetector, steps: range, slow: dict[int, float], world: int = 4, gen: int = 0,
-         t0: float = 1000.0, order: list[int] | None = None) -> tuple[list[object], float]:
+         t0: float = 1000.0, order: list[int] | None = None, busy_s: float = BUSY) -> tuple[list[object], float]:
     """Report `steps` from every rank; ranks in `slow` compute `factor` times longer, the others
     wait for them. Returns the findings and the time after the last step."""
     out: list[object] = []
     t = t0
     for step in steps:
-        busy = {r: BUSY * slow.get(r, 1.0) for r in range(world)}
+        busy = {r: busy_s * slow.get(r, 1.0) for r in range(world)}
         dt = max(busy.values()) + COMM
         t += dt
         for r in order or range(world):
@@ -43,7 +44,7 @@ def test_names_the_slow_rank_within_the_onset_steps_with_its_factor_and_onset() 
     s = named[0]
     assert s.rank == 2 and s.onset_step == 11 and s.step == 11 + ONSET_STEPS - 1
     assert s.step - s.onset_step < 5
-    # The step took 0.31 s; with rank 2 as fast as the others it would have taken 0.11 s.
+    # The step took 1.21 s; with rank 2 as fast as the others it would have taken 0.41 s.
     assert s.factor == pytest.approx((3 * BUSY + COMM) / (BUSY + COMM))
     assert s.onset_t == pytest.approx(t)  # when its first slow step began
 
@@ -57,7 +58,7 @@ def test_back_at_pace_ends_it_with_the_time_the_others_waited() -> None:
     assert len(ended) == 1
     e = ended[0]
     assert (e.rank, e.onset_step, e.last_step, e.steps) == (1, 6, 15, 10)
-    assert e.lost_s == pytest.approx(10 * BUSY)  # ten steps, each 0.1 s longer for everyone
+    assert e.lost_s == pytest.approx(10 * BUSY)  # ten steps, each 0.4 s longer for everyone
     assert e.end_t == pytest.approx(t)
 
 
@@ -76,6 +77,18 @@ def test_noise_is_not_a_straggler() -> None:
     for step in range(1, 20):
         found += det2.report(0, step, 0, 0.004, 0.003, float(step))
         found += det2.report(0, step, 1, 0.004, 0.0, float(step))
+    assert found == []
+
+
+def test_short_steps_are_named_once_the_slowdown_lasted_long_enough() -> None:
+    # Steps of 0.05 s, twice as slow: named when the slow steps have lasted ONSET_S, not after
+    # ONSET_STEPS of them (half a second of a descheduled rank on a loaded host is noise).
+    det = StragglerDetector(2)
+    found, _ = feed(det, range(1, 40), {1: 2.0}, world=2, busy_s=0.05)
+    (named,) = [f for f in found if isinstance(f, Straggling)]
+    slow_step = 2 * 0.05 + COMM
+    assert named.step - named.onset_step + 1 == pytest.approx(ONSET_S / slow_step, abs=1)
+    found, _ = feed(StragglerDetector(2), range(1, 1 + int(ONSET_S / slow_step) - 1), {1: 2.0}, world=2, busy_s=0.05)
     assert found == []
 
 
