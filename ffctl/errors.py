@@ -5,6 +5,9 @@ EXIT_OK = 0
 EXIT_EXPECTATION = 1
 EXIT_BAD_INPUT = 2
 EXIT_INFRA = 3
+# A batch script must not requeue the job: a requeue would fail the same way, or its requeues are
+# spent (see README, Slurm).
+EXIT_NO_REQUEUE = 4
 EXIT_INTERRUPTED = 130
 
 
@@ -18,3 +21,7 @@ class BadInput(Exception):
 
 class InfraError(Exception):
     """Exit code 3: a host, the controller or a tool could not be reached or used."""
+
+
+class NoRequeue(Exception):
+    """Exit code 4: nothing was started; a requeue would not help (the job's requeues are spent)."""

@@ -61,3 +61,13 @@ def load(ckpt_dir: str | Path, step: int, rank: int) -> SlotContent | None:
 def mark_complete(ckpt_dir: str | Path, step: int) -> None:
     (step_dir(ckpt_dir, step) / "COMPLETE").touch()
 
+
+def complete_steps(ckpt_dir: str | Path) -> list[int]:
+    """The steps of `ckpt_dir` every rank finished (marked complete), in order."""
+    steps = []
+    for path in Path(ckpt_dir).glob("step-*/COMPLETE"):
+        digits = path.parent.name[len("step-"):]
+        if digits.isdigit():
+            steps.append(int(digits))
+    return sorted(steps)
+

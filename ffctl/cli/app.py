@@ -12,7 +12,7 @@ except ImportError:  # pragma: no cover - older typer uses click itself
 
 from ffctl import __version__
 from ffctl.cli import agent_cmd, bench, doctor, inject, launch, project, report, scenario
-from ffctl.errors import EXIT_BAD_INPUT, EXIT_INFRA, BadInput, InfraError
+from ffctl.errors import EXIT_BAD_INPUT, EXIT_INFRA, EXIT_NO_REQUEUE, BadInput, InfraError, NoRequeue
 
 app = typer.Typer(
     name="ffctl", add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -62,6 +62,9 @@ def main(argv: list[str] | None = None) -> None:
     except InfraError as exc:
         typer.echo(f"ffctl: error: {exc}", err=True)
         sys.exit(EXIT_INFRA)
+    except NoRequeue as exc:
+        typer.echo(f"ffctl: {exc}", err=True)
+        sys.exit(EXIT_NO_REQUEUE)
     except typer.Abort:
         sys.exit(130)
     except typer.Exit as exc:

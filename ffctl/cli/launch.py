@@ -11,7 +11,7 @@ import typer
 from fault_injectors import FaultSpecError
 from fault_injectors.spec import parse_injection
 from ffctl.render import make_console
-from ffctl.errors import EXIT_EXPECTATION, EXIT_INTERRUPTED, EXIT_OK, BadInput
+from ffctl.errors import EXIT_EXPECTATION, EXIT_INTERRUPTED, EXIT_NO_REQUEUE, EXIT_OK, BadInput
 from ffctl.launch.echo import RankEcho, parse_ranks_filter
 from ffctl.launch.plan import LaunchPlan, execute, plan_launch
 from ffctl.launch.torchrun import TorchrunArgError, resolve
@@ -161,6 +161,10 @@ def register(app: typer.Typer) -> None:
                     typer.echo(line, err=True)
             if reason:
                 typer.echo(f"ffctl launch: {reason}", err=True)
+            if spec.backend == "slurm" and not any(e.kind is EventKind.STEP for e in events):
+                # Not one step trained: a requeue would start where this did and fail the same way.
+                typer.echo(f"ffctl launch: no step was trained: exit {EXIT_NO_REQUEUE}, do not requeue", err=True)
+                return EXIT_NO_REQUEUE
         if status is RunStatus.COMPLETED:
             return EXIT_OK
         return EXIT_INTERRUPTED if status is RunStatus.INTERRUPTED else EXIT_EXPECTATION

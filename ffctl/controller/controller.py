@@ -34,7 +34,7 @@ from ffctl.controller.backend import NodeBackend
 from ffctl.controller.progress import StepReport
 from recovery import control, disk, messages
 from recovery.jobenv import JobEnv, Strategy
-from recovery.plan import GenerationPlan
+from recovery.plan import Disk, GenerationPlan
 from recovery.throttle import Throttle
 from runs import shm
 from runs.events import EventKind, RestoreSource, RunStatus
@@ -781,6 +781,18 @@ class Controller:
                         transfer={k: sorted(r for r, h in how.items() if h == k) for k in sorted(set(how.values()))})
         self.job.last_progress = time.monotonic()
 
+    def _resumed(self) -> Decision | None:
+        """Generation 0 of a launch that resumes an earlier run (a requeued Slurm job): the
+        launch put that run's newest complete disk checkpoint in this record, and every rank
+        restores it; None: a fresh start (a plain script restores itself, from its own files)."""
+        steps = disk.complete_steps(self.rec.path / "checkpoints")
+        if not steps or self.plain_script:
+            return None
+        self.job.disk_step = steps[-1]
+        plan = GenerationPlan(gen=0, world_size=self.spec.world_size, strategy=Strategy(self.spec.recovery),
+                              restore_step=steps[-1], sources={r: Disk() for r in sorted(self.job.members)})
+        return Decision(plan, RestoreSource.DISK)
+
     def run(self) -> RunStatus:
         status, reason = RunStatus.FAILED, ""
         previous = signal.getsignal(signal.SIGTERM)
@@ -798,10 +810,12 @@ class Controller:
             for n in range(self.spec.nnodes):
                 self.start_agent(n)
             self.wait_agents(list(range(self.spec.nnodes)))
-            self.open_generation(0, None, sorted(self.job.members))
+            first = self._resumed()
+            self.open_generation(0, first, sorted(self.job.members))
             self.job.enter(Phase.RUNNING)
             try:
-                self.await_generation(0, sorted(self.job.members), 0, RestoreSource.NONE)
+                self.await_generation(0, sorted(self.job.members), first.restore_step if first else 0,
+                                      first.restore_source if first else RestoreSource.NONE)
             except RecoveryAbandoned:
                 pass  # a rank failed while starting: the loop recovers it
             self.job.last_progress = time.monotonic()

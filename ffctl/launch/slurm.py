@@ -25,8 +25,10 @@ straight into the record. Nothing here is needed outside this module.
 from __future__ import annotations
 
 import ipaddress
+import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -42,7 +44,7 @@ from fault_injectors.revert import SHM_SWEEP
 from fault_injectors.transport import CommandResult, LocalTransport, Transport
 from ffctl.agent.agent import AgentConfig
 from ffctl.agent.agent import agent_argv as agent_command
-from ffctl.errors import BadInput, InfraError
+from ffctl.errors import EXIT_NO_REQUEUE, BadInput, InfraError, NoRequeue
 from ffctl.spec import LaunchSpec
 from runs.events import EventKind
 from runs.shm import SHM_ROOT
@@ -52,6 +54,7 @@ BACKEND = "slurm"
 JOB_ID_ENV = "SLURM_JOB_ID"
 NODELIST_ENV = "SLURM_JOB_NODELIST"
 NODENAME_ENV = "SLURMD_NODENAME"  # the node a step (the batch step included) runs on
+RESTART_ENV = "SLURM_RESTART_COUNT"  # how often the job was requeued
 COMMAND_TIMEOUT_S = 30.0
 # How long a cancelled step may take to end before the launch says it could not stop it.
 STEP_END_S = 15.0
@@ -163,6 +166,67 @@ def plan_hosts(spec: LaunchSpec, env: Mapping[str, str] | None = None) -> list[s
     """The Slurm nodes a launch would run its nodes on (the plan and `--dry-run` show them)."""
     _, names = allocation(os.environ if env is None else env)
     return split_nodes(spec, names)[0]
+
+
+# --------------------------------------------------------------------------------------------
+# requeues
+
+
+def restart_count(env: Mapping[str, str]) -> int:
+    """How often Slurm requeued this job (``SLURM_RESTART_COUNT``; 0 when unset or unreadable)."""
+    value = env.get(RESTART_ENV, "").strip()
+    return int(value) if value.isdigit() else 0
+
+
+def requeue_bound(spec: LaunchSpec) -> int:
+    """The requeues a job may have: its --max-restarts, or the default the controller applies
+    (torchrun's 0 for an unchanged script, 3 for the built-in GPT and the recovery library)."""
+    if spec.max_restarts is not None:
+        return spec.max_restarts
+    from ffctl.spec import LIBRARY_MAX_RESTARTS, PLAIN_MAX_RESTARTS
+
+    if spec.script:
+        from ffctl.controller.controller import uses_recovery_library
+
+        return LIBRARY_MAX_RESTARTS if uses_recovery_library(spec.script) else PLAIN_MAX_RESTARTS
+    return LIBRARY_MAX_RESTARTS
+
+
+def check_requeue(count: int, bound: int) -> None:
+    """NoRequeue (exit 4) for a job requeued more often than `bound`: nothing starts."""
+    if count > bound:
+        raise NoRequeue(f"the Slurm job was requeued {count} time(s), more than --max-restarts {bound}: not "
+                        f"starting (exit {EXIT_NO_REQUEUE}: do not requeue)")
+
+
+def newest_checkpoint(runs_dir: Path, job: str, exclude: str = "") -> tuple[str, int, Path] | None:
+    """(run id, step, step directory) of the newest complete disk checkpoint any earlier run of
+    Slurm job `job` left in `runs_dir` (its run.json names the job); None when there is none."""
+    from recovery.disk import complete_steps, step_dir  # torch comes with it: only when resuming
+
+    best: tuple[str, int, Path] | None = None
+    for info_path in sorted(runs_dir.glob("*/run.json")):
+        run_dir = info_path.parent
+        if run_dir.name == exclude:
+            continue
+        try:
+            info = json.loads(info_path.read_text())
+        except (OSError, ValueError):
+            continue
+        slurm = info.get("slurm") if isinstance(info, dict) else None
+        if not isinstance(slurm, dict) or str(slurm.get("job_id")) != job:
+            continue
+        steps = complete_steps(run_dir / "checkpoints")
+        if steps and (best is None or steps[-1] > best[1]):
+            best = (run_dir.name, steps[-1], step_dir(run_dir / "checkpoints", steps[-1]))
+    return best
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)  # checkpoints are written once: a hard link costs no space
+    except OSError:
+        shutil.copy2(src, dst)
 
 
 # --------------------------------------------------------------------------------------------
@@ -424,8 +488,10 @@ class SlurmNodes:
 
     def __init__(self, job: str, hosts: Sequence[str], spares: Sequence[str], run_id: str,
                  master_addr: str | None = None, run: Runner = subprocess.run,
-                 popen: Callable[..., subprocess.Popen[bytes]] = subprocess.Popen) -> None:
+                 popen: Callable[..., subprocess.Popen[bytes]] = subprocess.Popen, restarts: int = 0) -> None:
         self.job = job
+        self.restarts = restarts  # SLURM_RESTART_COUNT: a requeued job resumes an earlier run
+        self.resumed_from: dict[str, Any] | None = None
         self.run_id = run_id
         self._slots = [_Slot(h) for h in hosts]
         self.spare_hosts = list(spares)
@@ -453,9 +519,13 @@ class SlurmNodes:
 
     @classmethod
     def for_launch(cls, spec: LaunchSpec, run_id: str, env: Mapping[str, str] | None = None) -> SlurmNodes:
-        job, names = allocation(os.environ if env is None else env)
+        env = os.environ if env is None else env
+        job, names = allocation(env)
         hosts, spares = split_nodes(spec, names)
-        return cls(job, hosts, spares, run_id, spec.master_addr)
+        restarts = restart_count(env)
+        if restarts:
+            check_requeue(restarts, requeue_bound(spec))
+        return cls(job, hosts, spares, run_id, spec.master_addr, restarts=restarts)
 
     # -- the launch's lifecycle -----------------------------------------------------------------
     def prepare(self) -> str:
@@ -493,9 +563,23 @@ class SlurmNodes:
     def attach(self, record: RunStore) -> None:
         self.log_dir = record.path / "logs"
         self._record = record
+        if self.restarts:
+            self._resume(record)
         self._note()
         self._poller = threading.Thread(target=self._poll_nodes, name="ffctl-slurm-nodes", daemon=True)
         self._poller.start()
+
+    def _resume(self, record: RunStore) -> None:
+        """A requeued job: the newest complete disk checkpoint an earlier run of this job left
+        goes into this run's record, where the controller finds it and generation 0 restores it
+        (none: the job starts over from step 0)."""
+        found = newest_checkpoint(record.path.parent, self.job, record.run_id)
+        if found is None:
+            self.resumed_from = {"run": None, "step": 0}
+            return
+        run, step, src = found
+        shutil.copytree(src, record.path / "checkpoints" / src.name, copy_function=_link_or_copy)
+        self.resumed_from = {"run": run, "step": step}
 
     # -- what Slurm says of the nodes -----------------------------------------------------------
     def _poll_nodes(self) -> None:
@@ -569,6 +653,7 @@ class SlurmNodes:
             "job_id": self.job, "nodes": [s.host for s in self._slots], "spare_nodes": list(self.spare_hosts),
             "failed_nodes": list(self.failed_hosts), "failed_node_states": dict(self.failed_states),
             "out_of_use": dict(self.out_nodes), "drained": dict(self.drained), "resumed": list(self.resumed),
+            "restart_count": self.restarts, **({"resumed_from": self.resumed_from} if self.resumed_from else {}),
             "addresses": {h: [a, self._interfaces.get(h)] for h, a in self._addresses.items()},
             # A step's JOB.STEP id is looked up when it is cancelled (a kill-node, the end).
             "steps": [{"name": s.name, "host": s.host, **({"step": s._step} if s._step else {})} for s in self._steps],

@@ -9,10 +9,16 @@ optimizer (ZeRO-1) keeps the step-function path: each rank's optimizer state is 
 buffer through `ctx.allreduce`. Either way the gradients are averaged over the ranks in one flat
 buffer in parameter order, so with the same seed the losses are bit-identical run to run, with
 faults or without.
+
+A scheduler's preemption notice (SIGUSR1/SIGUSR2, which `ffctl launch` passes on to the ranks)
+is written to the rank's log and training goes on: its disk checkpoints (--ckpt-every) are what
+a requeued job resumes from.
 """
 from __future__ import annotations
 
 import argparse
+import signal
+import sys
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -75,6 +81,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="adamw (replicated) or sharded (ZeRO-1: each rank owns a slice of the state)")
     parser.add_argument("--batch", type=int, default=0, help="sequences per rank per step (0: the size's default)")
     args = parser.parse_args(argv)
+    for sig in (signal.SIGUSR1, signal.SIGUSR2):
+        # The default action would end the rank: a notice is not a failure.
+        signal.signal(sig, lambda signum, _: print(f"ffctl-gpt: {signal.Signals(signum).name}: preemption notice",
+                                                   file=sys.stderr, flush=True))
 
     torch.set_num_threads(1)  # same kernels, same reduction order: bit-identical runs
     job = Job.from_env()

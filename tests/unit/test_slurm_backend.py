@@ -15,18 +15,22 @@ import pytest
 
 from fault_injectors.plan import HostCommand
 from ffctl.agent.agent import AgentConfig
-from ffctl.errors import BadInput
+from ffctl.errors import BadInput, NoRequeue
 from ffctl.launch.slurm import (
     SlurmNodes,
     SlurmTransport,
     StepKill,
     agent_argv,
     allocation,
+    check_requeue,
     expand_nodelist,
     ffctl_drained,
     interface_of,
     is_out,
+    newest_checkpoint,
     parse_node_states,
+    requeue_bound,
+    restart_count,
     split_nodes,
 )
 from ffctl.spec import LaunchSpec
@@ -348,3 +352,49 @@ def test_a_node_down_seen_after_its_node_moved_is_recorded_for_that_node(fakes: 
     nodes.check_nodes({"n2": ("down*", "Not responding"), "n9": ("down", "not ours")})
     assert [(k, d["node"], d["host"]) for k, d in record.events] == [(EventKind.NODE_STATE, 1, "n2")]
     nodes.release(None)
+
+
+def test_requeues_are_counted_and_bounded() -> None:
+    assert restart_count({}) == 0 and restart_count({"SLURM_RESTART_COUNT": "2"}) == 2
+    assert restart_count({"SLURM_RESTART_COUNT": "x"}) == 0
+    check_requeue(3, 3)  # the third requeue of a job allowed 3 starts
+    with pytest.raises(NoRequeue, match="requeued 4 time"):
+        check_requeue(4, 3)
+    assert requeue_bound(LaunchSpec(max_restarts=1)) == 1 and requeue_bound(LaunchSpec()) == 3
+
+
+def _run_with_checkpoints(runs: Path, run_id: str, job: str, steps: dict[int, bool]) -> None:
+    """A run directory of Slurm job `job` holding checkpoints of `steps` (True: complete)."""
+    (runs / run_id / "checkpoints").mkdir(parents=True)
+    (runs / run_id / "run.json").write_text(json.dumps({"slurm": {"job_id": job}}))
+    for step, complete in steps.items():
+        d = runs / run_id / "checkpoints" / f"step-{step:08d}"
+        d.mkdir()
+        (d / "rank-0.snap").write_bytes(b"x")
+        if complete:
+            (d / "COMPLETE").touch()
+
+
+def test_a_requeued_job_finds_the_newest_complete_checkpoint_of_its_earlier_runs(tmp_path: Path) -> None:
+    _run_with_checkpoints(tmp_path, "slurm-7", "7", {10: True, 20: True, 30: False})  # 30: a rank never finished
+    _run_with_checkpoints(tmp_path, "slurm-7-r1", "7", {15: True})
+    _run_with_checkpoints(tmp_path, "slurm-8", "8", {40: True})  # another job's
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "run.json").write_text("{")
+    found = newest_checkpoint(tmp_path, "7", exclude="slurm-7-r2")
+    assert found == ("slurm-7", 20, tmp_path / "slurm-7" / "checkpoints" / "step-00000020")
+    assert newest_checkpoint(tmp_path, "9") is None
+    assert newest_checkpoint(tmp_path, "7", exclude="slurm-7") == ("slurm-7-r1", 15,
+                                                                   tmp_path / "slurm-7-r1" / "checkpoints" / "step-00000015")
+
+
+def test_a_job_requeued_past_max_restarts_starts_nothing_and_exits_4(tmp_path: Path) -> None:
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("SLURM_")},
+           "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[1-3]", "SLURM_RESTART_COUNT": "2"}
+    out = subprocess.run([sys.executable, "-m", "ffctl", "launch", "--backend", "slurm", "--nnodes", "2",
+                          "--max-restarts", "1", "--runs-dir", str(tmp_path)], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 4, out.stdout + out.stderr
+    assert out.stderr.strip().splitlines()[-1] == ("ffctl: the Slurm job was requeued 2 time(s), more than "
+                                                   "--max-restarts 1: not starting (exit 4: do not requeue)")
+    assert list(tmp_path.iterdir()) == []  # no run record
