@@ -98,3 +98,23 @@ def test_a_node_lost_without_a_spare_matches_the_fault_free_run(workdir: Path) -
     assert crashes(res.events) == []
     assert_nothing_left(workdir)
     assert not shm_left(run_id)
+
+
+def test_hsdp_survives_a_lost_replica_node_bit_for_bit(workdir: Path) -> None:
+    # A 2 x 2 mesh: node 0's ranks are one replica of the model, node 1's the other, each
+    # sharding it over its two ranks. Losing node 1 loses a whole replica: its shards come from
+    # the neighbour's copy, the survivors keep theirs.
+    script = [str(EXAMPLES / "with_ffctl.py"), "--steps", "12", "--mesh", "2,2"]
+    layout = ["--nnodes", "2", "--nproc-per-node", "2"]
+    base = launch(workdir, rid("hsdp-base"), *layout, *script)
+    assert base.returncode == 0, base.stdout[-3000:] + base.stderr[-3000:]
+    run_id = rid("hsdp-node")
+    res = launch(workdir, run_id, *layout, "--spares", "2", "--inject", "kill-node:node=1,step=6", *script)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert len(base.report["loss_by_step"]) == 12
+    assert res.report["loss_by_step"] == base.report["loss_by_step"]
+    (fault,) = res.report["faults"]
+    assert fault["restore_source"] == "peer-memory" and fault["recovered"], fault
+    assert crashes(res.events) == []
+    assert_nothing_left(workdir)
+    assert not shm_left(run_id)
