@@ -8,12 +8,13 @@
     steps = 40
     seed = 0
     spares = 1
+    # straggler = "replace:factor=2"            # --straggler (default "wait")
     # script = ["train.py", "--epochs", "1"]   # a script beside this file (default: built-in GPT)
     # [launch.torchrun]                          # torchrun's options, for a script
     # max_restarts = 1
 
     [faults]                         # the same specs as `--inject`, and/or a seeded schedule
-    inject = ["kill-rank:rank=1,step=20"]
+    inject = ["kill-rank:rank=1,step=20"]   # also slow-rank:rank=1,step=10,factor=3,duration=10
     # chaos = "mtbf=3s,seed=4,kinds=kill-rank,until=8"
 
     [expect]                         # measured against `ffctl report --json`
@@ -106,6 +107,7 @@ LAUNCH_SCHEMA: dict[str, Field] = {
     "hang_timeout": Field("number", 0.0, MAX_DURATION_S, positive=True),
     "script": Field("words"),
     "step_regex": Field("text"),
+    "straggler": Field("text"),  # --straggler: wait, or replace[:factor=F][,steps=N]
     "torchrun": Field("table"),
 }
 FAULTS_SCHEMA: dict[str, Field] = {

@@ -86,8 +86,9 @@ def test_slow_rank_is_named_within_5_steps_and_its_lost_time_matches_the_twin(wo
 
 
 def test_straggler_replace_replaces_a_rank_that_stays_too_slow(workdir: Path, twin: Result) -> None:
+    # slow-node on node 1, whose one rank is rank 1: the node kind through the same path.
     res = _run(workdir, "repl", "--spares", "1", "--straggler", "replace:factor=2",
-               "--inject", f"slow-rank:rank=1,step={FAULT_STEP},factor=4,duration=60")
+               "--inject", f"slow-node:node=1,step={FAULT_STEP},factor=4,duration=60")
     assert_nothing_left(workdir)
     events = res.events
     (failure,) = [ev for ev in events if ev.kind is EventKind.FAILURE_DETECTED]

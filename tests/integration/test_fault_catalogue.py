@@ -245,6 +245,8 @@ def figures(rep: dict[str, Any]) -> str:
 
 
 COVERED: set[str] = set()  # kinds the tests below inject (checked against the whole table)
+# The stragglers are injected end to end, detected and billed in tests/e2e/test_stragglers.py.
+COVERED.update({"slow-rank", "slow-node"})
 
 
 # --- process and GPU kinds --------------------------------------------------------------------

@@ -25,7 +25,7 @@ from ffctl.launch.scenario import EXPECT_SCHEMA, LAUNCH_SCHEMA, Scenario, Scenar
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 KINDS = [k.value for k in FaultKind]
 KEYS = ["rank", "node", "host", "mode", "step", "t", "duration", "seed", "rate", "delay", "loss", "port", "ports",
-        "action", "mb", "signal", "peer", "id", "Rank", ""]
+        "action", "mb", "signal", "peer", "factor", "id", "Rank", ""]
 # Values near the edges: other scripts' digits, exponents, nan and inf, signs, huge numbers.
 TRICKY = ["0", "1", "3", "-1", "1.5", "2.5s", "100ms", "2m", "1h", "nan", "inf", "-inf", "1e3", "١", "５", "²",
           "9" * 30, "one", "all", "fixed:0", "fixed:2", "percent:50", "percent:0", "1mbit", "8kbit", "10%",
@@ -108,7 +108,7 @@ GOOD = {
     "mode": ["one", "all", "fixed:2", "percent:50"], "step": ["0", "3", "25"], "t": ["0", "2.5", "90s", "100ms"],
     "duration": ["5", "2.5s", "1m"], "seed": ["0", "7"], "rate": ["1mbit", "8kbit"], "delay": ["100ms", "2s"],
     "loss": ["10%", "0.5%"], "port": ["7400"], "ports": ["7000|7001"], "action": ["drop", "reject"],
-    "mb": ["64"], "signal": ["segv", "exception"], "peer": ["0", "1"],
+    "mb": ["64"], "signal": ["segv", "exception"], "peer": ["0", "1"], "factor": ["3", "1.5"],
 }
 
 

@@ -3,6 +3,8 @@ files, and its revert) and the rank side that sleeps (`recovery.faults.InStepFau
 clock."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from fault_injectors import deadman, make_plan, parse_spec
@@ -137,3 +139,15 @@ def test_a_slowdown_from_the_first_step_measures_one_step_first(clock: Clock) ->
 def test_a_bad_slow_text_is_an_error(clock: Clock) -> None:
     with pytest.raises(RuntimeError, match="slow:fast"):
         InStepFaults("", "run1", 1).fire("slow:fast")
+
+
+def test_a_scenario_schedules_stragglers_and_sets_the_policy(tmp_path: Path) -> None:
+    from ffctl.launch.scenario import ScenarioError, loads
+
+    text = ('[launch]\nnnodes = 2\nnproc_per_node = 1\nsteps = 40\nstraggler = "replace:factor=3"\n'
+            '[faults]\ninject = ["slow-node:node=1,step=10,factor=3,duration=10"]\n[expect]\ncompletes = true\n')
+    spec = loads(text, tmp_path / "s.toml").spec(tmp_path, "r1")
+    assert spec.straggler_policy.replaces and spec.straggler_policy.factor == 3.0
+    assert [s.kind for s in spec.injects] == [FaultKind.SLOW_NODE]
+    with pytest.raises(ScenarioError, match=r"\[launch\]: --straggler 'later'"):
+        loads(text.replace("replace:factor=3", "later"), tmp_path / "s.toml").spec(tmp_path, "r1")
