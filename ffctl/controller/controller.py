@@ -216,7 +216,8 @@ class Controller:
     def _agent_config(self, node: int) -> AgentConfig:
         argv = tuple(self.spec.script) if self.spec.script else (
             "-m", "ffctl.workload.train", "--model", self.spec.model, "--steps", str(self.spec.steps),
-            "--seed", str(self.spec.seed), "--optimizer", self.spec.optimizer, "--batch", str(self.spec.batch))
+            "--seed", str(self.spec.seed), "--optimizer", self.spec.optimizer, "--parallel", self.spec.parallel,
+            "--batch", str(self.spec.batch))
         # LOCAL_WORLD_SIZE (each rank gets its own too) lets the agent apply torchrun's
         # OMP_NUM_THREADS rule to the worker template, which loads OpenMP before any rank exists.
         env = {"GLOO_SOCKET_IFNAME": self.launcher.interface(node) or "lo",

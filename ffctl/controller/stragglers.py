@@ -180,7 +180,9 @@ class StragglerDetector:
                     out.append(Straggling(rank, ep.onset_step, ep.onset_t, _median(ep.ratios), step, self.gen))
                 if self.policy.replaces and not ep.replaced:
                     ep.over_policy = ep.over_policy + 1 if ratios[rank] >= self.policy.factor else 0
-                    if ep.over_policy >= self.policy.steps:
+                    # Only a named straggler is replaced: a burst too short to name is noise,
+                    # and replacing a rank costs a recovery.
+                    if ep.announced and ep.over_policy >= self.policy.steps:
                         ep.replaced = True
                         out.append(Replace(rank, _median(ep.ratios[-self.policy.steps:]), step))
             elif ep is not None:

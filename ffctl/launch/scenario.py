@@ -59,7 +59,7 @@ from ffctl.launch.torchrun import FLAGS as TORCHRUN_FLAGS
 from ffctl.launch.torchrun import VALUE_DEFAULTS as TORCHRUN_VALUES
 from ffctl.launch.torchrun import TorchrunArgError, resolve
 from ffctl.spec import MAX_BATCH, MAX_NODES, MAX_PROCS_PER_NODE, MAX_STEPS, LaunchSpec, SpecError
-from ffctl.workload.sizes import MODELS, OPTIMIZERS
+from ffctl.workload.sizes import MODELS, OPTIMIZERS, PARALLELISMS
 from recovery.jobenv import Strategy
 from runs.events import RestoreSource, RunStatus
 
@@ -94,6 +94,7 @@ LAUNCH_SCHEMA: dict[str, Field] = {
     "seed": Field("int", 0, MAX_SEED),
     "model": Field("choice", choices=MODELS),
     "optimizer": Field("choice", choices=OPTIMIZERS),
+    "parallel": Field("choice", choices=PARALLELISMS),
     "batch": Field("int", 0, MAX_BATCH),
     "recovery": Field("choice", choices=tuple(Strategy.ALL)),
     "ckpt_every": Field("int", 0, MAX_STEPS),

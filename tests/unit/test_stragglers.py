@@ -149,6 +149,10 @@ def test_replace_policy_names_a_rank_over_its_factor_for_its_steps_once() -> Non
     det = StragglerDetector(4, StragglerPolicy("replace", factor=3.0, steps=3))
     found, _ = feed(det, range(1, 12), {1: 2.0})
     assert [f for f in found if isinstance(f, Straggling)] and not [f for f in found if isinstance(f, Replace)]
+    # A burst over the factor too short to name a straggler (short steps, under ONSET_S) is noise.
+    det = StragglerDetector(2, StragglerPolicy("replace", factor=2.0, steps=3))
+    found, _ = feed(det, range(1, 5), {1: 4.0}, world=2, busy_s=0.05)  # 4 steps, 0.84 s
+    assert found == []
     # The default policy waits.
     found, _ = feed(StragglerDetector(4), range(1, 12), {1: 4.0})
     assert not [f for f in found if isinstance(f, Replace)]
