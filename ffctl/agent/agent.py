@@ -56,6 +56,9 @@ STEP_SCAN_S = 0.1  # how often workers' logs are read for `--step-regex`
 LOG_TAIL_LINES = 20
 LOG_TAIL_BYTES = 16384
 LOG_LINE_CHARS = 400
+# How long a restarted node's agent waits for its predecessor on the same host to let go of the
+# node's claim (see Agent.__init__).
+CLAIM_WAIT_S = 10.0
 # The AgentConfig JSON when it cannot come as the first stdin line (agents started over SSH).
 CONFIG_ENV = "FFCTL_AGENT_CONFIG"
 # The agent is not told the world size; rank fields of commands are only bounded by this.
@@ -181,11 +184,23 @@ class Agent:
         self.last_spawn = float("-inf")
         self.stopping = threading.Event()
         self.lock = threading.Lock()
-        try:
-            self._claim = claim_node(cfg.shm_dir, cfg.run_id, cfg.node)
-        except (NodeBusy, shm.UnsafeShm) as exc:
-            self._report(messages.AgentFailed, reason=str(exc))
-            raise
+        # A node started again may find its previous agent on this host still shutting down (a
+        # node Slurm marked down, whose processes live on until they see their stdin close): its
+        # claim is released when it exits, so a restarted node waits a little for it.
+        deadline = time.monotonic() + (CLAIM_WAIT_S if cfg.incarnation else 0.0)
+        while True:
+            try:
+                self._claim = claim_node(cfg.shm_dir, cfg.run_id, cfg.node)
+                break
+            except NodeBusy as exc:
+                if time.monotonic() < deadline:
+                    time.sleep(0.1)
+                    continue
+                self._report(messages.AgentFailed, reason=str(exc))
+                raise
+            except shm.UnsafeShm as exc:
+                self._report(messages.AgentFailed, reason=str(exc))
+                raise
         self._wipe_slots()  # a (re)started node is an empty node
         self.peer = PeerStore(cfg.address, cfg.token, self.slot, on_refused=self._peer_refused).start()
         self.replicator = Replicator(cfg.run_id, cfg.node, cfg.token, self._slot_files,

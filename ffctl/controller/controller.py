@@ -218,6 +218,9 @@ class Controller:
             "-m", "ffctl.workload.train", "--model", self.spec.model, "--steps", str(self.spec.steps),
             "--seed", str(self.spec.seed), "--optimizer", self.spec.optimizer, "--parallel", self.spec.parallel,
             "--batch", str(self.spec.batch))
+        if not self.spec.script and self.spec.parallel == "hsdp":
+            # The mesh is the job's layout, whatever node a replacement rank runs on later.
+            argv += ("--shard-ranks", str(self.spec.nproc_per_node))
         # LOCAL_WORLD_SIZE (each rank gets its own too) lets the agent apply torchrun's
         # OMP_NUM_THREADS rule to the worker template, which loads OpenMP before any rank exists.
         env = {"GLOO_SOCKET_IFNAME": self.launcher.interface(node) or "lo",
