@@ -15,7 +15,7 @@ from fault_injectors.spec import MAX_DURATION_S, MAX_SEED, FaultSpec, FaultSpecE
 from fault_injectors.targets import check_in_job
 from recovery.jobenv import Strategy
 from ffctl.agent.stepscan import StepRegexError, compile_step_regex
-from ffctl.workload.sizes import MODELS, OPTIMIZERS
+from ffctl.workload.sizes import MODELS, OPTIMIZERS, PARALLELISMS
 from runs.store import RunStoreError, validate_run_id
 
 # Upper bounds a machine sets, far above any real job but low enough that a typo (an extra zero,
@@ -122,6 +122,7 @@ class LaunchSpec:
     seed: int = 0
     model: str = "tiny"
     optimizer: str = "adamw"  # built-in workload: adamw (replicated) or sharded (ZeRO-1)
+    parallel: str = "ddp"  # built-in workload: ddp, fsdp or hsdp (torch's fully_shard)
     batch: int = 0  # built-in workload: sequences per rank per step (0: the model size's default)
     recovery: str = Strategy.PEER
     ckpt_every: int = 0
@@ -179,6 +180,13 @@ class LaunchSpec:
             raise SpecError(f"--model {_shown(self.model)}: use {', '.join(MODELS)}")
         if self.optimizer not in OPTIMIZERS:
             raise SpecError(f"--optimizer {_shown(self.optimizer)}: use {' or '.join(OPTIMIZERS)}")
+        if self.parallel not in PARALLELISMS:
+            raise SpecError(f"--parallel {_shown(self.parallel)}: use {', '.join(PARALLELISMS)}")
+        if self.parallel != "ddp" and self.optimizer == "sharded":
+            raise SpecError(f"--parallel {self.parallel} shards the optimizer state itself: leave --optimizer adamw")
+        if self.parallel == "hsdp" and (self.nnodes < 2 or self.nproc_per_node < 2):
+            raise SpecError(f"--parallel hsdp needs at least 2 nodes of 2 ranks (replicas across nodes, shards "
+                            f"within one), not {self.nnodes} x {self.nproc_per_node}")
         if not isinstance(self.recovery, str) or self.recovery not in Strategy.ALL:
             raise SpecError(f"--recovery {_shown(self.recovery)}: use one of {', '.join(Strategy.ALL)}")
         _whole("--ckpt-every", self.ckpt_every, 0, MAX_STEPS)

@@ -54,6 +54,7 @@ def register(app: typer.Typer) -> None:
         seed: Annotated[int, typer.Option(help="Seed: same seed, same losses.")] = 0,
         model: Annotated[str, typer.Option(help="Built-in GPT size: tiny, small, medium or base.")] = "tiny",
         optimizer: Annotated[str, typer.Option(help="Built-in GPT optimizer: adamw, or sharded (ZeRO-1).")] = "adamw",
+        parallel: Annotated[str, typer.Option(help="Built-in GPT parallelism: ddp, fsdp (torch's fully_shard over every rank) or hsdp (replicated across nodes, sharded within one).")] = "ddp",
         batch: Annotated[int, typer.Option(help="Built-in GPT: sequences per rank per step (0: the size's default).")] = 0,
         recovery: Annotated[str, typer.Option(help="peer | restart-memory | restart-disk | none")] = "peer",
         ckpt_every: Annotated[int, typer.Option("--ckpt-every", help="Disk checkpoint every N steps (0: never).")] = 0,
@@ -131,7 +132,7 @@ def register(app: typer.Typer) -> None:
         default_layout = 2 if not tr.worker_argv else 1
         spec = LaunchSpec(
             nnodes=default_layout if tr.nnodes is None else tr.nnodes,
-            nproc_per_node=default_layout if tr.nproc_per_node is None else tr.nproc_per_node, steps=steps, seed=seed, model=model, optimizer=optimizer, batch=batch,
+            nproc_per_node=default_layout if tr.nproc_per_node is None else tr.nproc_per_node, steps=steps, seed=seed, model=model, optimizer=optimizer, parallel=parallel, batch=batch,
             recovery=recovery, ckpt_every=ckpt_every, spares=spares, max_restarts=tr.max_restarts, injects=faults, run_id=run_id,
             runs_dir=runs_dir, script=tr.worker_argv, heartbeat_timeout=heartbeat_timeout, hang_min_s=hang_timeout,
             exit_barrier_timeout=exit_barrier_timeout,

@@ -28,3 +28,7 @@ MODELS: tuple[str, ...] = tuple(SIZES)
 
 # adamw: every rank holds the whole optimizer state (replicated); sharded: ZeRO-1, each rank owns a slice.
 OPTIMIZERS: tuple[str, ...] = ("adamw", "sharded")
+
+# ddp: torch's DistributedDataParallel; fsdp: torch's fully_shard over every rank; hsdp: fully_shard
+# on a 2D mesh, replicated across nodes and sharded over each node's ranks.
+PARALLELISMS: tuple[str, ...] = ("ddp", "fsdp", "hsdp")

@@ -8,7 +8,8 @@ optimizer (ZeRO-1) keeps the step-function path: each rank's optimizer state is 
 (`register_ddp` takes a replicated optimizer), and the gradients and the loss travel in one flat
 buffer through `ctx.allreduce`. Either way the gradients are averaged over the ranks in one flat
 buffer in parameter order, so with the same seed the losses are bit-identical run to run, with
-faults or without.
+faults or without. `--parallel fsdp|hsdp` shards the GPT with torch's `fully_shard` instead
+(docs/fsdp.md): FSDP2's own collectives on ffctl's process group, each rank's shards snapshotted.
 
 A scheduler's preemption notice (SIGUSR1/SIGUSR2, which `ffctl launch` passes on to the ranks)
 is written to the rank's log and training goes on: its disk checkpoints (--ckpt-every) are what
@@ -25,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ffctl.workload.data import batch
 from ffctl.workload.gpt import GPT
-from ffctl.workload.sizes import MODELS, OPTIMIZERS, SIZES
+from ffctl.workload.sizes import MODELS, OPTIMIZERS, PARALLELISMS, SIZES
 from recovery import Job, StepContext
 
 
@@ -79,6 +80,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--optimizer", default="adamw", choices=list(OPTIMIZERS),
                         help="adamw (replicated) or sharded (ZeRO-1: each rank owns a slice of the state)")
+    parser.add_argument("--parallel", default="ddp", choices=list(PARALLELISMS),
+                        help="ddp, fsdp (fully_shard over every rank) or hsdp (replicated across nodes, sharded within one)")
+    parser.add_argument("--shard-ranks", type=int, default=0,
+                        help="hsdp: ranks that shard one replica (0: the job's ranks per node)")
     parser.add_argument("--batch", type=int, default=0, help="sequences per rank per step (0: the size's default)")
     args = parser.parse_args(argv)
     for sig in (signal.SIGUSR1, signal.SIGUSR2):
@@ -91,6 +96,9 @@ def main(argv: list[str] | None = None) -> None:
     model = build(args.model, args.seed)
     params = [p for p in model.parameters()]
     cfg = model.cfg
+    if args.parallel != "ddp":
+        _train_sharded(job, model, args)
+        return
     if args.optimizer != "sharded":
         ddp = DistributedDataParallel(model, process_group=job.ddp_group())
         opt = torch.optim.AdamW(params, lr=LR, weight_decay=0.0, foreach=False)
@@ -124,6 +132,37 @@ def main(argv: list[str] | None = None) -> None:
         return float(flat[-1])
 
     job.run(step_fn, args.steps)
+
+
+def _train_sharded(job: Job, model: GPT, args: argparse.Namespace) -> None:
+    """The GPT sharded with torch's `fully_shard` (docs/fsdp.md): each block and the root, on a
+    mesh of every rank (fsdp) or of nodes x ranks per node (hsdp: a replica per node, its ranks
+    sharding it). The loss reported is the mean over the ranks."""
+    from torch.distributed.fsdp import fully_shard
+
+    # The mesh must be the same in every generation: a replacement rank may run on a node with
+    # more ranks than the job started with, so the shard size comes from the job, not the node.
+    world, per_replica = job.env.world_size, args.shard_ranks or job.env.local_world_size
+    if world % per_replica:
+        raise SystemExit(f"ffctl-gpt: --shard-ranks {per_replica} does not divide the world size {world}")
+    shape = (world,) if args.parallel == "fsdp" else (world // per_replica, per_replica)
+    mesh = job.device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard")[-len(shape):])
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0, foreach=False)
+    job.register_fsdp(model=model, optimizer=opt)
+    cfg = model.cfg
+
+    def fsdp_step(ctx: StepContext) -> float:
+        x, y = batch(ctx.step, ctx.rank, args.seed, args.batch or cfg.batch, cfg.block)
+        opt.zero_grad()
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    job.run(fsdp_step, args.steps)
 
 
 if __name__ == "__main__":

@@ -118,3 +118,23 @@ def test_hsdp_survives_a_lost_replica_node_bit_for_bit(workdir: Path) -> None:
     assert crashes(res.events) == []
     assert_nothing_left(workdir)
     assert not shm_left(run_id)
+
+
+def test_the_built_in_gpt_as_hsdp_survives_a_rank_and_a_node_bit_for_bit(workdir: Path) -> None:
+    # `--parallel hsdp`: the GPT sharded with fully_shard on a 2 x 2 mesh. The lost node's ranks
+    # come back on node 0, which then runs four ranks: the mesh stays the job's 2 x 2.
+    args = ["--parallel", "hsdp", "--steps", "12"]
+    base = launch(workdir, rid("gpt-hsdp-base"), *args)
+    assert base.returncode == 0, base.stdout[-3000:] + base.stderr[-3000:]
+    run_id = rid("gpt-hsdp")
+    res = launch(workdir, run_id, *args, "--spares", "1", "--inject", "kill-rank:rank=1,step=3",
+                 "--inject", "kill-node:node=1,step=7")
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert len(base.report["loss_by_step"]) == 12
+    assert res.report["loss_by_step"] == base.report["loss_by_step"]
+    assert [f["restore_source"] for f in res.report["faults"]] == ["local-memory", "peer-memory"]
+    (finished,) = [e for e in res.events if e.kind is EventKind.RUN_FINISHED]
+    assert finished.get("path") == "built-in" and finished.get("api") == "fsdp"
+    assert crashes(res.events) == []
+    assert_nothing_left(workdir)
+    assert not shm_left(run_id)

@@ -47,6 +47,9 @@ CASES: list[tuple[str, list[str], str]] = [
     ("ckpt-negative", launch("--ckpt-every", "-1"), "--ckpt-every -1"),
     ("batch-negative", launch("--batch", "-1"), "--batch -1"),
     ("model-unknown", launch("--model", "gigantic"), "'gigantic'"),
+    ("parallel-unknown", launch("--parallel", "tensor"), "'tensor'"),
+    ("parallel-hsdp-one-node", launch("--parallel", "hsdp", "--nnodes", "1"), "1 x 2"),
+    ("parallel-fsdp-zero1", launch("--parallel", "fsdp", "--optimizer", "sharded"), "--parallel fsdp"),
     ("steps-not-a-number", launch("--steps", "abc"), "abc"),
     # --- launch: run ids ---
     ("run-id-traversal", launch("--run-id", "../../etc"), "'../../etc'"),
