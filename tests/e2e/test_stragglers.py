@@ -68,19 +68,25 @@ def test_slow_rank_is_named_within_5_steps_and_its_lost_time_matches_the_twin(wo
     assert straggler["rank"] == 1 and straggler["lost_s"] is not None
 
     # The twin's measure: how much longer the faulted run took from the fault's step to the end.
-    # A shared host's load can change between two runs; the twin must have trained at the pace
-    # the faulted run had outside its slowdown (before it, and from 3 steps after it), else the
-    # comparison measures the load: then the twin runs again, once.
+    # It measures the fault only where the host's load let both runs train at one pace: the
+    # faulted run before its slowdown and from 3 steps after it, and the twin. Other work on a
+    # shared 2-core host moves a run's pace by 2x within seconds (load average 7 seen here), and
+    # then the difference measures the load: the twin runs again once, and if the paces still
+    # differ the comparison is skipped, saying so (the detection checks above still hold).
     mine = _commits(res.events)
     last = max(mine)
-    outside = [*range(2, FAULT_STEP), *range(straggler["last_step"] + 3, last)]
-    healthy = _pace(mine, outside)
+    before = _pace(mine, range(2, FAULT_STEP))
+    after = _pace(mine, range(straggler["last_step"] + 3, last)) if straggler["last_step"] + 4 < last else before
     theirs = _commits(twin.events)
-    if abs(_pace(theirs, range(2, STEPS)) / healthy - 1) > 0.2:
+    agree = lambda t: all(abs(_pace(t, range(2, STEPS)) / p - 1) <= 0.2 for p in (before, after))  # noqa: E731
+    if not agree(theirs):
         theirs = _commits(_run(workdir, "twin2").events)
+    if abs(after / before - 1) > 0.2 or not agree(theirs):
+        pytest.skip(f"host load moved the pace: {before:.3f}s a step before the slowdown, {after:.3f}s after it, "
+                    f"{_pace(theirs, range(2, STEPS)):.3f}s in the twin")
     measured = (mine[last] - mine[FAULT_STEP]) - (theirs[last] - theirs[FAULT_STEP])
     # 3x for 10 s: two thirds of it lost, about 6.7 s.
-    assert 4.0 < measured < 10.0, (measured, healthy)
+    assert 4.0 < measured < 10.0, (measured, before, after)
     assert abs(fault["lost_s"] - measured) <= 0.2 * measured, (fault["lost_s"], measured, straggler)
     assert abs(straggler["lost_s"] - measured) <= 0.2 * measured, (straggler, measured)
 
