@@ -1,7 +1,10 @@
 """The append-only run store: `<runs-dir>/<run-id>/` with run.json, events.jsonl, logs/, report.json.
 
 The controller is the only writer of events.jsonl. Each event is written as one line and fsync'd
-before `append` returns, so a SIGKILLed controller leaves every event it reported intact; a torn
+before `append` returns, so a SIGKILLed controller leaves every event it reported intact (an
+event appended with `sync=False`, high-rate progress such as every agent's memory-snapshot
+report, is written at once but fsync'd with the next event that is: a fsync per agent per
+second would cost the controller more time than it has at a thousand nodes); a torn
 last line (killed mid-write) is skipped on read. A disk that refuses a line (full, over quota)
 stops nothing: the line is taken back whole (the file truncated to where it began), the event
 waits in memory with those after it (bounded: past the bound newer ones are counted and dropped,
@@ -170,8 +173,9 @@ class RunStore:
         info.update(fields)
         self.write_json("run.json", info)
 
-    def append(self, kind: EventKind, /, t: float | None = None, **data: Any) -> Event:
-        """Write one event as a line and fsync it. When the disk refuses (full, quota), the job
+    def append(self, kind: EventKind, /, t: float | None = None, sync: bool = True, **data: Any) -> Event:
+        """Write one event as a line and fsync it (`sync=False`: written, and fsync'd with the
+        next event that is). When the disk refuses (full, quota), the job
         goes on: the event waits in memory behind those already waiting (bounded, `_Backlog`),
         and every later append writes them again first, in order, once the disk takes them."""
         event = Event(kind=kind, t=time.time() if t is None else t, data=data)
@@ -182,22 +186,23 @@ class RunStore:
             behind = self._behind.waiting() and not self._catch_up()
             self._behind.hold(event.kind.value, event.t, line, late=behind)
             if not behind:
-                self._catch_up()
+                self._catch_up(sync)
         return event
 
-    def _catch_up(self) -> bool:
+    def _catch_up(self, sync: bool = True) -> bool:
         """Write what waits (lock held): the held lines, then a `record_lost` event for any that
         were dropped past the bounds. True when nothing is left waiting."""
         while True:
-            if not self._write_held():
+            if not self._write_held(sync):
                 return False
             if not self._behind.dropped:
                 self._behind.caught_up(self.events_path)
                 return True
             self._behind.note_dropped()
 
-    def _write_held(self) -> bool:
-        """Write the held lines, one write each, and fsync them together. A write or fsync that
+    def _write_held(self, sync: bool = True) -> bool:
+        """Write the held lines, one write each, and fsync them together (`sync=False`: not yet;
+        a later fsync of the file covers them). A write or fsync that
         fails truncates the file back to where the batch began, so the record never holds a torn
         line (nor one the disk did not store), and the batch waits whole for the next try."""
         if not self._behind.lines:
@@ -212,7 +217,8 @@ class RunStore:
             start = os.fstat(self._fd).st_size
             for line in self._behind.lines:
                 _write_all(self._fd, line)
-            os.fsync(self._fd)
+            if sync or self._behind.failed_once:  # lines the disk refused before: known stored
+                os.fsync(self._fd)
         except OSError as exc:
             if start is not None and self._fd is not None:
                 try:
@@ -231,6 +237,10 @@ class RunStore:
             if self._behind.waiting() and not self._catch_up():
                 self._behind.give_up(self.events_path)
             if self._fd is not None:
+                try:
+                    os.fsync(self._fd)  # lines appended with sync=False since the last fsync
+                except OSError:
+                    pass
                 os.close(self._fd)
                 self._fd = None
 

@@ -359,3 +359,23 @@ def test_append_after_a_torn_line_starts_a_fresh_line(tmp_path: Path) -> None:
     again.append(EventKind.STEP, t=2.0, step=2)
     again.close()
     assert [e.get("step") for e in again.events()] == [1, 2]
+
+
+def test_an_event_appended_without_sync_is_written_at_once_and_fsynced_with_the_next(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    st = RunStore.create(tmp_path, "r1", INFO)
+    syncs: list[int] = []
+    real = os.fsync
+    monkeypatch.setattr(store_mod.os, "fsync", lambda fd: (syncs.append(fd), real(fd))[1])
+    st.append(EventKind.STEP, step=1)
+    assert len(syncs) == 1
+    st.append(EventKind.SNAPSHOT_TAKEN, sync=False, step=1, kind="memory", node=0, ranks=[0])
+    assert len(syncs) == 1  # no fsync of its own...
+    assert [e.kind for e in iter_events(st.events_path)] == [EventKind.STEP, EventKind.SNAPSHOT_TAKEN]  # ...but written
+    assert "sync" not in next(e for e in st.events() if e.kind is EventKind.SNAPSHOT_TAKEN).data
+    st.append(EventKind.STEP, step=2)
+    assert len(syncs) == 2  # the next event's fsync covers both
+    st.append(EventKind.SNAPSHOT_TAKEN, sync=False, step=2, kind="memory", node=0, ranks=[0])
+    st.close()
+    assert len(syncs) == 3  # closing fsyncs what the last unsynced event left
+    assert len(list(iter_events(st.events_path))) == 4
