@@ -45,8 +45,14 @@ AGENT_START_TIMEOUT = 60.0
 PHASE_TIMEOUT = 120.0
 STARTUP_HANG_S = 120.0
 STARTUP_HEARTBEAT_S = 10.0
-# How often each node's heartbeat key is read (its agent beats every 0.2 s).
+# How often each node's heartbeat key is read (its agent beats every 0.2 s); with many nodes, at
+# most one key per HEARTBEAT_READ_PER_NODE_S (0.2 s per key at 1,024 nodes: about 5,000 reads a
+# second, a tenth of a core, where every 0.05 s would be 20,000 and more time than there is).
 HEARTBEAT_READ_S = 0.05
+HEARTBEAT_READ_PER_NODE_S = 0.0002
+# Messages handled per batch, and the time a pump spends on batches before it reads heartbeats.
+PUMP_BATCH = 64
+PUMP_BUDGET_S = 0.05
 # How often the keys the controller owns (the current generation and its plan) are checked, and
 # written again if someone changed or deleted them.
 GUARD_S = 0.1
@@ -91,6 +97,10 @@ class Controller:
         self._server: dist.TCPStore | None = None  # the store's server (this process hosts it)
         self._guarded: dict[str, bytes] = {}  # key -> the value the controller last wrote there
         self._guard_at = 0.0
+        # Heartbeat reads (`_read_heartbeats`): reads earned and not made yet, when they were
+        # last counted, and where on the ring of up nodes the next one is.
+        self._hb_credit, self._hb_checked, self._hb_cursor = 0.0, 0.0, 0
+        self._wired: dict[int, tuple[int, tuple[str, int] | None]] = {}  # node -> (incarnation, neighbour) last sent
         self._store_failing_since: float | None = None
         self._rdzv_stores: dict[int, dist.TCPStore] = {}  # gen -> an unchanged script's rendezvous store
         # The exit barrier: (gen, since when some of its ranks finished, whether that was said).
@@ -306,8 +316,16 @@ class Controller:
     def pump(self) -> None:
         assert self.inbox is not None
         try:
-            for msg in self.inbox.poll():
-                self._handle(msg)
+            # Messages in batches, for at most PUMP_BUDGET_S: a burst of thousands (every rank's
+            # abort and join at once) must not keep the heartbeats unread for a second, which
+            # would count nodes that beat all along as lost.
+            deadline = time.monotonic() + PUMP_BUDGET_S
+            while True:
+                batch = self.inbox.poll(max_items=PUMP_BATCH)
+                for msg in batch:
+                    self._handle(msg)
+                if len(batch) < PUMP_BATCH or time.monotonic() > deadline:
+                    break
             self._check_nodes()
             self._guard()
             self._store_failing_since = None
@@ -499,8 +517,10 @@ class Controller:
             self.record(EventKind.SNAPSHOT_TAKEN, t=time.time(), step=msg.step, kind="disk", ranks=sorted(got))
 
     def _on_replicated(self, msg: messages.Replicated) -> None:
-        self.record(EventKind.SNAPSHOT_TAKEN, t=time.time(), step=msg.step, kind="memory",
-                    node=msg.node, ranks=msg.ranks)
+        # Every agent says this about once a second: written without an fsync of its own (the
+        # next event's covers it), else a thousand nodes cost a thousand fsyncs a second.
+        self.rec.append(EventKind.SNAPSHOT_TAKEN, t=time.time(), sync=False, step=msg.step, kind="memory",
+                        node=msg.node, ranks=msg.ranks)
 
     def _on_inventory(self, msg: messages.Inventory) -> None:
         self.job.inventories[(msg.node, msg.req)] = msg
@@ -617,6 +637,7 @@ class Controller:
     def _check_nodes(self) -> None:
         assert self.store is not None
         now = time.monotonic()
+        self._read_heartbeats(now)
         for n, st in self.job.nodes.items():
             if not st.up:
                 continue
@@ -625,15 +646,30 @@ class Controller:
                 self.record(EventKind.NODE_LOST, node=n, reason="agent-exit")
                 self._fail(Failure(Cause.NODE_LOST, nodes={n}, since_what="agent-exit"))
                 continue
-            if now - st.hb_read_at >= HEARTBEAT_READ_S:
-                st.hb_read_at = now
-                self._read_heartbeat(st)
             if now - st.hb_seen > self._heartbeat_limit():
                 st.up = False
                 self.record(EventKind.NODE_LOST, node=n, reason="heartbeat")
                 # It began with the silence: the last genuine beat is the failure's onset.
                 self._fail(Failure(Cause.NODE_LOST, nodes={n}, since=_wall(st.hb_seen),
                                    since_what="last-heartbeat"))
+
+    def _read_heartbeats(self, now: float) -> None:
+        """Read the up nodes' heartbeat keys, each once per period, round the ring a share per
+        pump: the reads are spread evenly, so a thousand nodes' keys never hold up the messages
+        for tens of milliseconds at a time."""
+        up = [st for st in self.job.nodes.values() if st.up]
+        if not up:
+            return
+        period = max(HEARTBEAT_READ_S, HEARTBEAT_READ_PER_NODE_S * len(up))
+        self._hb_credit = min(float(len(up)), self._hb_credit + len(up) * (now - self._hb_checked) / period)
+        self._hb_checked = now
+        reads = int(self._hb_credit)
+        self._hb_credit -= reads
+        for i in range(reads):
+            st = up[(self._hb_cursor + i) % len(up)]
+            st.hb_read_at = now
+            self._read_heartbeat(st)
+        self._hb_cursor = (self._hb_cursor + reads) % len(up)
 
     def _read_heartbeat(self, st: NodeState) -> None:
         """Take the node's heartbeat key: a sealed beat of its current agent, newer than the last
@@ -731,6 +767,12 @@ class Controller:
         for n in live:
             holder = ring_holder(n, live) if self.spec.recovery in (Strategy.PEER, Strategy.RESTART_MEMORY) else None
             peer = self.job.nodes[holder].peer if holder is not None else None
+            # Only to agents whose neighbour changed (or that are new): a node lost from a ring
+            # of a thousand changes one agent's neighbour, not a thousand.
+            wired = (self._incarnation.get(n, 0), peer)
+            if self._wired.get(n) == wired:
+                continue
+            self._wired[n] = wired
             self.send(n, messages.Neighbor(address=peer[0] if peer else None, port=peer[1] if peer else None))
 
     def _spawn(self, gen: int, ranks: list[int]) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from ffctl.controller.cluster import Cluster, FatalRun, RecoveryAbandoned
 from ffctl.controller.decide import Decision, Inventory, decide
@@ -41,6 +42,8 @@ __all__ = ["FatalRun", "RankFailure", "RecoveryAbandoned", "RecoveryCoordinator"
 ABORT_ACK_TIMEOUT = 5.0
 # A running rank's abort watcher answers within milliseconds; this leaves room for a loaded host.
 ABORT_SEEN_TIMEOUT = 1.5
+# However long answers keep coming in, waiting for survivors' answers ends after this.
+ANSWERS_MAX_S = 60.0
 # A node whose ranks moved elsewhere comes back as soon as the job has resumed (its agent is
 # started by the controller's loop, after the recovery): until it holds replicas again, the ranks
 # that moved share one node, and a second fault of that node would lose both copies of them.
@@ -330,17 +333,30 @@ class RecoveryCoordinator:
         survivors = set(job.members) - lost
         exited = lambda: {r for r in survivors if job.pids.get(r) is None}  # noqa: E731
         answered = lambda: job.reported("aborted", old_gen) | job.reported("abort_seen", old_gen) | exited()  # noqa: E731
-        self.cluster.wait_for(lambda: survivors <= answered(), ABORT_SEEN_TIMEOUT, "abort",
-                              abandon_on_failure=False)
+        self._await_answers(survivors, answered, ABORT_SEEN_TIMEOUT)
         silent = survivors - answered()
         busy = survivors - silent
-        acked = lambda: busy <= (job.reported("aborted", old_gen) | exited())  # noqa: E731
-        self.cluster.wait_for(acked, ABORT_ACK_TIMEOUT - ABORT_SEEN_TIMEOUT, "abort", abandon_on_failure=False)
+        self._await_answers(busy, lambda: job.reported("aborted", old_gen) | exited(),
+                            ABORT_ACK_TIMEOUT - ABORT_SEEN_TIMEOUT)
         gone = survivors - job.reported("aborted", old_gen)
         self._kill(gone, grace=0.5)
         if job.pending is not None:  # exits seen meanwhile belong to this failure
             gone |= job.take_pending().ranks  # type: ignore[union-attr]
         return gone
+
+    def _await_answers(self, ranks: set[int], answered: Callable[[], set[int]], quiet_s: float) -> None:
+        """Wait until every rank of `ranks` has answered, or none more has for `quiet_s`. With a
+        thousand ranks the answers take longer than that to arrive one after another (each is a
+        message the controller reads in turn), and a fixed limit would replace healthy ranks
+        whose answers are still queued; a rank that never answers is given up `quiet_s` after
+        the last one that did, as soon as with a handful."""
+        deadline = time.monotonic() + ANSWERS_MAX_S
+        while True:
+            before = len(ranks & answered())
+            self.cluster.wait_for(lambda: ranks <= answered() or len(ranks & answered()) != before, quiet_s,
+                                  "abort", abandon_on_failure=False)
+            if ranks <= answered() or len(ranks & answered()) == before or time.monotonic() > deadline:
+                return
 
     def _place(self, ranks: list[int], lost_nodes: set[int]) -> None:
         """Ranks of a lost node go to warm spares on surviving nodes when there are any (no wait

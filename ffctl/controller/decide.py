@@ -95,16 +95,21 @@ def decide(
         if disk_step is None:
             return Decision(_plan(gen, strategy, world, 0, {r: FRESH for r in world}), RestoreSource.NONE)
         return _disk(gen, strategy, world, disk_step, ())
+    # Who holds replicas of each rank, gathered once: looking through every inventory for every
+    # rank would cost nodes x ranks, a million lookups at a thousand nodes.
+    held_by: dict[int, list[Inventory]] = {}
+    for holder, inv in sorted(inventories.items()):
+        if holder not in lost_nodes:
+            for rank in inv.replica:
+                held_by.setdefault(rank, []).append(inv)
     options: dict[int, dict[int, Source]] = {}
     for rank in world:
         node = members[rank]
         here: dict[int, Source] = {}
         # A replica held by any live node (normally the ring neighbour; after several faults a
         # rank's newest copy may sit elsewhere). A local slot wins over a replica of the same step.
-        for holder, inv in sorted(inventories.items()):
-            if holder in lost_nodes:
-                continue
-            for step in inv.replica.get(rank, frozenset()):
+        for inv in held_by.get(rank, ()):
+            for step in inv.replica[rank]:
                 if (rank, step, RestoreSource.PEER_MEMORY) not in exclude:
                     here[step] = PeerReplica(address=inv.address, port=inv.port, where=Where.REPLICA)
         if node not in lost_nodes and node in inventories:

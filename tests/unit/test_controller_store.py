@@ -49,6 +49,7 @@ def _controller() -> tuple[Controller, _Record]:
     ctl._hb_opener = control.Opener(TOKEN)
     ctl._guarded, ctl._guard_at, ctl._store_failing_since = {}, 0.0, None
     ctl._incarnation = {}
+    ctl._hb_credit, ctl._hb_checked, ctl._hb_cursor, ctl._wired, ctl._signals = 0.0, 0.0, 0, {}, []
     ctl.job = JobState.for_world(2, 1)
     ctl.inbox = control.Receiver(ctl.store, control.CTL_QUEUE, opener=control.Opener(TOKEN), on_reject=ctl._rejected)
     ctl.injector = SimpleNamespace(revert_due=lambda: None)  # type: ignore[assignment]
@@ -111,7 +112,7 @@ def test_a_failing_store_call_is_recorded_and_the_connection_opened_again() -> N
     ctl, rec = _controller()
 
     class Broken:
-        def poll(self) -> list[Any]:
+        def poll(self, max_items: int = 1000) -> list[Any]:
             raise dist.DistNetworkError("Failed to recv, got 0 bytes")
 
     good, ctl.inbox = ctl.inbox, Broken()  # type: ignore[assignment]

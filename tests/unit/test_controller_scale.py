@@ -1,0 +1,130 @@
+"""What keeps the controller's work per pump and per recovery from growing with the cluster: the
+heartbeat keys read a share per pump, evenly, each once per period; the ring wired anew only
+where a neighbour changed; the survivors' answers waited for as long as they keep coming; the
+decision's replicas gathered once. The controller is built bare, with only what these use."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+from ffctl.controller import controller as controller_mod
+from ffctl.controller.controller import Controller
+from ffctl.controller.decide import Inventory, decide
+from ffctl.controller.state import JobState, NodeState
+from recovery import messages
+from recovery.jobenv import Strategy
+from recovery.plan import LocalSlot, PeerReplica
+from runs.events import RestoreSource
+
+
+class _Agent:
+    def poll(self) -> None:
+        return None  # running
+
+
+def _controller(nodes: int) -> tuple[Controller, list[tuple[int, messages.Message]]]:
+    ctl = Controller.__new__(Controller)
+    ctl.spec = SimpleNamespace(recovery=Strategy.PEER)  # type: ignore[assignment]
+    ctl.job = JobState.for_world(nodes, 1)
+    for n in range(nodes):
+        ctl.job.nodes[n] = NodeState(n, _Agent(), up=True, peer=("127.0.0.1", 20000 + n))  # type: ignore[arg-type]
+    ctl._incarnation = {}
+    ctl._hb_credit, ctl._hb_checked, ctl._hb_cursor, ctl._wired = 0.0, 0.0, 0, {}
+    sent: list[tuple[int, messages.Message]] = []
+    ctl.send = lambda node, msg: sent.append((node, msg))  # type: ignore[method-assign]
+    return ctl, sent
+
+
+def test_heartbeat_keys_are_read_a_share_per_pump_each_once_per_period() -> None:
+    nodes = 1024
+    ctl, _ = _controller(nodes)
+    reads: list[int] = []
+    ctl._read_heartbeat = lambda st: reads.append(st.node)  # type: ignore[method-assign]
+    period = max(controller_mod.HEARTBEAT_READ_S, controller_mod.HEARTBEAT_READ_PER_NODE_S * nodes)
+    ctl._read_heartbeats(100.0)  # the first pump reads every key once
+    assert sorted(reads) == list(range(nodes))
+    reads.clear()
+    pump = 0.005
+    per_pump = []
+    t = 100.0
+    for _ in range(round(period / pump)):  # one period of pumps 5 ms apart
+        t += pump
+        before = len(reads)
+        ctl._read_heartbeats(t)
+        per_pump.append(len(reads) - before)
+    # Every key once in the period (give or take the rounding of the last pump), none twice...
+    assert nodes - 2 <= len(reads) <= nodes and len(set(reads)) == len(reads)
+    # ... spread evenly: no pump reads more than its share, where every 0.05 s all of them were due.
+    assert max(per_pump) <= nodes * pump / period + 1
+
+
+def test_a_small_cluster_keeps_its_read_period() -> None:
+    ctl, _ = _controller(8)
+    reads: list[int] = []
+    ctl._read_heartbeat = lambda st: reads.append(st.node)  # type: ignore[method-assign]
+    ctl._read_heartbeats(50.0)
+    reads.clear()
+    t = 50.0
+    for _ in range(100):  # 0.5 s of pumps
+        t += 0.005
+        ctl._read_heartbeats(t)
+    # Each of 8 keys every HEARTBEAT_READ_S: 10 reads each in 0.5 s.
+    assert abs(len(reads) - 8 * 0.5 / controller_mod.HEARTBEAT_READ_S) <= 1
+    assert set(reads) == set(range(8))
+
+
+def test_the_ring_is_wired_anew_only_where_a_neighbour_changed() -> None:
+    ctl, sent = _controller(64)
+    ctl.wire_ring()
+    assert sorted(n for n, _ in sent) == list(range(64))  # everyone, the first time
+    sent.clear()
+    ctl.wire_ring()
+    assert sent == []  # nothing changed
+    ctl.job.nodes[10].up = False  # node 10 lost: only node 9's neighbour changes
+    ctl.wire_ring()
+    assert [(n, m.port) for n, m in sent] == [(9, 20011)]  # type: ignore[attr-defined]
+    sent.clear()
+    ctl.job.nodes[10].up, ctl._incarnation[10] = True, 1  # it comes back, a new agent
+    ctl.wire_ring()
+    assert sorted(n for n, _ in sent) == [9, 10]
+
+
+def test_the_decision_at_a_thousand_nodes_takes_the_lost_node_from_its_ring_neighbour() -> None:
+    nodes, lost, step = 1024, 512, 7
+    members = {r: r for r in range(nodes)}
+    invs = {n: Inventory(n, "127.0.0.1", 20000 + n, {n: frozenset({step - 1, step})},
+                         {(n - 1) % nodes: frozenset({step - 1, step})}) for n in range(nodes) if n != lost}
+    d = decide(Strategy.PEER, members, {lost}, {lost}, invs, list(range(nodes)), None, gen=1)
+    assert d is not None and d.restore_step == step and d.restore_source is RestoreSource.PEER_MEMORY
+    assert d.sources[lost] == PeerReplica(address="127.0.0.1", port=20000 + lost + 1, where=d.sources[lost].where)
+    assert all(d.sources[r] == LocalSlot(node=r) for r in range(nodes) if r != lost)
+
+
+def _answers(batches: list[set[int]]) -> tuple[Any, list[float]]:
+    """A cluster whose survivors' answers arrive a batch per wait, as from a long queue."""
+    got: set[int] = set()
+    waits: list[float] = []
+
+    def wait_for(cond: Any, timeout: float, what: str, abandon_on_failure: bool = True) -> bool:
+        waits.append(timeout)
+        if batches:
+            got.update(batches.pop(0))
+        return bool(cond())
+
+    return SimpleNamespace(wait_for=wait_for, got=got), waits
+
+
+def test_answers_are_waited_for_while_they_keep_coming_and_a_silent_rank_is_given_up() -> None:
+    from ffctl.controller.coordinator import RecoveryCoordinator
+
+    cluster, waits = _answers([set(range(0, 300)), set(range(300, 700)), set(range(700, 1023)), set()])
+    coord = RecoveryCoordinator.__new__(RecoveryCoordinator)
+    coord.cluster = cluster
+    ranks = set(range(1024))  # rank 1023 never answers (stopped)
+    coord._await_answers(ranks, lambda: set(cluster.got), 1.5)
+    # Three windows brought answers, the fourth none: then the silent one is given up.
+    assert len(waits) == 4 and cluster.got == set(range(1023))
+    cluster2, waits2 = _answers([set(range(8))])
+    coord.cluster = cluster2
+    coord._await_answers(set(range(8)), lambda: set(cluster2.got), 1.5)
+    assert len(waits2) == 1  # all answered in the first window: no more waiting
