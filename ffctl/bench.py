@@ -8,7 +8,8 @@ result: both sides run on the same machine within minutes of each other.
 under `peer`, `restart-memory` and `restart-disk`, each figure as a ratio to `restart-disk`, whose
 checkpoint interval is Young's (sqrt(2 x MTBF x save time), the save time measured first) so that
 the baseline is the best it can be. `BENCHMARKS` are the narrower measurements behind the README's
-goals (`ffctl bench --only NAME`, `python benchmarks/NAME.py`).
+goals (`ffctl bench --only NAME`, `python benchmarks/NAME.py`); `control-plane` among them runs
+no training at all: a real controller and up to 1,024 simulated nodes (`ffctl.sim`).
 """
 from __future__ import annotations
 
@@ -285,21 +286,61 @@ def without_spares(runs_dir: Path, steps: int = 60, at: int = 20) -> BenchResult
     return result
 
 
+CONTROL_PLANE_NODES = (8, 64, 256, 1024)
+CONTROL_PLANE_GOAL = 2.0  # recovery's control-plane time at the largest size / at the smallest
+
+
+def parse_nodes(text: str) -> tuple[int, ...]:
+    """`--nodes 8,64,256,1024`: simulated cluster sizes, each 2 to MAX_NODES, ascending."""
+    from ffctl.spec import MAX_NODES
+
+    sizes: list[int] = []
+    for part in text.split(","):
+        part = part.strip()
+        if not (part.isascii() and part.isdigit()) or not 2 <= int(part) <= MAX_NODES:
+            raise BadInput(f"--nodes {text!r}: {part!r} is not a node count from 2 to {MAX_NODES}")
+        sizes.append(int(part))
+    return tuple(sorted(set(sizes)))
+
+
+def control_plane(runs_dir: Path, nodes: tuple[int, ...] = CONTROL_PLANE_NODES) -> BenchResult:
+    """The recovery's control plane against cluster size: a real controller and N simulated
+    nodes (`ffctl.sim`), one lost; its phases per N, and the whole (from the loss to every rank
+    restored) at the largest N / at the smallest."""
+    from ffctl.sim.bench import run_control_plane
+
+    rows = run_control_plane(list(nodes), runs_dir)
+    result = BenchResult("control-plane", details={"sizes": rows})
+    small, large = rows[0], rows[-1]
+    if len(rows) > 1 and small["complete"] and large["complete"]:
+        result.ratios.append(Ratio(f"recovery control-plane s at {large['nodes']} nodes / at {small['nodes']}",
+                                   large["recovery_s"], small["recovery_s"], CONTROL_PLANE_GOAL))
+    for row in rows:
+        if not row["complete"]:
+            # A size that did not recover has no phases: a line that is never met says so.
+            result.ratios.append(Ratio(f"{row['nodes']} nodes did not recover (run {row['status']})", 1.0, 1.0, 0.0,
+                                       unit=""))
+    return result
+
+
 BENCHMARKS: dict[str, Callable[[Path], BenchResult]] = {
     "snapshot-overhead": snapshot_overhead,
     "recovery-vs-disk": recovery_vs_disk,
     "scale": scale,
     "replacement-start": replacement_start,
     "without-spares": without_spares,
+    "control-plane": control_plane,
 }
 
 
-def run_named(names: list[str] | None = None, runs_dir: Path | None = None) -> list[BenchResult]:
+def run_named(names: list[str] | None = None, runs_dir: Path | None = None,
+              nodes: tuple[int, ...] | None = None) -> list[BenchResult]:
     """The narrow benchmarks `names` (all of them by default), in a scratch runs directory unless
-    `runs_dir` is given."""
+    `runs_dir` is given; `nodes`: the cluster sizes of `control-plane`."""
     with tempfile.TemporaryDirectory(prefix="ffctl-bench-") as tmp:
         where = runs_dir or Path(tmp)
-        return [BENCHMARKS[n](where) for n in (names or list(BENCHMARKS))]
+        return [control_plane(where, nodes) if n == "control-plane" and nodes else BENCHMARKS[n](where)
+                for n in (names or list(BENCHMARKS))]
 
 
 # --- `ffctl bench`: the strategies side by side under one seeded fault schedule -----------------

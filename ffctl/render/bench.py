@@ -108,6 +108,37 @@ def render_bench(results: list[dict[str, Any]], console: Console) -> None:
                           f"<= {r['goal']}", "yes" if r["met"] else "[red]no[/red]")
         console.print()
         console.print(table)
+        if res["name"] == "control-plane":
+            render_control_plane(res["details"]["sizes"], console)
+
+
+# Column, row key, format: the control plane's phases per cluster size (seconds).
+CONTROL_PLANE_COLUMNS: list[tuple[str, str, Callable[[Any], str]]] = [
+    ("detect", "detection_s", lambda v: f"{v:.2f}"),
+    ("decide", "decision_s", lambda v: f"{v:.2f}"),
+    ("plan", "plan_published_s", lambda v: f"{v:.2f}"),
+    ("joined", "joined_s", lambda v: f"{v:.2f}"),
+    ("total", "recovery_s", lambda v: f"{v:.2f}"),
+    ("ctl cpu", "controller_cpu_share", lambda v: f"{100 * v:.0f}%"),
+    ("sim cpu", "sim_cpu_share", lambda v: f"{100 * v:.0f}%"),
+    ("keys", "store_keys", lambda v: f"{v}"),
+]
+
+
+def render_control_plane(rows: list[dict[str, Any]], console: Console) -> None:
+    """The recovery's control-plane phases per simulated cluster size, one row per size."""
+    table = Table(title="a simulated node lost: phases in seconds, CPU of a core before it", title_justify="left",
+                  box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1), collapse_padding=True)
+    table.add_column("nodes", justify="right", no_wrap=True)
+    for col, _, _ in CONTROL_PLANE_COLUMNS:
+        table.add_column(col, justify="right", no_wrap=True)
+    for row in rows:
+        cells = [("-" if row.get(key) is None else fmt(row[key])) for _, key, fmt in CONTROL_PLANE_COLUMNS]
+        table.add_row(str(row["nodes"]), *cells)
+    console.print()
+    console.print(table)
+    console.print("detect: silence to node_lost; decide: to recovery_decided; plan: to the last rank's")
+    console.print("read of the new plan; joined: to every rank joined and restored; total: all four.")
 
 
 @contextmanager

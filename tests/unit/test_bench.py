@@ -254,6 +254,9 @@ def test_the_progress_bar_is_drawn_only_on_a_terminal() -> None:
     (["--scale", "6,3"], "world size 3"), (["--kinds", "hang-rank"], "hang-rank"), (["--kinds", "kill-rnak"], "kill-rnak"),
     (["--model", "huge"], "'huge'"), (["--steps", "12"], "--steps 12"), (["--mtbf", "0.5"], "0.5"),
     (["--spares", "-1"], "-1"), (["--only", "nope"], "'nope'"), (["--only", "scale", "--scale", "2"], "--scale"),
+    (["--only", "control-plane", "--nodes", "1"], "'1'"), (["--only", "control-plane", "--nodes", "8,x"], "'x'"),
+    (["--only", "control-plane", "--nodes", "2048"], "'2048'"), (["--nodes", "8"], "--nodes '8'"),
+    (["--only", "scale", "--nodes", "8"], "only with --only control-plane"),
 ])
 def test_bad_input_is_one_line_exit_2_and_nothing_starts(monkeypatch: pytest.MonkeyPatch, argv: list[str],
                                                           named: str) -> None:
@@ -282,3 +285,32 @@ def test_dry_run_prints_the_runs_in_order_and_starts_none(monkeypatch: pytest.Mo
                       "restart-disk reference", "restart-disk",
                       *(f"{s} at {w} ranks" for w in (2, 4) for s in bench.STRATEGIES)]
     assert "--recovery none" in out.splitlines()[2] and "--inject kill-rank:rank=3,step=20" in out
+
+
+def test_control_plane_is_the_largest_size_over_the_smallest_and_a_size_that_failed_is_a_miss(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from ffctl.sim import bench as sim_bench
+
+    def row(n: int, total: float | None) -> dict[str, Any]:
+        if total is None:
+            return {"nodes": n, "status": "failed", "complete": False}
+        phases = {"detection_s": 1.0, "decision_s": total - 1.3, "plan_published_s": 0.1, "joined_s": 0.2}
+        return {"nodes": n, "status": "completed", "complete": True, "recovery_s": total, **phases,
+                "controller_cpu_share": 0.25, "sim_cpu_share": 0.5, "store_keys": 3 * n}
+
+    got: list[list[int]] = []
+    monkeypatch.setattr(sim_bench, "run_control_plane",
+                        lambda sizes, where: got.append(sizes) or [row(8, 1.1), row(1024, 2.5)])
+    res = bench.control_plane(tmp_path, (8, 1024))
+    assert got == [[8, 1024]]
+    (ratio,) = res.ratios
+    assert ratio.numerator == 2.5 and ratio.denominator == 1.1 and ratio.goal == 2.0 and not ratio.met
+    console = Console(file=io.StringIO(), width=80, force_terminal=False)
+    render_bench([res.to_dict()], console)
+    text = console.file.getvalue()  # type: ignore[attr-defined]
+    assert "1024" in text and "2.50" in text and "3072" in text and "25%" in text
+    assert max(len(line) for line in text.splitlines()) <= 80
+
+    monkeypatch.setattr(sim_bench, "run_control_plane", lambda sizes, where: [row(8, 1.1), row(64, None)])
+    res = bench.control_plane(tmp_path, (8, 64))
+    assert [r.met for r in res.ratios] == [False] and "64 nodes did not recover" in res.ratios[0].name

@@ -96,6 +96,7 @@ ALLOWED = {
     "ffctl.launch": {"ffctl.agent", "ffctl.controller", "ffctl.hosts", "ffctl.workload"},
     "ffctl.render": {"ffctl.hosts.doctor"},  # the doctor's result types, to show them
     "ffctl.cli": {"ffctl.launch", "ffctl.controller", "ffctl.hosts", "ffctl.render", "ffctl.agent", "ffctl.bench"},
+    "ffctl.sim": {"ffctl.agent", "ffctl.controller"},  # simulated agents, a backend, the real controller
 }
 
 
