@@ -15,9 +15,10 @@ from tests.helpers.launch import Result, assert_nothing_left, launch, rid, run_f
 pytestmark = pytest.mark.slow
 
 # Two nodes of one rank: on a 2-core host each rank has a core, so a healthy step's time does not
-# depend on which rank the scheduler happens to favour. `small` steps take about 0.1 s here.
-JOB = ("--nnodes", "2", "--nproc-per-node", "1", "--model", "small", "--seed", "4")
-STEPS = 60
+# depend on which rank the scheduler happens to favour. `small` steps of 16 sequences take about
+# 0.15 s here: 3x slower, 3 of them last over the second the detector wants before naming a rank.
+JOB = ("--nnodes", "2", "--nproc-per-node", "1", "--model", "small", "--batch", "16", "--seed", "4")
+STEPS = 50
 # Late enough that the job's first, slower steps (workers warming up) are behind it: the sleep is
 # a multiple of the rank's step time at the onset, and the report's pace is the job's before it.
 FAULT_STEP = 20
