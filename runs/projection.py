@@ -269,8 +269,9 @@ def measure_run(report: Mapping[str, Any], events: Sequence[Event], job: str = "
             restart_s=lost - rework,
             detection_s=None if f.get("detection_s") is None else float(f["detection_s"]),
             with_spare="spare" in (f.get("started_by") or {}).values(),
-            # Older records lack breaks_job: a fault that was detected stopped the job.
-            stops_job=stops.get(fid, f.get("detection_s") is not None),
+            # Older records lack breaks_job: a fault that was detected stopped the job. A straggler
+            # nobody injected (kind detected, cause straggler) slowed it and stopped nothing.
+            stops_job=stops.get(fid, f.get("detection_s") is not None and f.get("cause") != "straggler"),
             recovered=bool(f.get("recovered"))))
     return RunMeasure(str(report["run_id"]), str(report.get("strategy") or "-"), int(report.get("world_size") or 0),
                       job, tuple(intervals), tuple(after), tuple(writes), tuple(costs))

@@ -8,6 +8,7 @@ import pytest
 
 from runs.events import EventKind
 from runs.metrics import DETECTED, STRAGGLER, compute
+from runs.projection import measure_run
 from tests.helpers.events import STEP_TIME_S, StreamBuilder
 
 WORLD = 4
@@ -72,6 +73,9 @@ def test_a_straggler_nobody_injected_is_a_detected_fault_until_back_at_pace() ->
     assert f.resumed_at == pytest.approx(end_t) and f.recovered
     assert f.lost_s == pytest.approx(10 * 2 * STEP_TIME_S)
     assert compute("r", b.events).lost_gpu_hours_total == pytest.approx(WORLD * f.lost_s / 3600)
+    # A slowdown stops nothing: the projection does not count it among the faults that stop a job.
+    (cost,) = measure_run(compute("r", b.events).to_dict(), b.events).faults
+    assert not cost.stops_job
 
 
 def test_a_replaced_straggler_is_counted_once() -> None:
