@@ -162,7 +162,11 @@ def register(app: typer.Typer) -> None:
                     typer.echo(line, err=True)
             if reason:
                 typer.echo(f"ffctl launch: {reason}", err=True)
-            if spec.backend == "slurm" and not any(e.kind is EventKind.STEP for e in events):
+            # Steps are known for the built-in GPT, the recovery library and --step-regex; a plain
+            # script's silence says nothing of its progress.
+            plain = next((e.get("plain_script") for e in events if e.kind is EventKind.RUN_STARTED), True)
+            known = not plain or bool(spec.step_regex)
+            if spec.backend == "slurm" and known and not any(e.kind is EventKind.STEP for e in events):
                 # Not one step trained: a requeue would start where this did and fail the same way.
                 typer.echo(f"ffctl launch: no step was trained: exit {EXIT_NO_REQUEUE}, do not requeue", err=True)
                 return EXIT_NO_REQUEUE

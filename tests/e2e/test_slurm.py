@@ -269,4 +269,9 @@ def test_a_requeued_job_resumes_from_the_newest_disk_checkpoint(cluster: SlurmCl
     # (None in common only when the first attempt stopped at its newest checkpoint's very step.)
     assert both or max(losses[0]) == newest, losses
     assert [losses[0][s] for s in both] == [losses[1][s] for s in both], (both, losses)
+    # A job that fails before its first step says "do not requeue" (exit 4): a requeue would too.
+    (tmp_path / "fails.py").write_text("import sys\nprint('starting', flush=True)\nsys.exit(3)\n")
+    failed = subprocess.run([*common[:8], "--runs-dir", str(runs), "--step-regex", r"step (\d+)", "--run-id", "rq-fail", str(tmp_path / "fails.py")],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    assert failed.returncode == 4 and "do not requeue" in failed.stderr, failed.stderr
     cluster.run(["scancel", env["SLURM_JOB_ID"]])
