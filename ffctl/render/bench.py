@@ -127,7 +127,7 @@ CONTROL_PLANE_COLUMNS: list[tuple[str, str, Callable[[Any], str]]] = [
 
 def render_control_plane(rows: list[dict[str, Any]], console: Console) -> None:
     """The recovery's control-plane phases per simulated cluster size, one row per size."""
-    table = Table(title="a simulated node lost: phases in seconds, CPU of a core before it", title_justify="left",
+    table = Table(title="a simulated node lost: phases (s), CPU (of a core) before it", title_justify="left",
                   box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1), collapse_padding=True)
     table.add_column("nodes", justify="right", no_wrap=True)
     for col, _, _ in CONTROL_PLANE_COLUMNS:
@@ -137,8 +137,9 @@ def render_control_plane(rows: list[dict[str, Any]], console: Console) -> None:
         table.add_row(str(row["nodes"]), *cells)
     console.print()
     console.print(table)
-    console.print("detect: silence to node_lost; decide: to recovery_decided; plan: to the last rank's")
-    console.print("read of the new plan; joined: to every rank joined and restored; total: all four.")
+    console.print("detect: silence to node_lost; decide: to recovery_decided; plan: to the")
+    console.print("last rank's read of the new plan; joined: to every rank joined and restored;")
+    console.print("total: the four together.")
 
 
 @contextmanager
