@@ -88,3 +88,26 @@ def test_a_replaced_straggler_is_counted_once() -> None:
     b.run_finished()
     (f,) = compute("r", b.events).faults
     assert f.kind == DETECTED and f.fault_id == "d1" and f.cause == "straggler"
+
+
+def test_the_fault_table_names_the_straggler() -> None:
+    from ffctl.render.report import fault_fields
+
+    b = StreamBuilder()
+    b.run_started(world_size=WORLD)
+    b.steps(1, 10)
+    b.fault_injected("f1", 10, kind="slow-rank", duration=10.0, breaks_job=False)
+    onset_t, end_t = straggle(b, 11, 20, ["f1"])
+    ended(b, onset_t, end_t, 11, 20, ["f1"])
+    b.steps(21, 25)
+    b.run_finished()
+    fields = dict(fault_fields(compute("r", b.events).to_dict()["faults"][0]))
+    assert fields["straggler"] == "rank 1 3.0x from step 11, named at step 13, 10.00s lost waiting for it"
+    assert fields["detection s"] != "not detected"
+    b2 = StreamBuilder()
+    b2.run_started(world_size=WORLD)
+    b2.steps(1, 5)
+    b2.fault_injected("f1", 5)
+    b2.steps(6, 8)
+    b2.run_finished()
+    assert dict(fault_fields(compute("r", b2.events).to_dict()["faults"][0]))["straggler"] == "-"
