@@ -68,8 +68,8 @@ def test_slow_rank_is_named_within_5_steps_and_its_lost_time_matches_the_twin(wo
     (straggler,) = fault["stragglers"]
     assert straggler["rank"] == 1 and straggler["lost_s"] is not None
 
-    # The twin's measure: how much longer the faulted run took from the fault's step to the end.
-    # It measures the fault only where the host's load let both runs train at one pace: the
+    # The twin's measure: how much longer the faulted run took from the fault's step to a few
+    # steps past the slowdown. It measures the fault only where the host's load let both runs train at one pace: the
     # faulted run before its slowdown and from 3 steps after it, and the twin. Other work on a
     # shared 2-core host moves a run's pace by 2x within seconds (load average 7 seen here), and
     # then the difference measures the load: the twin runs again once, and if the paces still
@@ -85,7 +85,9 @@ def test_slow_rank_is_named_within_5_steps_and_its_lost_time_matches_the_twin(wo
     if abs(after / before - 1) > 0.2 or not agree(theirs):
         pytest.skip(f"host load moved the pace: {before:.3f}s a step before the slowdown, {after:.3f}s after it, "
                     f"{_pace(theirs, range(2, STEPS)):.3f}s in the twin")
-    measured = (mine[last] - mine[FAULT_STEP]) - (theirs[last] - theirs[FAULT_STEP])
+    # Up to a few steps past the slowdown: the steps after that add only the host's noise.
+    end = min(last, straggler["last_step"] + 4)
+    measured = (mine[end] - mine[FAULT_STEP]) - (theirs[end] - theirs[FAULT_STEP])
     # 3x for 10 s: two thirds of it lost, about 6.7 s.
     assert 4.0 < measured < 10.0, (measured, before, after)
     assert abs(fault["lost_s"] - measured) <= 0.2 * measured, (fault["lost_s"], measured, straggler)
