@@ -19,8 +19,10 @@ and their `set_` twins), sharded: each rank's snapshot holds its local shards of
 and of the optimizer's state, whole, byte for byte, and is replicated to the ring neighbour's
 agent like every slot. After a failure a survivor whose live shards are its snapshot's keeps them
 (they are checksummed against its copy); a replacement loads its own shards, from its agent after
-a process fault or from the neighbour after a node fault. The scheduler is replicated, the data
-position (`recovery.ddp.Batches`) the rank's own, as on the DDP path.
+a process fault or from the neighbour after a node fault. Under HSDP (a 2D mesh, replicated over
+its first dimension) a replacement's shards are healed from a live rank that holds the same ones
+(its column of the mesh) and checked against its copy's checksum; its copy supplies the rest. The
+scheduler is replicated, the data position (`recovery.ddp.Batches`) the rank's own, as on the DDP path.
 
 A step whose collective failed is unwound before any parameter moves: the optimizer's step
 pre-hook raises the failure (and fences the previous step's snapshot, which the update must not
@@ -54,6 +56,17 @@ def mesh_of(model: torch.nn.Module) -> Any:
     if len(meshes) > 1:
         raise ValueError(f"register_fsdp: the model's parameters live on {len(meshes)} device meshes; one is supported")
     return next(iter(meshes.values()))
+
+
+def replica_group(mesh: Any) -> tuple[int, ...]:
+    """The global ranks that hold this rank's shards: HSDP's replicate dimension (the first of a
+    2D mesh) through this rank's place on the shard dimension; () for a 1D mesh (FSDP: the
+    shards are this rank's alone)."""
+    if mesh.ndim != 2:
+        return ()
+    ranks = mesh.mesh  # global ranks laid out as the mesh
+    _, col = (int(i) for i in (ranks == mesh.get_rank()).nonzero()[0])
+    return tuple(int(r) for r in ranks[:, col].tolist())
 
 
 def _to_dtensors(state: Any, mesh: Any) -> Any:
@@ -111,8 +124,9 @@ def attach(job: Host, model: torch.nn.Module, optimizer: torch.optim.Optimizer, 
 
     get_model: Callable[[], Any] = lambda: dcp.get_model_state_dict(model)  # noqa: E731
     get_optimizer: Callable[[], Any] = lambda: dcp.get_optimizer_state_dict(model, optimizer)  # noqa: E731
-    job.register("model", get_model, load_model, sharded=True)
-    job.register("optimizer", get_optimizer, load_optimizer, sharded=True)
+    replicas = replica_group(mesh)
+    job.register("model", get_model, load_model, sharded=True, replicas=replicas)
+    job.register("optimizer", get_optimizer, load_optimizer, sharded=True, replicas=replicas)
     if scheduler is not None:
         job.register("scheduler", scheduler.state_dict, scheduler.load_state_dict, replicated=True)
     if loader is None:

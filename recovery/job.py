@@ -112,17 +112,19 @@ class Job:
     # -- registration -------------------------------------------------------------------------
     def register(self, name: str, state_dict: Callable[[], Any] | None = None,
                  load_state_dict: Callable[[Any], None] | None = None, *, replicated: bool = False,
-                 sharded: bool = False, **aliases: Callable[..., Any]) -> None:
+                 sharded: bool = False, replicas: tuple[int, ...] = (), **aliases: Callable[..., Any]) -> None:
         """Hand the library a piece of state as two callables, named as torch names them: one
         that returns the state (`state_dict`), one that puts a returned state back
         (`load_state_dict`). The older keywords `get=` and `set=` still work. `replicated=True`
         for state that is the same on every rank (data-parallel parameters, a replicated
         optimizer): it is snapshotted once per replica group, each rank keeping a 1/W slice.
         `sharded=True` for large state that is each rank's own (an FSDP model's and optimizer's
-        shards, `DTensor`s included): kept whole by the rank, as bytes, never pickled."""
+        shards, `DTensor`s included): kept whole by the rank, as bytes, never pickled; with
+        `replicas` (the global ranks holding the same shards, HSDP's replica group) a lost rank's
+        shards are healed from a live holder."""
         if any(e.name == name for e in self.entries):
             raise ValueError(f"state {name!r} registered twice")
-        self.entries.append(state_entry(name, state_dict, load_state_dict, replicated, aliases, sharded))
+        self.entries.append(state_entry(name, state_dict, load_state_dict, replicated, aliases, sharded, replicas))
 
     def register_stateful(self, name: str, obj: Any, *, replicated: bool = False) -> None:
         """Hand the library an object with torch's `state_dict()` and `load_state_dict(state)`
@@ -383,7 +385,8 @@ class Job:
         def fetch_and_check() -> None:
             # Reading this rank's copy and the checksums of its live state need no group: done
             # while the group is built, they cost the recovery nothing when others are slower.
-            prepared.append(prepare(self.entries, self._fetch(step, source), step, world))
+            local = isinstance(source, LocalSlot) and source.node == self.env.node
+            prepared.append(prepare(self.entries, self._fetch(step, source), step, world, local))
 
         self.group = Generation(self.store, self.env.store_host, self.env.store_port, gen, self.env.rank,
                                 world, self.env.pg_timeout, self.env.backend,

@@ -45,6 +45,7 @@ if TYPE_CHECKING:
 
 KEPT, RECEIVED, GATHERED = RestoreHow.KEPT, RestoreHow.RECEIVED, RestoreHow.GATHERED
 TAG = 1 << 20  # point-to-point tag of slice 0 of the state transfer; slice q has TAG + q
+TAG_OWN = 1 << 21  # ...and of rank r's shards sent by a live replica: TAG_OWN + r
 
 
 def _slice_crcs(layout: Layout, tensors: tuple[torch.Tensor, ...], world: int) -> list[int]:
@@ -93,19 +94,37 @@ def _own_crc(layout: Layout, tensors: tuple[torch.Tensor, ...]) -> int:
     return crc
 
 
-def prepare(entries: list[StateEntry], content: SlotContent | None, step: int, world: int) -> Prepared:
+# The columns of a rank's row in the exchange, before its W slice checksums of its live state.
+USABLE, SLICE_CRC, SAME_LAYOUT, OWN_MATCHES, OWN_LIVE_CRC, OWN_COPY_CRC, REPLICA_CLASS, COPY_LOCAL = range(8)
+HEAD = 8
+
+
+def prepare(entries: list[StateEntry], content: SlotContent | None, step: int, world: int,
+            local: bool = False) -> Prepared:
+    """`local`: the copy was read from this rank's own agent (a survivor's, or a rank replaced
+    on its own node), not from the ring neighbour or disk."""
     usable = content is not None and content.step == step and content.verify()
     meta = read_meta(content.meta) if usable and content is not None else None
     live = replicated(entries, world)
     same_layout = meta is not None and live.layout == meta["layout"]
     mine = _slice_crcs(live.layout, live.tensors, world) if same_layout else [0] * world
-    slice_crc = own_matches = 0
+    slice_crc = own_copy = 0
+    own_live = _own_crc(live.layout, live.tensors)
     if usable and content is not None and meta is not None:
         slice_crc = zlib.crc32(memoryview(content.shard)[: meta["layout"].slice_len(meta["rank"])])
-        # A rank's sharded state exists nowhere else: it is kept when its live shards are the
-        # copy's, byte for byte, and loaded from its copy otherwise.
-        own_matches = int(same_layout and _own_crc(live.layout, live.tensors) == zlib.crc32(own_bytes(meta, content.shard)))
-    return Prepared(content, usable, meta, live, [int(usable), slice_crc, int(same_layout), own_matches, *mine])
+        own_copy = zlib.crc32(own_bytes(meta, content.shard))
+    # A rank's sharded state is kept when its live shards are its copy's, byte for byte.
+    own_matches = int(usable and same_layout and own_live == own_copy)
+    row = [int(usable), slice_crc, int(same_layout), own_matches, own_live, own_copy, _replica_class(entries),
+           int(local), *mine]
+    return Prepared(content, usable, meta, live, row)
+
+
+def _replica_class(entries: list[StateEntry]) -> int:
+    """Which ranks hold the same shards as this one (HSDP: the ranks of its column of the mesh),
+    named by the lowest of them; -1 when the shards are this rank's alone (FSDP) or there are none."""
+    groups = {e.replicas for e in entries if e.sharded and e.replicas}
+    return min(next(iter(groups))) if len(groups) == 1 else -1
 
 
 def agree(group: Generation, prepared: Prepared) -> list[list[int]]:
@@ -115,32 +134,56 @@ def agree(group: Generation, prepared: Prepared) -> list[list[int]]:
     return [[int(v) for v in r.tolist()] for r in group.allgather(torch.tensor(prepared.row, dtype=torch.int64))]
 
 
+def _healers(table: list[list[int]]) -> dict[int, int]:
+    """For each rank whose shards must be put back and whose copy came from off its node (a
+    replaced node's rank), a rank of its replica class on a surviving node that holds exactly
+    those shards (same checksum as the copy) in its memory: its live shards when they are the
+    step's, else its own agent's copy of the step (a survivor that finished one step more). It
+    sends them. Every rank works out the same map from the same table."""
+    out: dict[int, int] = {}
+    for r, row in enumerate(table):
+        if row[OWN_MATCHES] or row[COPY_LOCAL] or row[REPLICA_CLASS] < 0:
+            continue
+        holders = [q for q, other in enumerate(table)
+                   if q != r and other[REPLICA_CLASS] == row[REPLICA_CLASS] and other[OWN_COPY_CRC] == row[OWN_COPY_CRC]
+                   and (other[OWN_MATCHES] or other[COPY_LOCAL])]
+        if holders:
+            out[r] = min(holders, key=lambda q: (not table[q][OWN_MATCHES], q))  # live shards first
+    return out
+
+
 def restore(group: Generation, entries: list[StateEntry], prepared: Prepared, table: list[list[int]],
             keep_live: bool = False) -> RestoreHow:
     """Load the restore step on this rank from its copy, as `prepare` found it (nothing may have
     changed the live state since) and as the group agreed (`table`); every rank of the group
-    calls it together. Returns how this rank got its replicated state: "kept", "received" or
-    "gathered". With `keep_live`, a rank that keeps its state loads nothing at all: its unique
-    state and non-tensor values stay as they are too (a survivor that goes on with the step it
-    was in, see `Job._collective`)."""
+    calls it together. Returns how this rank got its state: "kept", "received", "gathered" (the
+    replicated state, see the module's docstring) or "healed" (its shards from a live replica).
+    With `keep_live`, a rank that keeps its state loads nothing at all: its unique state and
+    non-tensor values stay as they are too (a survivor that goes on with the step it was in, see
+    `Job._collective`).
+
+    Sharded state is settled apart from the replicated: a rank whose live shards are its copy's
+    keeps them; else, for a rank whose copy came from off its node, a rank of its replica class
+    (HSDP) on a surviving node sends the same shards from its memory (the received bytes are
+    checked against the copy's checksum); else it loads them from its copy."""
     world, rank = group.world_size, group.rank
     content, usable, meta, live = prepared.content, prepared.usable, prepared.meta, prepared.live
-    if not all(r[0] for r in table):
+    if not all(r[USABLE] for r in table):
         raise Unusable(mine=not usable)
     assert content is not None and meta is not None
     layout: Layout = meta["layout"]
-    want = [r[1] for r in table]
-    keepers = [q for q, r in enumerate(table) if r[2] and r[3] and r[4:] == want]
+    want = [r[SLICE_CRC] for r in table]
+    keepers = [q for q, r in enumerate(table) if r[SAME_LAYOUT] and r[HEAD:] == want]
     needers = [q for q in range(world) if q not in keepers]
-    matches = rank in keepers
+    own, healed = _settle_shards(group, prepared, table)
+    live_rep = live.tensors[: len(layout.specs)]
 
-    own = _own(meta, content.shard)
     if not keepers:
         whole = _gather(group, layout, memoryview(content.shard)[: layout.slice_len(rank)])
-        _set(entries, assemble(meta, whole, copy=False, own=own))
-        return GATHERED
+        _set(entries, assemble(meta, whole, copy=False, own=own if own is not None else b""))
+        return RestoreHow.HEALED if healed else GATHERED
     senders = _senders(keepers, world)
-    if matches:
+    if rank in keepers:
         # Every keeper sends the slices it is assigned to every rank that needs them, so the
         # transfer is spread over the survivors instead of one of them sending the whole state.
         sends: list[tuple[torch.Tensor, int, int]] = []
@@ -148,9 +191,12 @@ def restore(group: Generation, entries: list[StateEntry], prepared: Prepared, ta
             part = _slice(layout, live.tensors, q)
             sends += [(part, n, TAG + q) for n in needers if n != q]
         group.exchange(sends, [])
-        if not keep_live:
-            _set(entries, rebuild(meta, live.tensors))
-        return KEPT
+        if own is None:  # its shards are the step's too: nothing of it changes
+            if not keep_live:
+                _set(entries, rebuild(meta, live.tensors))
+            return KEPT
+        _set(entries, rebuild(meta, (*live_rep, *_own_tensors(layout, own))))
+        return RestoreHow.HEALED if healed else RestoreHow.LOADED
     whole = torch.empty(layout.total, dtype=torch.uint8)
     lo, hi = layout.shard(rank)
     byte_view(whole[lo:hi])[:] = memoryview(content.shard)[: hi - lo]  # this rank's own slice: from its copy
@@ -160,8 +206,57 @@ def restore(group: Generation, entries: list[StateEntry], prepared: Prepared, ta
     if bad:
         raise RecoveryError(f"state for step {content.step}: slices {bad} from ranks "
                             f"{sorted({senders[q] for q in bad})} fail their checksums")
+    if own is None:
+        own = _own(meta, content.shard)  # live shards that are the step's, as bytes
     _set(entries, assemble(meta, whole, copy=False, own=own))
-    return RECEIVED
+    return RestoreHow.HEALED if healed else RECEIVED
+
+
+def _settle_shards(group: Generation, prepared: Prepared, table: list[list[int]]) -> tuple[torch.Tensor | None, bool]:
+    """This rank's sharded bytes for the restore step: None when its live shards are the step's;
+    else received from a live replica (True: healed) or read from its copy. Ranks that heal
+    another send their live shards here, point to point."""
+    rank, live, layout = group.rank, prepared.live, prepared.live.layout
+    healers = _healers(table)
+    sends = []
+    if rank in healers.values():
+        if table[rank][OWN_MATCHES]:
+            mine = _own_buffer(layout, live.tensors)
+        else:
+            assert prepared.meta is not None and prepared.content is not None
+            mine = _own(prepared.meta, prepared.content.shard)
+        sends = [(mine, r, TAG_OWN + r) for r, q in sorted(healers.items()) if q == rank]
+    got: torch.Tensor | None = None
+    recvs = []
+    if rank in healers:
+        got = torch.empty(layout.own_total, dtype=torch.uint8)
+        recvs = [(got, healers[rank], TAG_OWN + rank)]
+    if sends or recvs:
+        group.exchange(sends, recvs)
+    if table[rank][OWN_MATCHES]:
+        return None, False
+    if got is not None:
+        if zlib.crc32(byte_view(got)) != table[rank][OWN_COPY_CRC]:
+            raise RecoveryError(f"shards from rank {healers[rank]} fail the checksum of rank {rank}'s copy")
+        return got, True
+    assert prepared.meta is not None and prepared.content is not None
+    return _own(prepared.meta, prepared.content.shard), False
+
+
+def _own_buffer(layout: Layout, tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """The live sharded tensors' bytes, in layout order, in one buffer (what a healer sends)."""
+    out = torch.empty(layout.own_total, dtype=torch.uint8)
+    for off, src in own_pieces(layout, tensors):
+        out[off : off + src.numel()] = src
+    return out
+
+
+def _own_tensors(layout: Layout, raw: torch.Tensor) -> list[torch.Tensor]:
+    tensors, pos = [], 0
+    for dtype, shape, nbytes in layout.own:
+        tensors.append(raw[pos : pos + nbytes].view(getattr(torch, dtype)).reshape(shape))
+        pos += nbytes
+    return tensors
 
 
 def _own(meta: dict[str, Any], shard: bytes) -> torch.Tensor:

@@ -32,10 +32,15 @@ class StateEntry:
     set: Callable[[Any], None]
     replicated: bool
     sharded: bool = False  # the rank's own, large: its tensors kept as bytes beside the slice
+    # Sharded only: the global ranks that hold the same shards (HSDP: this rank's column of the
+    # mesh, itself included); () when they are this rank's alone. A lost rank's shards are then
+    # healed from a live one of them rather than read from its copy.
+    replicas: tuple[int, ...] = ()
 
 
 def state_entry(name: str, state_dict: Callable[[], Any] | None, load_state_dict: Callable[[Any], None] | None,
-                replicated: bool, aliases: dict[str, Callable[..., Any]], sharded: bool = False) -> StateEntry:
+                replicated: bool, aliases: dict[str, Callable[..., Any]], sharded: bool = False,
+                replicas: tuple[int, ...] = ()) -> StateEntry:
     """The entry `register` makes, in torch's words (`state_dict`, `load_state_dict`) or in the
     older ones (`get=`, `set=`, kept as aliases), whichever the caller used, never both."""
     unknown = sorted(set(aliases) - {"get", "set"})
@@ -48,7 +53,9 @@ def state_entry(name: str, state_dict: Callable[[], Any] | None, load_state_dict
         raise TypeError(f"register({name!r}): state_dict and load_state_dict must be callables")
     if replicated and sharded:
         raise ValueError(f"register({name!r}): state is replicated or sharded, not both")
-    return StateEntry(name, save, load, replicated, sharded)
+    if replicas and not sharded:
+        raise ValueError(f"register({name!r}): replicas= names the holders of sharded state")
+    return StateEntry(name, save, load, replicated, sharded, tuple(int(r) for r in replicas))
 
 
 class _TensorRef:

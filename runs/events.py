@@ -97,18 +97,21 @@ class RestoreSource(Label):
     LOCAL_MEMORY = "local-memory"
     PEER_MEMORY = "peer-memory"
     REPLICA = "replica"
+    REPLICA_GROUP = "replica-group"  # sharded state healed from live ranks holding the same shards (HSDP)
     DISK = "disk"
     NONE = "none"
     SCRIPT = "script"  # an unchanged script restarted: it restores itself (its own checkpoint)
 
 
 class RestoreHow(Label):
-    """How a rank got the replicated state of the restore step (`recovery.restore`)."""
+    """How a rank got the state of the restore step (`recovery.restore`)."""
 
     KEPT = "kept"  # its live state matched the step: it loaded nothing of it
     RECEIVED = "received"  # the slices it lacked came from ranks that kept theirs
     GATHERED = "gathered"  # no rank kept its state: every rank gathered every slice
     CONTINUED = "continued"  # kept, and it goes on with the step it was in (`Job._collective`)
+    HEALED = "healed"  # its shards from a live replica of them (HSDP), checked against its copy
+    LOADED = "loaded"  # its replicated state kept, its shards from its own copy
 
 
 @dataclass(frozen=True)

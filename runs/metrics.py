@@ -265,6 +265,8 @@ def _fault_metrics(inj: Event, events: list[Event], world_size: int, end_t: floa
     restore_source = _text(decision.get("restore_source")) if decision is not None \
         and decision.get("restore_source") is not None else None
     lost_steps: int | None = max(0, m - int(restore_step)) if restore_step is not None else 0
+    if decision is not None and _healed_all(events, decision):
+        restore_source = RestoreSource.REPLICA_GROUP.value
     if decision is not None and not step_known:
         # A script that says nothing of its steps: recovered once every restarted worker is up;
         # what it trains again is its own business, unknown here (not 0).
@@ -490,6 +492,16 @@ def _detected_stragglers(events: list[Event], end_t: float) -> list[tuple[Event,
         })
         out.append((made_up, (lambda det: lambda ev: ev is det)(det)))
     return out
+
+
+def _healed_all(events: list[Event], decision: Event) -> bool:
+    """Whether every rank the decision replaced got its shards from a live replica (HSDP): then
+    that, not the copy the plan named, is where the lost state came from."""
+    lost = {int(r) for r in (decision.get("ranks") or [])}
+    done = _first(events, lambda ev: ev.kind is EventKind.RESTORE_DONE and ev.get("gen") == decision.get("gen"))
+    transfer = done.get("transfer") if done is not None else None
+    healed = {int(r) for r in (transfer.get("healed") or [])} if isinstance(transfer, dict) else set()
+    return bool(lost) and lost <= healed
 
 
 def _script_restore(events: list[Event], decision: Event, m: int) -> tuple[int | None, str, int | None]:

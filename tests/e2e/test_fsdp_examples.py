@@ -102,8 +102,9 @@ def test_a_node_lost_without_a_spare_matches_the_fault_free_run(workdir: Path) -
 
 def test_hsdp_survives_a_lost_replica_node_bit_for_bit(workdir: Path) -> None:
     # A 2 x 2 mesh: node 0's ranks are one replica of the model, node 1's the other, each
-    # sharding it over its two ranks. Losing node 1 loses a whole replica: its shards come from
-    # the neighbour's copy, the survivors keep theirs.
+    # sharding it over its two ranks. Losing node 1 loses a whole replica: its ranks' shards are
+    # healed from node 0's live ranks holding the same shards (checked against the copies from the
+    # neighbour, which also give the ranks' own small state), the survivors keep theirs.
     script = [str(EXAMPLES / "with_ffctl.py"), "--steps", "12", "--mesh", "2,2"]
     layout = ["--nnodes", "2", "--nproc-per-node", "2"]
     base = launch(workdir, rid("hsdp-base"), *layout, *script)
@@ -114,7 +115,12 @@ def test_hsdp_survives_a_lost_replica_node_bit_for_bit(workdir: Path) -> None:
     assert len(base.report["loss_by_step"]) == 12
     assert res.report["loss_by_step"] == base.report["loss_by_step"]
     (fault,) = res.report["faults"]
-    assert fault["restore_source"] == "peer-memory" and fault["recovered"], fault
+    assert fault["restore_source"] == "replica-group" and fault["recovered"], fault
+    (done,) = [e for e in res.events if e.kind is EventKind.RESTORE_DONE]
+    transfer = done.get("transfer")
+    # The survivors keep their live shards, or load their own agent's copy when they had
+    # finished one step more before the kill landed.
+    assert transfer.get("healed") == [2, 3] and sorted(transfer.get("kept", []) + transfer.get("loaded", [])) == [0, 1], done
     assert crashes(res.events) == []
     assert_nothing_left(workdir)
     assert not shm_left(run_id)
@@ -132,7 +138,9 @@ def test_the_built_in_gpt_as_hsdp_survives_a_rank_and_a_node_bit_for_bit(workdir
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert len(base.report["loss_by_step"]) == 12
     assert res.report["loss_by_step"] == base.report["loss_by_step"]
-    assert [f["restore_source"] for f in res.report["faults"]] == ["local-memory", "peer-memory"]
+    # The killed rank reads its copy from its own agent; the lost node's ranks are healed from
+    # node 0's ranks holding the same shards (the same columns of the mesh).
+    assert [f["restore_source"] for f in res.report["faults"]] == ["local-memory", "replica-group"]
     (finished,) = [e for e in res.events if e.kind is EventKind.RUN_FINISHED]
     assert finished.get("path") == "built-in" and finished.get("api") == "fsdp"
     assert crashes(res.events) == []
