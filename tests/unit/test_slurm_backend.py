@@ -398,3 +398,17 @@ def test_a_job_requeued_past_max_restarts_starts_nothing_and_exits_4(tmp_path: P
     assert out.stderr.strip().splitlines()[-1] == ("ffctl: the Slurm job was requeued 2 time(s), more than "
                                                    "--max-restarts 1: not starting (exit 4: do not requeue)")
     assert list(tmp_path.iterdir()) == []  # no run record
+
+
+def test_a_standby_agent_never_needed_stops_its_template_and_exits(tmp_path: Path) -> None:
+    # A spare node's standby agent warms a worker template, then waits for a node's config; the
+    # run ending first (its stdin closes) ends it and its template (no process outlives the test).
+    cfg = replace(_cfg(0, tmp_path), standby=True, python=sys.executable)
+    proc = subprocess.Popen([sys.executable, "-m", "ffctl.agent"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, cwd=ROOT)
+    assert proc.stdin is not None
+    proc.stdin.write((cfg.to_json() + "\n").encode())
+    proc.stdin.flush()
+    assert _wait(lambda: (tmp_path / "logs" / "0" / "template.log").exists(), 60)
+    proc.stdin.close()
+    assert proc.wait(timeout=60) == 0, proc.stderr.read() if proc.stderr else ""
