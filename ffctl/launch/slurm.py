@@ -620,7 +620,8 @@ class SlurmNodes:
                 standby.stop(STEP_END_S)
             if step is not None and step.poll() is None and self.spare_hosts:
                 step.cancel("KILL", STEP_END_S)
-            self._note()
+            # run.json is not written from this thread (its updates are read-modify-write): the
+            # next start and the end write `out_of_use`.
 
     def release(self, record: RunStore | None) -> None:
         """Cancel every step this launch started that has not ended (the controller stopped the

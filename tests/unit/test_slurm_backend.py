@@ -288,9 +288,9 @@ def test_a_node_slurm_drains_is_a_node_fault_its_agent_leaves(fakes: Path, tmp_p
     assert steps[1].poll() is not None and steps[0].poll() is None
     nodes.check_nodes({"n2": ("drained", "bad dimm")})
     assert len(record.events) == 1  # said once
-    assert record.info["slurm"]["out_of_use"] == {"n2": "mixed+drain (bad dimm)"}  # type: ignore[index]
     nodes.start(_cfg(1, tmp_path))
     assert nodes.host(1) == "n3"
+    assert record.info["slurm"]["out_of_use"] == {"n2": "mixed+drain (bad dimm)"}  # type: ignore[index]
     nodes.release(None)
 
 
