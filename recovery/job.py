@@ -216,13 +216,8 @@ class Job:
         return self.group
 
     def _collective(self, run: Callable[[], T], inplace: torch.Tensor | None) -> T:
-        """Run a collective of the current step. When a peer fails during the step's first
-        collective, a survivor has changed nothing yet: once the next generation is joined and
-        restored to the previous step, a survivor whose live state is that step's (checked by
-        the restore, like any "kept" rank) takes up the step where it stopped and repeats only
-        the collective, with its input as it was, rather than computing the step again. Its
-        state at this point, RNG and non-tensor values included, is what a fault-free run has
-        here. Any other case unwinds the step (`StepRestart`), to run again from the start."""
+        """Run a collective of the current step (`_collective_once`), counting the time it
+        blocks: a rank's busy time is its step time less that, what the straggler detector reads."""
         begun = time.perf_counter()
         try:
             return self._collective_once(run, inplace)
@@ -230,6 +225,13 @@ class Job:
             self._waited += time.perf_counter() - begun
 
     def _collective_once(self, run: Callable[[], T], inplace: torch.Tensor | None) -> T:
+        """When a peer fails during the step's first collective, a survivor has changed nothing
+        yet: once the next generation is joined and restored to the previous step, a survivor
+        whose live state is that step's (checked by the restore, like any "kept" rank) takes up
+        the step where it stopped and repeats only the collective, with its input as it was,
+        rather than computing the step again. Its state at this point, RNG and non-tensor values
+        included, is what a fault-free run has here. Any other case unwinds the step
+        (`StepRestart`), to run again from the start."""
         first = self._collectives == 0
         self._collectives += 1
         if not first or self.env.strategy != Strategy.PEER:
@@ -453,6 +455,7 @@ class Job:
             return  # restored to the step it had already decided to stop after
         for step in range(start + 1, steps + 1):
             self._step, self._collectives, self._waited = step, 0, 0.0
+            process_group.take_waited()
             t0 = time.perf_counter()
             try:
                 self.faults.check()
@@ -503,6 +506,7 @@ class Job:
         step's time includes the capture, so what per-step snapshots cost a step shows in it;
         a periodic disk checkpoint is written after that, outside it."""
         self.last_committed = step
+        self._waited += process_group.take_waited()  # FSDP's own collectives, on ffctl's groups
         gen = self.group.gen if self.group else 0
         needs_disk = self.env.ckpt_every > 0 and step % self.env.ckpt_every == 0 and self.env.ckpt_dir
         if self.writer is None and not needs_disk:

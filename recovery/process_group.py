@@ -33,6 +33,7 @@ under keys of that generation, as the rest of ffctl's groups do.
 from __future__ import annotations
 
 import threading
+import time
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -53,6 +54,7 @@ class _Binding:
     def __init__(self) -> None:
         self.gen: Generation | None = None
         self.failed: PeerFailure | None = None  # the failure seen in `gen`, if any
+        self.waited = 0.0  # seconds spent blocked in collectives since `take_waited`
         self.lock = threading.Lock()
 
     def fail(self, exc: PeerFailure) -> None:
@@ -76,6 +78,14 @@ def failure() -> PeerFailure | None:
     return _BINDING.failed
 
 
+def take_waited() -> float:
+    """Seconds this process's collectives have blocked since the last call (a rank's busy time
+    is its step time less this: what the straggler detector reads)."""
+    with _BINDING.lock:
+        waited, _BINDING.waited = _BINDING.waited, 0.0
+    return waited
+
+
 def _absorb(exc: PeerFailure) -> bool:
     """Record the failure for the step's end; the collective counts as done (see the module)."""
     _BINDING.fail(exc)
@@ -93,10 +103,14 @@ class _GenerationWork(dist._Work):
     def wait(self, timeout: Any = None) -> bool:
         if self._done:
             return True
+        begun = time.perf_counter()
         try:
             self._gen.wait(self._work, self._what)
         except PeerFailure as exc:
             return _absorb(exc)
+        finally:
+            with _BINDING.lock:
+                _BINDING.waited += time.perf_counter() - begun
         self._done = True
         return True
 

@@ -521,7 +521,7 @@ def test_phase_transitions_follow_the_table() -> None:
 def test_enums_keep_the_recorded_strings() -> None:
     assert Strategy.ALL == ("peer", "restart-memory", "restart-disk", "none")
     assert {"peer": 1}[Strategy.PEER] == 1 and Strategy("restart-disk") is Strategy.RESTART_DISK
-    assert [s.value for s in RestoreSource] == ["local-memory", "peer-memory", "replica", "disk", "none", "script"]
+    assert [s.value for s in RestoreSource] == ["local-memory", "peer-memory", "replica", "replica-group", "disk", "none", "script"]
     merged = Failure(Cause.PROCESS_EXIT, {1})
     merged.merge(Failure(Cause.NODE_LOST, nodes={1}))
     assert merged.cause == "process-exit+node-lost" and type(merged.cause) is str
