@@ -141,7 +141,11 @@ def plan_launch(spec: LaunchSpec) -> LaunchPlan:
     lines += _fault_lines(spec, topo, probe=hosts is None and slurm_hosts is None)
     if slurm_hosts and (spec.chaos or any(f.kind in (FaultKind.KILL_NODE, FaultKind.REBOOT_NODE) for f in spec.injects)):
         lines.append("on Slurm a node's `kill -KILL` is its agent step cancelled (scancel --signal=KILL JOB.STEP); "
-                     "the node comes back on a spare node while the allocation has one")
+                     "the node comes back on a spare node while the allocation has one (each spare node runs a "
+                     "standby agent, its worker template warm)")
+    if slurm_hosts and any(f.option("drain") == "yes" for f in spec.injects):
+        lines.append("a node drained by drain=yes is resumed (scontrol update nodename=NODE state=resume) when the "
+                     "launch ends, or by `ffctl inject revert --all --run RUN` after a killed launch")
     warnings = timeout_findings(spec, plain)
     lines += [f"timeouts: {w}" for w in warnings]
     return LaunchPlan(spec, run_id, tuple(lines), tuple(warnings))
