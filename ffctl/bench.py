@@ -127,14 +127,14 @@ def median_step_time(events: list[Any], skip: int = 5) -> float:
 
 
 def snapshot_overhead(runs_dir: Path, model: str = BENCH_MODEL, steps: int = 30, reps: int = 6,
-                      batch: int = SNAPSHOT_BATCH) -> BenchResult:
+                      batch: int = SNAPSHOT_BATCH, parallel: str = "ddp") -> BenchResult:
     """Median step time with a peer-memory snapshot every step / without any snapshot.
 
     The snapshot's copy, checksum and streaming run beside the step; on a host whose every core
     runs a rank they take CPU from it, in proportion to state size over compute. The batch is
     therefore a realistic 4k tokens per rank per step rather than the size's default."""
     common = ("--nnodes", "2", "--nproc-per-node", "1", "--steps", str(steps), "--model", model,
-              "--batch", str(batch))
+              "--batch", str(batch), "--parallel", parallel)
     with_s, without = [], []
     for _ in range(reps):  # interleaved, so drift in machine load hits both sides
         _, ev = launch(runs_dir, *common, "--recovery", "none")
@@ -143,7 +143,7 @@ def snapshot_overhead(runs_dir: Path, model: str = BENCH_MODEL, steps: int = 30,
         with_s.append(median_step_time(ev))
     num, den = statistics.median(with_s), statistics.median(without)
     return BenchResult("snapshot-overhead", [Ratio("step time with snapshots / without", num, den, 1.03)],
-                       {"model": model, "batch": batch, "with_s": with_s, "without_s": without})
+                       {"model": model, "batch": batch, "parallel": parallel, "with_s": with_s, "without_s": without})
 
 
 def recovery_vs_disk(runs_dir: Path, model: str = BENCH_MODEL, steps: int = 100, at: int = 75) -> BenchResult:
@@ -323,9 +323,33 @@ def control_plane(runs_dir: Path, nodes: tuple[int, ...] = CONTROL_PLANE_NODES) 
     return result
 
 
+def fsdp_snapshot_overhead(runs_dir: Path) -> BenchResult:
+    """`snapshot_overhead` for the GPT sharded with torch's fully_shard (`--parallel fsdp`):
+    each rank snapshots its own shards of the parameters and of AdamW's state every step."""
+    res = snapshot_overhead(runs_dir, parallel="fsdp")
+    return BenchResult("fsdp-snapshot-overhead", res.ratios, res.details)
+
+
+def fsdp_recovery_vs_disk(runs_dir: Path, model: str = BENCH_MODEL, steps: int = 100, at: int = 75) -> BenchResult:
+    """Lost time of a sharded (FSDP2) job's one-step peer recovery / `restart-disk`'s (a
+    checkpoint every 50 steps), for a killed rank and a killed node, in one run."""
+    common = ("--nnodes", "2", "--nproc-per-node", "2", "--steps", str(steps), "--model", model, "--parallel", "fsdp")
+    result = BenchResult("fsdp-recovery-vs-disk", details={"model": model, "fault_at_step": at})
+    for fault in (f"kill-rank:rank=1,step={at}", f"kill-node:node=1,step={at}"):
+        peer, _ = launch(runs_dir, *common, "--recovery", "peer", "--spares", "2", "--inject", fault)
+        disk, _ = launch(runs_dir, *common, "--recovery", "restart-disk", "--ckpt-every", "50", "--inject", fault)
+        (fp,), (fd,) = peer["faults"], disk["faults"]
+        kind = fault.split(":")[0]
+        result.ratios.append(Ratio(f"{kind} lost_s peer / restart-disk", fp["lost_s"], fd["lost_s"], 0.05))
+        result.details[kind] = {"peer": fp, "restart-disk": fd}
+    return result
+
+
 BENCHMARKS: dict[str, Callable[[Path], BenchResult]] = {
     "snapshot-overhead": snapshot_overhead,
     "recovery-vs-disk": recovery_vs_disk,
+    "fsdp-snapshot-overhead": fsdp_snapshot_overhead,
+    "fsdp-recovery-vs-disk": fsdp_recovery_vs_disk,
     "scale": scale,
     "replacement-start": replacement_start,
     "without-spares": without_spares,

@@ -318,8 +318,9 @@ def test_node_faults_are_detected_and_recovered(workdir: tuple[Path, list[str]],
     # restores from the copy node 0 holds as node 1's ring neighbour; node 1's agent comes back
     # empty and holds replicas of node 0's slots (both ranks) again. The reboot then hits node
     # 0, which holds both ranks, once node 1 holds their replicas: they restore from node 1.
-    proc = start_launch(cwd, run_id, "--nnodes", "2", "--nproc-per-node", "1", "--steps", "2000",
-                        "--inject", "kill-node:node=1,step=20")
+    # The kill is injected by hand once the dry run has looked at node 1: scheduled at a step, it
+    # could land first (the tiny model trains 20 steps in half a second) and move rank 1 away.
+    proc = start_launch(cwd, run_id, "--nnodes", "2", "--nproc-per-node", "1", "--steps", "2000")
     with stop_at_end(proc) as stopped:
         wait_event(cwd, run_id, step_at_least(1), 240, proc)
         # A dry run prints the exact commands (live pids) and changes nothing.
@@ -330,6 +331,10 @@ def test_node_faults_are_detected_and_recovered(workdir: tuple[Path, list[str]],
         code, out, err = in_process(capsys, "inject", "kill-rank", "--run", run_id, "--rank", "5",
                                     "--runs-dir", str(cwd / "runs"))
         assert code == 2 and "rank 5" in err and len(err.strip().splitlines()) == 1, err
+        wait_event(cwd, run_id, step_at_least(20), 240, proc)
+        code, out, err = in_process(capsys, "inject", "kill-node", "--run", run_id, "--node", "1",
+                                    "--runs-dir", str(cwd / "runs"))
+        assert code == 0, err
         moved = wait_event(cwd, run_id, lambda ev: ev.kind is EventKind.RECOVERY_DECIDED, 120, proc)
         assert moved.get("placement") == {"1": 0}, moved.data  # onto the survivor, not waiting for node 1
         back = wait_event(cwd, run_id, lambda ev: ev.kind is EventKind.AGENT_STARTED and ev.get("node") == 1
