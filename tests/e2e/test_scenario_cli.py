@@ -19,13 +19,14 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples" / "scenarios"
 
 
+@pytest.mark.timeout(1200)  # every example scenario in turn, two of them with a fault-free twin
 def test_the_example_scenarios_pass_as_ci_runs_them(tmp_path: Path) -> None:
     if os.geteuid() == 0:
         args = [str(EXAMPLES)]  # the folder, as the workflow in docs/ci.md runs it
     else:  # the netns sandbox needs root; every other scenario runs as anyone
         args = [str(p) for p in sorted(EXAMPLES.glob("*.toml")) if "sandbox" not in p.read_text()]
     junit, summary = tmp_path / "chaos.xml", tmp_path / "summary.md"
-    proc = run_ffctl(tmp_path, "run", *args, "--junit", str(junit), "--markdown", str(summary), timeout=600)
+    proc = run_ffctl(tmp_path, "run", *args, "--junit", str(junit), "--markdown", str(summary), timeout=900)
     assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-3000:]
     root = ET.parse(junit).getroot()
     suites = root.findall("testsuite")
@@ -38,7 +39,9 @@ def test_the_example_scenarios_pass_as_ci_runs_them(tmp_path: Path) -> None:
     assert re.search(r"`matches_fault_free` \| identical over \d+ steps", text), text
     assert_nothing_left(tmp_path)
     runs = [p.name for p in (tmp_path / "runs").iterdir()]
-    assert len(runs) == len(suites) + 1  # and the chaos scenario's twin
+    twins = [p for p in EXAMPLES.glob("*.toml") if re.search(r"(?m)^matches_fault_free = true", p.read_text())]
+    assert len(twins) >= 2  # the seeded chaos scenario and the FSDP2 one
+    assert len(runs) == len(suites) + len(twins)  # and each such scenario's fault-free twin
     assert not [shm for r in runs for shm in shm_left(r)]
 
 
