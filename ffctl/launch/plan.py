@@ -119,7 +119,7 @@ def plan_launch(spec: LaunchSpec) -> LaunchPlan:
     lines = [f"run {run_id}: {spec.nnodes} node(s) x {spec.nproc_per_node} rank(s), {steps}, "
              f"recovery {recovery}" + (f", checkpoint every {spec.ckpt_every}" if spec.ckpt_every else "")
              + (f", {spec.spares} warm spare(s) per node" if spec.spares else "")]
-    worker = " ".join(shlex.quote(a) for a in spec.script) if spec.script else f"built-in GPT ({spec.model})"
+    worker = " ".join(shlex.quote(a) for a in spec.script) if spec.script else f"built-in GPT ({spec.model}{'' if spec.parallel == 'ddp' else ', ' + spec.parallel})"
     # The very argv each backend starts its agents with.
     from ffctl.agent.agent import agent_argv
     from ffctl.launch.nodes import local_agent_argv
