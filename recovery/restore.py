@@ -37,7 +37,7 @@ from recovery.slots import SlotContent
 from runs.events import RestoreHow
 from recovery.snapshot import (
     Layout, Replicated, StateEntry, assemble, byte_view, own_bytes, own_pieces, read_meta, rebuild, replicated,
-    slice_pieces,
+    slice_pieces, tensors_from,
 )
 
 if TYPE_CHECKING:
@@ -195,7 +195,7 @@ def restore(group: Generation, entries: list[StateEntry], prepared: Prepared, ta
             if not keep_live:
                 _set(entries, rebuild(meta, live.tensors))
             return KEPT
-        _set(entries, rebuild(meta, (*live_rep, *_own_tensors(layout, own))))
+        _set(entries, rebuild(meta, (*live_rep, *tensors_from(layout.own, own, copy=False))))
         return RestoreHow.HEALED if healed else RestoreHow.LOADED
     whole = torch.empty(layout.total, dtype=torch.uint8)
     lo, hi = layout.shard(rank)
@@ -249,14 +249,6 @@ def _own_buffer(layout: Layout, tensors: tuple[torch.Tensor, ...]) -> torch.Tens
     for off, src in own_pieces(layout, tensors):
         out[off : off + src.numel()] = src
     return out
-
-
-def _own_tensors(layout: Layout, raw: torch.Tensor) -> list[torch.Tensor]:
-    tensors, pos = [], 0
-    for dtype, shape, nbytes in layout.own:
-        tensors.append(raw[pos : pos + nbytes].view(getattr(torch, dtype)).reshape(shape))
-        pos += nbytes
-    return tensors
 
 
 def _own(meta: dict[str, Any], shard: bytes) -> torch.Tensor:

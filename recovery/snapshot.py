@@ -218,30 +218,13 @@ def replicated(entries: list[StateEntry], world_size: int) -> Replicated:
     tensors: list[torch.Tensor] = []
     skeletons = {e.name: _flatten(e.get(), tensors) for e in entries if e.replicated}
     specs = _specs(tensors)
-    own: list[torch.Tensor] = []
-    # The sharded entries' placeholders count on from the replicated tensors: one list serves both.
-    own_skeletons = {e.name: _flatten(e.get(), own) for e in entries if e.sharded}
-    skeletons.update({name: _offset(sk, len(tensors)) for name, sk in own_skeletons.items()})
-    own_specs = _specs(own)
+    # The sharded entries go on in the same list: their placeholders count on from the replicated.
+    skeletons.update({e.name: _flatten(e.get(), tensors) for e in entries if e.sharded})
+    own_specs = _specs(tensors[len(specs):])
     total = sum(s[2] for s in specs)
     layout = Layout(specs=specs, total=total, chunk=-(-total // world_size) if world_size else total,
                     own=own_specs, own_total=sum(s[2] for s in own_specs))
-    return Replicated(skeletons, layout, (*tensors, *own))
-
-
-def _offset(obj: Any, by: int) -> Any:
-    """A skeleton whose tensor placeholders point `by` further on."""
-    if isinstance(obj, _TensorRef):
-        return _TensorRef(obj.index + by)
-    if isinstance(obj, _ShardRef):
-        return _ShardRef(obj.index + by, obj.placements, obj.shape, obj.stride)
-    if isinstance(obj, dict):
-        return {k: _offset(v, by) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_offset(v, by) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(_offset(v, by) for v in obj)
-    return obj
+    return Replicated(skeletons, layout, tuple(tensors))
 
 
 def own_pieces(layout: Layout, tensors: tuple[torch.Tensor, ...]) -> list[tuple[int, torch.Tensor]]:
@@ -303,7 +286,8 @@ def unique_states(meta: dict[str, Any]) -> dict[str, Any]:
     return states
 
 
-def _tensors(specs: tuple[Spec, ...], raw: torch.Tensor, copy: bool) -> list[torch.Tensor]:
+def tensors_from(specs: tuple[Spec, ...], raw: torch.Tensor, copy: bool) -> list[torch.Tensor]:
+    """The tensors `specs` lays out in the byte buffer `raw`: views of it, or copies."""
     tensors, pos = [], 0
     for dtype, shape, nbytes in specs:
         piece = raw[pos : pos + nbytes]
@@ -333,8 +317,8 @@ def assemble(meta: dict[str, Any], replicated: bytes | torch.Tensor, copy: bool 
     caller gives away: the tensors are then views of it rather than copies (an optimizer adopts
     loaded tensors as they are)."""
     layout: Layout = meta["layout"]
-    tensors = _tensors(layout.specs, _as_tensor(replicated), copy)
-    tensors += _tensors(layout.own, _as_tensor(own), copy=False)  # a fresh buffer already
+    tensors = tensors_from(layout.specs, _as_tensor(replicated), copy)
+    tensors += tensors_from(layout.own, _as_tensor(own), copy=False)  # a fresh buffer already
     return rebuild(meta, tuple(tensors))
 
 
