@@ -360,6 +360,12 @@ def register_rest(job: Any, optimizer: torch.optim.Optimizer, scheduler: Any | N
     job's state; the batches iterator when there is a loader. Shared with the job outside ffctl
     (`recovery.standalone`), so the two draw the same batches."""
     job.register("optimizer", optimizer.state_dict, optimizer.load_state_dict, replicated=True)
+    return register_schedule_and_data(job, scheduler, loader)
+
+
+def register_schedule_and_data(job: Any, scheduler: Any | None, loader: Iterable | None) -> Batches | None:
+    """The scheduler (replicated) and the data position (the rank's own) as the job's state; the
+    batches iterator when there is a loader. The DDP and FSDP paths, in ffctl and outside it."""
     if scheduler is not None:
         job.register("scheduler", scheduler.state_dict, scheduler.load_state_dict, replicated=True)
     if loader is None:

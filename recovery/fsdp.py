@@ -36,7 +36,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from recovery import process_group
-from recovery.ddp import Batches, Host, mean_over_ranks
+from recovery.ddp import Batches, Host, mean_over_ranks, register_schedule_and_data
 from recovery.snapshot import LocalShard
 
 
@@ -127,10 +127,4 @@ def attach(job: Host, model: torch.nn.Module, optimizer: torch.optim.Optimizer, 
     replicas = replica_group(mesh)
     job.register("model", get_model, load_model, sharded=True, replicas=replicas)
     job.register("optimizer", get_optimizer, load_optimizer, sharded=True, replicas=replicas)
-    if scheduler is not None:
-        job.register("scheduler", scheduler.state_dict, scheduler.load_state_dict, replicated=True)
-    if loader is None:
-        return None
-    batches = Batches(loader)
-    job.register("data", batches.state_dict, batches.load_state_dict, replicated=False)
-    return batches
+    return register_schedule_and_data(job, scheduler, loader)

@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from recovery.ddp import Batches, register_rest
+from recovery.ddp import Batches, register_rest, register_schedule_and_data
 from recovery.context import StepContext
 from recovery.jobenv import JobEnv, Strategy
 from recovery.snapshot import StateEntry, state_entry
@@ -111,9 +111,7 @@ class PlainJob:
         self._ddp = True  # the step's loss is the mean over the ranks, as under ffctl
         self.register("model", model.state_dict, model.load_state_dict, sharded=True)
         self.register("optimizer", optimizer.state_dict, optimizer.load_state_dict, sharded=True)
-        if scheduler is not None:
-            self.register("scheduler", scheduler.state_dict, scheduler.load_state_dict, replicated=True)
-        return Batches(loader) if loader is not None else None
+        return register_schedule_and_data(self, scheduler, loader)
 
     def allreduce(self, tensor: torch.Tensor) -> torch.Tensor:
         self._world()
