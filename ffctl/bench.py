@@ -146,15 +146,23 @@ def snapshot_overhead(runs_dir: Path, model: str = BENCH_MODEL, steps: int = 30,
                        {"model": model, "batch": batch, "parallel": parallel, "with_s": with_s, "without_s": without})
 
 
-def recovery_vs_disk(runs_dir: Path, model: str = BENCH_MODEL, steps: int = 100, at: int = 75) -> BenchResult:
-    """recovery_s and lost GPU-hours of `peer` / `restart-disk` (checkpoint every 50 steps)."""
-    common = ("--nnodes", "2", "--nproc-per-node", "2", "--steps", str(steps), "--model", model)
-    result = BenchResult("recovery-vs-disk", details={"model": model, "fault_at_step": at})
+def _peer_and_disk(runs_dir: Path, common: tuple[str, ...], at: int) -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
+    """(kind, peer's fault, restart-disk's fault) for a kill-rank then a kill-node at step `at`
+    of the job `common` describes: `peer` with 2 spares, `restart-disk` saving every 50 steps."""
+    out = []
     for fault in (f"kill-rank:rank=1,step={at}", f"kill-node:node=1,step={at}"):
         peer, _ = launch(runs_dir, *common, "--recovery", "peer", "--spares", "2", "--inject", fault)
         disk, _ = launch(runs_dir, *common, "--recovery", "restart-disk", "--ckpt-every", "50", "--inject", fault)
         (fp,), (fd,) = peer["faults"], disk["faults"]
-        kind = fault.split(":")[0]
+        out.append((fault.split(":")[0], fp, fd))
+    return out
+
+
+def recovery_vs_disk(runs_dir: Path, model: str = BENCH_MODEL, steps: int = 100, at: int = 75) -> BenchResult:
+    """recovery_s and lost GPU-hours of `peer` / `restart-disk` (checkpoint every 50 steps)."""
+    common = ("--nnodes", "2", "--nproc-per-node", "2", "--steps", str(steps), "--model", model)
+    result = BenchResult("recovery-vs-disk", details={"model": model, "fault_at_step": at})
+    for kind, fp, fd in _peer_and_disk(runs_dir, common, at):
         result.ratios.append(Ratio(f"{kind} recovery_s peer / restart-disk", fp["recovery_s"], fd["recovery_s"], 0.10))
         result.ratios.append(Ratio(f"{kind} lost_gpu_hours peer / restart-disk", fp["lost_gpu_hours"],
                                    fd["lost_gpu_hours"], 0.10, unit="GPU-h"))
@@ -335,11 +343,7 @@ def fsdp_recovery_vs_disk(runs_dir: Path, model: str = BENCH_MODEL, steps: int =
     checkpoint every 50 steps), for a killed rank and a killed node, in one run."""
     common = ("--nnodes", "2", "--nproc-per-node", "2", "--steps", str(steps), "--model", model, "--parallel", "fsdp")
     result = BenchResult("fsdp-recovery-vs-disk", details={"model": model, "fault_at_step": at})
-    for fault in (f"kill-rank:rank=1,step={at}", f"kill-node:node=1,step={at}"):
-        peer, _ = launch(runs_dir, *common, "--recovery", "peer", "--spares", "2", "--inject", fault)
-        disk, _ = launch(runs_dir, *common, "--recovery", "restart-disk", "--ckpt-every", "50", "--inject", fault)
-        (fp,), (fd,) = peer["faults"], disk["faults"]
-        kind = fault.split(":")[0]
+    for kind, fp, fd in _peer_and_disk(runs_dir, common, at):
         result.ratios.append(Ratio(f"{kind} lost_s peer / restart-disk", fp["lost_s"], fd["lost_s"], 0.05))
         result.details[kind] = {"peer": fp, "restart-disk": fd}
     return result
