@@ -198,25 +198,11 @@ class Generation:
         self._wake = threading.Event()
         self._store = store
         self.watcher = AbortWatcher(host, port, gen, rank, self._wake, opener, on_forged, on_seen)
-        prefix = dist.PrefixStore(control.pg_prefix(gen), store)
-        td = datetime.timedelta(seconds=timeout)
-        built: list[Any] = []
-        failed: list[BaseException] = []
-
-        def build() -> None:
-            try:
-                if backend == "nccl":
-                    built.append(dist.ProcessGroupNCCL(prefix, rank, world_size, dist.ProcessGroupNCCL.Options()))
-                else:
-                    built.append(dist.ProcessGroupGloo(prefix, rank, world_size, td))
-            except BaseException as exc:  # a peer never arrived (timeout) or the store went away
-                failed.append(exc)
-            self._wake.set()
-
+        self._backend, self._timeout = backend, timeout
         # Building the group blocks in C++ until every rank has arrived. A rank lost during the
         # rendezvous would hold the others there for the full timeout, so build on a thread and
         # leave it behind if the controller aborts this generation.
-        threading.Thread(target=build, name=f"ffctl-pg-{gen}", daemon=True).start()
+        built, failed = self._start_build(control.pg_prefix(gen), rank, world_size, f"ffctl-pg-{gen}")
         try:
             if meanwhile is not None:
                 meanwhile()
@@ -226,9 +212,27 @@ class Generation:
             raise
         self.pg: Any = built[0]
         self._inflight = _Inflight()
-        self._timeout = timeout
-        self._backend = backend
         self._subgroups: dict[tuple[int, ...], Any] = {}
+
+    def _start_build(self, key: str, rank: int, size: int, name: str) -> tuple[list[Any], list[BaseException]]:
+        """Start building a gloo (or NCCL) group of `size` ranks over the store's keys under `key`
+        on a thread; `built` or `failed` fills when it is done (see `_await_build`)."""
+        prefix = dist.PrefixStore(key, self._store)
+        built: list[Any] = []
+        failed: list[BaseException] = []
+
+        def build() -> None:
+            try:
+                if self._backend == "nccl":
+                    built.append(dist.ProcessGroupNCCL(prefix, rank, size, dist.ProcessGroupNCCL.Options()))
+                else:
+                    built.append(dist.ProcessGroupGloo(prefix, rank, size, datetime.timedelta(seconds=self._timeout)))
+            except BaseException as exc:  # a peer never arrived (timeout) or the store went away
+                failed.append(exc)
+            self._wake.set()
+
+        threading.Thread(target=build, name=name, daemon=True).start()
+        return built, failed
 
     def _await_build(self, built: list[Any], failed: list[BaseException], what: str) -> None:
         """Wait for a group being built on a thread (`built` or `failed` fills), giving up when
@@ -251,23 +255,8 @@ class Generation:
         if self.rank not in members:
             raise ValueError(f"rank {self.rank} is not in the group of ranks {list(members)}")
         key = "sub/" + "-".join(str(m) for m in members) + "/"
-        prefix = dist.PrefixStore(control.pg_prefix(self.gen) + key, self._store)
-        rank, size = members.index(self.rank), len(members)
-        td = datetime.timedelta(seconds=self._timeout)
-        built: list[Any] = []
-        failed: list[BaseException] = []
-
-        def build() -> None:
-            try:
-                if self._backend == "nccl":
-                    built.append(dist.ProcessGroupNCCL(prefix, rank, size, dist.ProcessGroupNCCL.Options()))
-                else:
-                    built.append(dist.ProcessGroupGloo(prefix, rank, size, td))
-            except BaseException as exc:  # a member never arrived, or the store went away
-                failed.append(exc)
-            self._wake.set()
-
-        threading.Thread(target=build, name=f"ffctl-pg-{self.gen}-{key}", daemon=True).start()
+        built, failed = self._start_build(control.pg_prefix(self.gen) + key, members.index(self.rank), len(members),
+                                          f"ffctl-pg-{self.gen}-{key}")
         self._await_build(built, failed, f"rendezvous of ranks {list(members)}")
         self._subgroups[members] = built[0]
         return built[0]
