@@ -140,13 +140,15 @@ def _healers(table: list[list[int]]) -> dict[int, int]:
     those shards (same checksum as the copy) in its memory: its live shards when they are the
     step's, else its own agent's copy of the step (a survivor that finished one step more). It
     sends them. Every rank works out the same map from the same table."""
+    members: dict[int, list[int]] = {}  # replica class -> its ranks: a look per class, not per rank
+    for q, row in enumerate(table):
+        members.setdefault(row[REPLICA_CLASS], []).append(q)
     out: dict[int, int] = {}
     for r, row in enumerate(table):
         if row[OWN_MATCHES] or row[COPY_LOCAL] or row[REPLICA_CLASS] < 0:
             continue
-        holders = [q for q, other in enumerate(table)
-                   if q != r and other[REPLICA_CLASS] == row[REPLICA_CLASS] and other[OWN_COPY_CRC] == row[OWN_COPY_CRC]
-                   and (other[OWN_MATCHES] or other[COPY_LOCAL])]
+        holders = [q for q in members[row[REPLICA_CLASS]]
+                   if q != r and table[q][OWN_COPY_CRC] == row[OWN_COPY_CRC] and (table[q][OWN_MATCHES] or table[q][COPY_LOCAL])]
         if holders:
             out[r] = min(holders, key=lambda q: (not table[q][OWN_MATCHES], q))  # live shards first
     return out
