@@ -84,7 +84,7 @@ def register(app: typer.Typer) -> None:
 
 def timeouts_of(script: Path, hang_s: float, heartbeat_s: float) -> list[str]:
     """What `ffctl launch SCRIPT` would say of its timeouts (ffctl.launch.timeouts)."""
-    from ffctl.controller.controller import uses_recovery_library
+    from ffctl.controller.script import uses_recovery_library
     from ffctl.launch.plan import timeout_findings
     from ffctl.spec import LaunchSpec, SpecError
 

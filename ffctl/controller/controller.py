@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import re
 import signal
 import socket
 import sys
@@ -28,8 +27,9 @@ from ffctl.controller.failures import Cause, Failure, RankFailure, error_line
 from ffctl.controller.state import JobState, NodeState, Phase
 from ffctl.controller.decide import Decision, ring_holder
 from ffctl.controller.injector import Injector
+from ffctl.controller.script import uses_recovery_library
 from ffctl.controller.stragglers import Finding, Replace, StragglerDetector, Straggling
-from ffctl.spec import EXEC_MODULE, LIBRARY_MAX_RESTARTS, PLAIN_MAX_RESTARTS, LaunchSpec
+from ffctl.spec import LIBRARY_MAX_RESTARTS, PLAIN_MAX_RESTARTS, LaunchSpec
 from ffctl.controller.backend import NodeBackend
 from ffctl.controller.progress import StepReport
 from recovery import control, disk, messages
@@ -985,55 +985,6 @@ class Controller:
 
 def _rank_list(ranks: list[int]) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
-
-
-def uses_recovery_library(script: tuple[str, ...]) -> bool:
-    """Whether the ranks run the recovery library (they report `started`, `joined`, steps and
-    `done`) or a plain script, whose process being up is all there is to wait for.
-
-    Read from the script's source: a plain torchrun script never imports `recovery`, and the
-    controller must know before the first rank starts, since it waits differently for each."""
-    if not script:
-        return True  # the built-in workload
-    if script[0] == "-m" or script[0].startswith("-m"):
-        name = script[1] if script[0] == "-m" and len(script) > 1 else script[0][2:]
-        if name.startswith("ffctl.workload"):
-            return True
-        if name == EXEC_MODULE:
-            return False  # a program given with --no-python: not Python at all
-        # Found without importing it (importing would run the user's package code here).
-        parts = name.split(".")
-        places = [Path(d or ".", *parts) for d in [str(Path.cwd()), *sys.path]]
-        found = [f for p in places for f in (p.with_suffix(".py"), p / "__main__.py") if f.is_file()]
-        if not found:
-            return True  # cannot tell: wait for the library's messages
-        path = found[0]
-    else:
-        path = Path(script[0])
-    try:
-        text = path.read_text(errors="replace")
-    except OSError:
-        return True
-    return _runs_the_library(text)
-
-
-# What a script may take from `recovery` and stay an unchanged script: one line reporting its steps.
-_PLAIN_NAMES = frozenset({"report_step", "steps"})
-
-
-def _runs_the_library(text: str) -> bool:
-    """Whether a script's source imports the recovery library for more than `report_step`."""
-    for sub, names in re.findall(r"^[ \t]*from[ \t]+recovery((?:\.\w+)*)[ \t]+import[ \t]+(\([^)]*\)|[^\n]+)", text, re.M):
-        if sub == ".steps":
-            continue
-        names = re.sub(r"#[^\n]*", "", names).strip().strip("()")
-        imported = {n.split(" as ")[0].strip() for n in names.split(",")} - {""}
-        if sub or imported - _PLAIN_NAMES:
-            return True
-    if re.search(r"^[ \t]*import[ \t]+recovery\b", text, re.M):
-        used = set(re.findall(r"\brecovery\.(\w+)", text))
-        return not used or bool(used - _PLAIN_NAMES)
-    return False
 
 
 def _wall(monotonic_t: float) -> float:

@@ -12,18 +12,17 @@ after the library's default when it has none.
 """
 from __future__ import annotations
 
-import ipaddress
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-from fault_injectors import FaultSpec, FaultSpecError, PlanError, Transport, TransportError, deadman, make_plan, network
-from fault_injectors.plan import FaultPlan, HostCommand, Topology
-from fault_injectors.schedule import ChaosSpec, iter_mtbf, parse_chaos
+from fault_injectors import FaultSpec, FaultSpecError, PlanError, Transport, TransportError, deadman, network
+from fault_injectors.plan import FaultPlan, HostCommand
+from fault_injectors.schedule import parse_chaos
 from fault_injectors.process import in_step_fault_path
 from fault_injectors.spec import FaultFamily, FaultKind
-from fault_injectors.targets import resolve
 from ffctl.controller.cluster import FaultCluster
+from ffctl.controller.faultplan import chaos_faults, plan_fault
 from ffctl.controller.state import JobState
 from runs.events import EventKind
 
@@ -37,42 +36,6 @@ SETTLE_MAX_S = 60.0
 SURVIVE_MARGIN_S = 2.0
 
 
-def _loopback(address: str) -> bool:
-    try:
-        return ipaddress.ip_address(address).is_loopback
-    except ValueError:
-        return False
-
-
-def check_local_network(spec: FaultSpec, topo: Topology) -> None:
-    """Refuse a network fault on a node that is only this machine's loopback.
-
-    Local nodes without a sandbox share one network stack: a partition cannot tell them apart
-    and a link-down would take this machine's loopback (and the controller) down with it.
-    """
-    if spec.kind.family is not FaultFamily.NETWORK:
-        return
-    for n in resolve(spec, topo)[1]:
-        place = topo.node(n)
-        if place.netns is None and _loopback(place.address):
-            raise FaultSpecError(
-                f"{spec.kind.value} on node {n}: local nodes share this machine's network "
-                f"({place.address}); use --sandbox netns for network faults between them"
-            )
-
-
-def plan_fault(spec: FaultSpec, topo: Topology, fault_id: str) -> FaultPlan:
-    """What the injector runs for `spec` as `fault_id`: tagged with the id, checked, and with a dead
-    man's switch whenever it is revertible (pure: `--dry-run` prints exactly this)."""
-    spec = deadman.with_fault_id(spec, fault_id)
-    check_local_network(spec, topo)
-    plan = make_plan(spec, topo)
-    if plan.revertible:
-        # A no-op for network plans, which come guarded.
-        plan = deadman.guard(plan, topo.run_id, record_dir=topo.record_dir)
-    return plan
-
-
 def _due(spec: FaultSpec, committed_step: int, elapsed: float) -> bool:
     trig = spec.trigger
     return (trig.step is not None and committed_step >= trig.step) or (
@@ -82,14 +45,6 @@ def _due(spec: FaultSpec, committed_step: int, elapsed: float) -> bool:
 def _trigger_order(spec: FaultSpec) -> tuple[int, float]:
     trig = spec.trigger
     return (trig.step if trig.step is not None else -1, trig.t if trig.t is not None else -1.0)
-
-
-def chaos_faults(chaos: ChaosSpec) -> Iterator[tuple[float, FaultSpec]]:
-    """The chaos schedule in time order (seconds after the start), ending at `until` if given."""
-    for t, spec in iter_mtbf(chaos.mtbf, chaos.seed, chaos.kinds, chaos.duration):
-        if chaos.until is not None and t >= chaos.until:
-            return
-        yield t, spec
 
 
 @dataclass

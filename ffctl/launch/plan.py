@@ -26,7 +26,7 @@ from ffctl import __version__
 from ffctl.controller.backend import NodeBackend
 from ffctl.errors import BadInput
 from ffctl.launch.timeouts import findings, read_timeouts
-from ffctl.controller.injector import chaos_faults, plan_fault
+from ffctl.controller.faultplan import chaos_faults, plan_fault
 from ffctl.spec import LaunchSpec, SpecError
 from runs import shm
 from runs.events import RunStatus
@@ -112,7 +112,7 @@ def plan_launch(spec: LaunchSpec) -> LaunchPlan:
     if spec.script:
         # What the controller will do: a plain script gets torchrun's group restart, whatever
         # --recovery says (imported here: the controller module brings torch with it).
-        from ffctl.controller.controller import uses_recovery_library
+        from ffctl.controller.script import uses_recovery_library
 
         plain = not uses_recovery_library(spec.script)
         recovery = run_strategy(spec.recovery, plain)

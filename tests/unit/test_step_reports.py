@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from ffctl.agent.stepscan import StepRegexError, StepScanner, compile_step_regex, parse_line
-from ffctl.controller.controller import _runs_the_library
+from ffctl.controller.script import runs_the_library
 from ffctl.controller.progress import Progress, StepReport
 from recovery import control, messages
 from recovery.jobenv import TOKEN_ENV, JobEnv
@@ -131,7 +131,7 @@ def test_launch_refuses_a_bad_step_regex_before_starting(tmp_path: Path, args: l
     ("import torch\n", False),
 ])
 def test_a_script_that_only_reports_steps_is_an_unchanged_script(source: str, library: bool) -> None:
-    assert _runs_the_library(source) is library
+    assert runs_the_library(source) is library
 
 
 # -- what a step counts on ------------------------------------------------------------------------
