@@ -22,9 +22,16 @@ from __future__ import annotations
 import dataclasses
 import math
 from enum import Enum
-from typing import Any, Callable, ClassVar, Mapping, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, NamedTuple, TypeVar
 
 from runs.events import RestoreHow, RestoreSource
+
+if TYPE_CHECKING:
+    from typing import dataclass_transform
+else:
+    # typing has it from Python 3.11; it only tells a type checker what `_register` does.
+    def dataclass_transform(**_: Any) -> Callable[[Any], Any]:
+        return lambda f: f
 
 # Without a job to compare with (`limits` not given), ranks and nodes are only bounded by these.
 MAX_RANKS = 1 << 20
@@ -287,6 +294,11 @@ REPORTS: dict[str, _Spec] = {}
 COMMANDS: dict[str, _Spec] = {}
 
 
+# The registering decorators make their class a keyword-only frozen dataclass (below), which a
+# type checker learns from `dataclass_transform`: it then checks every message's construction.
+# `_field` is a field without a default; `_optional`, a plain default of None as far as a checker
+# needs to know.
+@dataclass_transform(kw_only_default=True, frozen_default=True, field_specifiers=(dataclasses.field, _field))
 def _register(table: dict[str, _Spec], kind: Enum) -> Callable[[type[M]], type[M]]:
     """Make `cls` a frozen dataclass and the message of `kind` in `table` (one table per
     decoder: reports, commands, and the plan's tables in `recovery.plan`)."""
@@ -301,10 +313,12 @@ def _register(table: dict[str, _Spec], kind: Enum) -> Callable[[type[M]], type[M
     return wrap
 
 
+@dataclass_transform(kw_only_default=True, frozen_default=True, field_specifiers=(dataclasses.field, _field))
 def _report(kind: Kind) -> Callable[[type[M]], type[M]]:
     return _register(REPORTS, kind)
 
 
+@dataclass_transform(kw_only_default=True, frozen_default=True, field_specifiers=(dataclasses.field, _field))
 def _command(kind: CommandKind) -> Callable[[type[M]], type[M]]:
     return _register(COMMANDS, kind)
 

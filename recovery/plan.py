@@ -25,7 +25,7 @@ one more `@_source` dataclass and one more case where a rank fetches its copy.
 """
 from __future__ import annotations
 
-from typing import Any, ClassVar, Mapping, Union
+from typing import Any, Callable, ClassVar, Mapping, Union
 
 from recovery.jobenv import Strategy
 
@@ -35,6 +35,7 @@ from recovery.messages import (
     _WANT,
     DecodeError,
     Limits,
+    M,
     Message,
     _addr,
     _decode_fields,
@@ -47,6 +48,7 @@ from recovery.messages import (
     _rank_key,
     _register,
     _Spec,
+    dataclass_transform,
     short_repr,
 )
 from runs.events import Label, RestoreSource
@@ -56,7 +58,8 @@ from runs.events import Label, RestoreSource
 SOURCES: dict[str, _Spec] = {}
 
 
-def _source(kind: RestoreSource) -> Any:
+@dataclass_transform(kw_only_default=True, frozen_default=True, field_specifiers=(_field,))
+def _source(kind: RestoreSource) -> Callable[[type[M]], type[M]]:
     return _register(SOURCES, kind)
 
 
