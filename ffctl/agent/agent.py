@@ -26,13 +26,14 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
 import psutil
 
 from recovery.replicator import Replicator
+from ffctl.agent.config import CONFIG_ENV, AgentConfig
 from ffctl.agent.stepscan import StepScanner, compile_step_regex
 from ffctl.agent.template import (
     Assignment, ForkedSpare, ForkedWorker, Template, TemplateError, set_child_subreaper,
@@ -47,7 +48,6 @@ from runs import shm
 POLL_S = 0.02
 HEARTBEAT_S = 0.2
 STORE_GRACE_S = 5.0
-TERM_GRACE_S = 5.0
 SPARE_REFILL_DELAY_S = 5.0
 # How long the job's first workers wait for the template's first warm-up before starting cold.
 FIRST_WARMUP_WAIT_S = 30.0
@@ -59,57 +59,8 @@ LOG_LINE_CHARS = 400
 # How long a restarted node's agent waits for its predecessor on the same host to let go of the
 # node's claim (see Agent.__init__).
 CLAIM_WAIT_S = 10.0
-# The AgentConfig JSON when it cannot come as the first stdin line (agents started over SSH).
-CONFIG_ENV = "FFCTL_AGENT_CONFIG"
 # The agent is not told the world size; rank fields of commands are only bounded by this.
 MAX_RANKS = 1 << 20
-
-
-def agent_argv(python: str) -> list[str]:
-    """How every backend starts an agent (its config then comes on stdin or in CONFIG_ENV); the
-    launch's dry run prints this very argv."""
-    return [python, "-m", "ffctl.agent"]
-
-
-@dataclass(frozen=True)
-class AgentConfig:
-    run_id: str
-    node: int
-    nnodes: int
-    store_host: str
-    store_port: int
-    address: str  # where this node's snapshot store listens (never all interfaces)
-    token: str
-    log_dir: str
-    worker_argv: tuple[str, ...]  # ("-m", "ffctl.workload.train", ...) or (script, args...)
-    worker_env: dict[str, str] = field(default_factory=dict)
-    python: str = sys.executable
-    cwd: str = ""
-    # The run's private shared-memory directory on this host (`runs.shm.run_dir`), named by the
-    # controller and made by the first agent of the host; empty: the agent draws one itself.
-    shm_dir: str = ""
-    spares: int = 0
-    incarnation: int = 0
-    keep_freed_memory: bool = True  # see ffctl.agent.workerenv
-    # Fork workers from a warm template process (ffctl.agent.template); False starts every
-    # worker as a fresh interpreter, as torchrun does (the honest `restart-disk` baseline).
-    template: bool = True
-    # A script's steps read off its output (ffctl.agent.stepscan); empty: none are.
-    step_regex: str = ""
-    # Seconds a worker being stopped gets between SIGTERM and SIGKILL (torchrun's --shutdown-timeout).
-    term_grace: float = TERM_GRACE_S
-    # A spare node's agent (`stand_by`): this config only warms a worker template; the node's own
-    # config comes as the next stdin line when a lost node moves there.
-    standby: bool = False
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str) -> AgentConfig:
-        raw = json.loads(text)
-        raw["worker_argv"] = tuple(raw["worker_argv"])
-        return cls(**raw)
 
 
 @dataclass

@@ -18,7 +18,7 @@ from typing import Any, Protocol, Sequence
 
 from fault_injectors.plan import HostCommand
 from fault_injectors.transport import Transport
-from ffctl.agent.agent import AgentConfig
+from ffctl.agent.config import AgentConfig
 
 
 class AgentProcess(Protocol):

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from fault_injectors import NodePlace, RankPlace, Topology
 from fault_injectors.plan import HostCommand
-from ffctl.agent.agent import TERM_GRACE_S, AgentConfig
+from ffctl.agent.config import TERM_GRACE_S, AgentConfig
 from ffctl.controller.cluster import FatalRun, RecoveryAbandoned
 from ffctl.controller.coordinator import RecoveryCoordinator
 from ffctl.controller.failures import Cause, Failure, RankFailure, error_line

@@ -16,7 +16,7 @@ from typing import IO, Any, Sequence
 
 from fault_injectors.plan import HostCommand
 from fault_injectors.transport import LocalTransport, Transport
-from ffctl.agent.agent import AgentConfig, agent_argv
+from ffctl.agent.config import AgentConfig, agent_argv
 from ffctl.spec import LaunchSpec
 from runs import shm
 from runs.store import RunStore

@@ -121,7 +121,7 @@ def plan_launch(spec: LaunchSpec) -> LaunchPlan:
              + (f", {spec.spares} warm spare(s) per node" if spec.spares else "")]
     worker = " ".join(shlex.quote(a) for a in spec.script) if spec.script else f"built-in GPT ({spec.model}{'' if spec.parallel == 'ddp' else ', ' + spec.parallel})"
     # The very argv each backend starts its agents with.
-    from ffctl.agent.agent import agent_argv
+    from ffctl.agent.config import agent_argv
     from ffctl.launch.nodes import local_agent_argv
 
     for n in range(spec.nnodes):

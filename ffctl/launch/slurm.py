@@ -42,8 +42,8 @@ from fault_injectors.node import DRAIN_REASON_PREFIX, is_node_drain, is_node_kil
 from fault_injectors.plan import HostCommand
 from fault_injectors.revert import SHM_SWEEP
 from fault_injectors.transport import CommandResult, LocalTransport, Transport
-from ffctl.agent.agent import AgentConfig
-from ffctl.agent.agent import agent_argv as agent_command
+from ffctl.agent.config import AgentConfig
+from ffctl.agent.config import agent_argv as agent_command
 from ffctl.errors import EXIT_NO_REQUEUE, BadInput, InfraError, NoRequeue
 from ffctl.spec import LaunchSpec
 from runs.events import EventKind

@@ -21,7 +21,7 @@ from typing import IO, Any, Sequence
 
 from fault_injectors.plan import HostCommand
 from fault_injectors.transport import Transport
-from ffctl.agent.agent import AgentConfig
+from ffctl.agent.config import AgentConfig
 from ffctl.errors import InfraError
 from ffctl.sim.agents import SimSpec
 

@@ -80,7 +80,7 @@ def test_every_family_has_a_planner_and_every_way_a_backend() -> None:
 def test_the_dry_run_prints_the_argv_each_local_agent_is_started_with(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import shlex
 
-    from ffctl.agent.agent import AgentConfig
+    from ffctl.agent.config import AgentConfig
     from ffctl.launch import nodes as local
 
     started: list[list[str]] = []

@@ -114,6 +114,21 @@ def test_folders_import_one_way() -> None:
     assert not bad
 
 
+# What the controller and the node backends may take from the agent's folder: its configuration
+# (what an agent is started with), never the runtime that runs inside an agent.
+AGENT_CONFIG = "ffctl.agent.config"
+AGENT_STARTERS = ("ffctl.controller", "ffctl.backends")
+
+
+def test_the_controller_and_the_backends_import_only_the_agent_s_config() -> None:
+    bad = {m: sorted(d for d in GRAPH[m] if _room(d) == "ffctl.agent" and d != AGENT_CONFIG)
+           for m in GRAPH if any(m == s or m.startswith(s + ".") for s in AGENT_STARTERS)}
+    assert not {m: v for m, v in bad.items() if v}
+    # The config itself stays light: nothing of the project but the lower packages, nothing heavy.
+    assert not [d for d in GRAPH[AGENT_CONFIG] if _owner(d) == "ffctl"]
+    assert not THIRD_PARTY[AGENT_CONFIG] & {"torch", "psutil", "recovery", "runs"}
+
+
 def test_no_import_circle() -> None:
     # Tarjan's strongly connected components: any component of more than one module is a circle.
     index: dict[str, int] = {}

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from fault_injectors.plan import HostCommand
-from ffctl.agent.agent import AgentConfig
+from ffctl.agent.config import AgentConfig
 from ffctl.errors import BadInput, NoRequeue
 from ffctl.launch.slurm import (
     SlurmNodes,

@@ -11,7 +11,7 @@ import pytest
 
 from fault_injectors.plan import HostCommand
 from fault_injectors.transport import CommandResult, LocalTransport, TransportError
-from ffctl.agent.agent import CONFIG_ENV, AgentConfig
+from ffctl.agent.config import CONFIG_ENV, AgentConfig
 from ffctl.errors import BadInput, InfraError
 from ffctl.hosts.hostfile import HostEntry
 from ffctl.hosts.ssh import nodes as ssh_nodes

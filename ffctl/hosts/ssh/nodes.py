@@ -42,7 +42,7 @@ from fault_injectors.plan import HostCommand
 from fault_injectors.revert import SHM_SWEEP
 from fault_injectors.transport import CommandResult, LocalTransport, Transport, TransportError
 from ffctl import __version__
-from ffctl.agent.agent import CONFIG_ENV, TERM_GRACE_S, AgentConfig, agent_argv
+from ffctl.agent.config import CONFIG_ENV, TERM_GRACE_S, AgentConfig, agent_argv
 from ffctl.hosts.doctor import clock_offset
 from ffctl.errors import BadInput, InfraError
 from ffctl.hosts.hostfile import HostEntry, HostfileError, parse_hostfile
