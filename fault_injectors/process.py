@@ -40,10 +40,10 @@ def in_step_command(topo: Topology, rank: int, what: str) -> HostCommand:
 def plan(spec: FaultSpec, topo: Topology, ranks: tuple[int, ...], nodes: tuple[int, ...]) -> FaultPlan:
     if spec.kind is FaultKind.CRASH_RANK:
         what = spec.option("signal", "exception") or "exception"
-        apply = tuple(in_step_command(topo, r, f"crash-rank:{what}") for r in ranks)
-        return FaultPlan(spec, ranks, nodes, apply=apply)
+        return FaultPlan(spec, ranks, nodes, apply=tuple(in_step_command(topo, r, f"crash-rank:{what}") for r in ranks))
     sig = SIGNALS[spec.kind]
-    apply, revert = [], []
+    apply: list[HostCommand] = []
+    revert: list[HostCommand] = []
     for rank in ranks:
         place = topo.rank(rank)
         node = topo.node(place.node)

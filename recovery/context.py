@@ -11,8 +11,12 @@ import torch
 class StepJob(Protocol):
     """What a step context needs of its job; `Job` and `PlainJob` both have it."""
 
-    env: Any
-    reduction: Any
+    # Read-only: a step context never sets them (`Job.reduction` is a property).
+    @property
+    def env(self) -> Any: ...
+
+    @property
+    def reduction(self) -> Any: ...
 
     def allreduce(self, tensor: torch.Tensor) -> torch.Tensor: ...
 

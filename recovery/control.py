@@ -42,7 +42,7 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, TypeGuard
 
 import torch.distributed as dist
 
@@ -85,6 +85,24 @@ def connect(host: str, port: int, timeout: float = 30.0) -> dist.TCPStore:
     )
 
 
+# -- torch's Store, as its bindings behave --------------------------------------------------------
+# torch's type stubs give a Store's values as str and leave `multi_set` out, while its bindings
+# take bytes as well as str for every value (a C++ string either way) and do have `multi_set`.
+# Sealed values are bytes: they are written through these, so that disagreement with the stubs
+# is stated once.
+def store_set(store: dist.Store, key: str, value: bytes | str) -> None:
+    store.set(key, value)  # type: ignore[arg-type]  # the stub says str; the binding takes bytes too
+
+
+def store_compare_set(store: dist.Store, key: str, expected: bytes, desired: bytes) -> bytes:
+    """The value torch's `compare_set` answers (what it means: `read`, `_reserve`)."""
+    return bytes(store.compare_set(key, expected, desired))  # type: ignore[arg-type]  # as store_set
+
+
+def store_multi_set(store: dist.Store, keys: list[str], values: list[bytes] | list[str]) -> None:
+    store.multi_set(keys, values)  # type: ignore[attr-defined]  # in the binding, not in the stub
+
+
 # -- sealing -------------------------------------------------------------------------------------
 CONTROL_KEY_LABEL = b"ffctl control v1"
 # Sealed values older or newer than this (by the receiver's clock) are refused. Wide, because
@@ -106,7 +124,7 @@ def control_key(token: str) -> bytes:
     return hmac.new(token.encode(), CONTROL_KEY_LABEL, hashlib.sha256).digest()
 
 
-def short_repr(raw: bytes | str, limit: int = 120) -> str:
+def short_repr(raw: object, limit: int = 120) -> str:
     text = repr(raw)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
@@ -175,7 +193,7 @@ class Opener:
         return {**body, "type": kind}
 
 
-def _is_int(v: Any) -> bool:
+def _is_int(v: object) -> TypeGuard[int]:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
@@ -192,7 +210,7 @@ def read(store: dist.Store, key: str) -> bytes | None:
     A `get` of a missing key blocks for the connection's whole timeout (a stranger deleting a
     key between our `check` and our `get` would freeze the reader), and a timed-out call leaves
     torch's client connection out of step. A compare-and-set that never matches does neither."""
-    value = bytes(store.compare_set(key, _ABSENT, _ABSENT))
+    value = store_compare_set(store, key, _ABSENT, _ABSENT)
     return None if value == _ABSENT else value
 
 
@@ -244,7 +262,7 @@ def _reserve(store: dist.Store, queue: str, tag: str, wait: float | None = None)
             # A queue nobody has used yet, or whose counter a stranger deleted: made here, at the
             # first index. A consumer already further on sees its counter go back and repairs it.
             want = f"1:{tag}".encode()
-            got = bytes(store.compare_set(counter, b"", want))
+            got = store_compare_set(store, counter, b"", want)
             if got == want:
                 return 1
             current = got
@@ -258,7 +276,7 @@ def _reserve(store: dist.Store, queue: str, tag: str, wait: float | None = None)
             current = read(store, counter)
             continue
         want = f"{n + 1}:{tag}".encode()
-        got = bytes(store.compare_set(counter, current, want))
+        got = store_compare_set(store, counter, current, want)
         if got == want:
             return n + 1
         # Another producer was first (its value comes back), or the counter is gone (the
@@ -294,7 +312,7 @@ def send_dict(store: dist.Store, queue: str, msg: dict[str, Any], sealer: Sealer
         idx = _reserve(store, queue, sealer.sender)
         if isinstance(idx, Blocked):
             return idx
-        store.set(f"{queue}/{idx}", value)
+        store_set(store, f"{queue}/{idx}", value)
     return None
 
 
@@ -346,7 +364,7 @@ class Receiver:
         self._reported_at = float("-inf")
         self._unreported = 0
         # Opened here, before any producer is told of the queue (a producer would make it too).
-        store.compare_set(self._counter, b"", f"0:{self._tag}".encode())
+        store_compare_set(store, self._counter, b"", f"0:{self._tag}".encode())
 
     def _report(self, index: int, reason: str, raw: bytes) -> None:
         if self.on_reject is not None:
@@ -367,7 +385,7 @@ class Receiver:
         """Set the counter past every index handed out so far (and a margin a producer may have
         reserved unseen), unless someone changed it again meanwhile (the next poll looks)."""
         value = f"{max(self.high, self.seen) + REPAIR_MARGIN}:{self._tag}".encode()
-        self.store.compare_set(self._counter, b"" if raw is None else raw, value)
+        store_compare_set(self.store, self._counter, b"" if raw is None else raw, value)
 
     def _take(self, idx: int) -> dict[str, Any] | None | bool:
         """The message at `idx`; None if not written yet; False if written but refused."""
@@ -476,12 +494,12 @@ def publish_plan(store: dist.Store, gen: int, plan: GenerationPlan,
     if sealer is None:
         values = {gen_plan_key(gen): json.dumps(wire).encode(), GEN_KEY: str(gen).encode()}
         for key, value in values.items():
-            store.set(key, value)
+            store_set(store, key, value)
         return values
     values = {gen_plan_key(gen): sealer.seal(gen_plan_key(gen), wire).encode(),
               GEN_KEY: sealer.seal(GEN_KEY, {"type": "gen", "gen": gen}).encode()}
     # One round trip: the plan and the pointer to it land together.
-    store.multi_set(list(values), list(values.values()))
+    store_multi_set(store, list(values), list(values.values()))
     return values
 
 

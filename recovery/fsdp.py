@@ -31,7 +31,7 @@ mean over the ranks, one small allreduce after the step function.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import torch
 
@@ -39,8 +39,11 @@ from recovery import process_group
 from recovery.ddp import Batches, Host, mean_over_ranks, register_schedule_and_data
 from recovery.snapshot import LocalShard
 
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
-def _dtensor() -> type:
+
+def _dtensor() -> type[DTensor]:
     from torch.distributed.tensor import DTensor
 
     return DTensor

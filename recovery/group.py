@@ -99,12 +99,14 @@ class AbortWatcher:
             raw = control.read(self._store, self.key)
             if raw is None:
                 return False
-            self._opener.open(raw, self.key, replay=False)
-            return True
-        except control.Rejected as exc:
+            try:
+                self._opener.open(raw, self.key, replay=False)
+                return True
+            except control.Rejected as exc:
+                reason = exc.reason
             if self._on_forged is not None:
                 try:
-                    self._on_forged(self.key, exc.reason, bytes(raw))
+                    self._on_forged(self.key, reason, raw)
                 except Exception:  # noqa: BLE001 - reporting is best effort
                     pass
             while not self._stop.wait(FORGED_POLL_S):

@@ -25,6 +25,7 @@ import traceback
 from typing import Any, Callable, TypeVar
 
 import torch
+import torch.distributed as dist
 
 from recovery import control, ddp, disk, fsdp, messages, process_group
 from recovery.context import StepContext
@@ -236,6 +237,7 @@ class Job:
         self._collectives += 1
         if not first or self.env.strategy != Strategy.PEER:
             return run()
+        saved: torch.Tensor | None = None
         if inplace is not None:  # the collective writes partial results into its input
             saved = self._retry_input
             if saved is None or saved.shape != inplace.shape or saved.dtype != inplace.dtype:
@@ -248,7 +250,7 @@ class Job:
                 step, how = self._recover(exc, in_step=True)
                 if how != CONTINUED:
                     raise StepRestart(exc.gen, step) from None
-                if inplace is not None:
+                if inplace is not None and saved is not None:
                     inplace.copy_(saved)  # the aborted attempt left partial sums in it
 
     def fence(self) -> None:
@@ -358,15 +360,22 @@ class Job:
         with self._send_lock:
             blocked = control.send(self.store, control.CTL_QUEUE, msg, self._sealer)
         if blocked is not None:
-            # The controller's queue counter was tampered with and not repaired: nobody reads
-            # the queue now, so the rank's log is the only place left to say so.
-            print(f"ffctl rank {self.env.rank}: {msg.kind.value} not sent: {blocked.reason}",
-                  file=sys.stderr, flush=True)
+            self._not_sent(msg, blocked)
+
+    def _not_sent(self, msg: messages.Message, blocked: control.Blocked) -> None:
+        # The controller's queue counter was tampered with and not repaired: nobody reads the
+        # queue now, so the rank's log is the only place left to say so.
+        print(f"ffctl rank {self.env.rank}: {msg.kind.value} not sent: {blocked.reason}", file=sys.stderr, flush=True)
 
     def _abort_seen(self, gen: int) -> SeenHook:
         msg = messages.AbortSeen(rank=self.env.rank, node=self.env.node, gen=gen)
-        # The sealer's lock keeps this sender's sequence numbers in queue order across threads.
-        return lambda store: control.send(store, control.CTL_QUEUE, msg, self._sealer)
+
+        def seen(store: dist.Store) -> None:
+            # The sealer's lock keeps this sender's sequence numbers in queue order across threads.
+            blocked = control.send(store, control.CTL_QUEUE, msg, self._sealer)
+            if blocked is not None:
+                self._not_sent(msg, blocked)
+        return seen
 
     def _rejected(self, where: str, index: int, reason: str, raw: bytes) -> None:
         """A forged plan, generation pointer or abort flag: ignored, and the controller told."""

@@ -171,7 +171,8 @@ class ResilientGroup(dist.ProcessGroup):
     (see the module's docstring). `members` are the global ranks, in group-rank order."""
 
     def __init__(self, rank: int, size: int, members: tuple[int, ...]) -> None:
-        super().__init__(rank, size)
+        # torch's stub lists only the (store, rank, size) overload; the binding has (rank, size).
+        super().__init__(rank, size)  # type: ignore[call-arg]
         self.members = members
         self._name = ""
         self._inner: tuple[int, dist.ProcessGroup] | None = None  # (generation, its group)

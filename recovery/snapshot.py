@@ -20,9 +20,12 @@ import ctypes
 import io
 import pickle
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 
 @dataclass(frozen=True)
@@ -93,7 +96,7 @@ class _ShardRef:
         return (_ShardRef, (self.index, self.placements, self.shape, self.stride))
 
 
-def _dtensor_type() -> type | None:
+def _dtensor_type() -> type[DTensor] | None:
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # a torch without distributed tensors holds none

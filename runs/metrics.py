@@ -312,9 +312,9 @@ def _fault_metrics(inj: Event, events: list[Event], world_size: int, end_t: floa
         )
         marks = [detected.t, decision.t]
         for kind in (EventKind.RANKS_SPAWNED, EventKind.RENDEZVOUS_DONE, EventKind.RESTORE_DONE):
-            ev = phase(kind)
+            done = phase(kind)
             # A phase the strategy skips (no restore under `none`) takes no time.
-            marks.append(ev.t if ev is not None else marks[-1])
+            marks.append(done.t if done is not None else marks[-1])
         if resumed is not None:
             marks.append(resumed.t)
         for key, (a, b) in zip(BREAKDOWN_KEYS[1:], zip(marks, marks[1:])):

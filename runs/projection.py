@@ -325,7 +325,7 @@ def _by_kind(faults: list[FaultCost], value: str) -> dict[str, dict[str, float |
 
 def _per_kind_mean(by_kind: dict[str, dict[str, float | None]], which: str) -> float | None:
     # Each kind measured counts once, however many times it was injected.
-    return _mean(v[which] for v in by_kind.values() if v[which] is not None)
+    return _mean(x for x in (v[which] for v in by_kind.values()) if x is not None)
 
 
 def strategy_inputs(measures: Sequence[RunMeasure]) -> list[StrategyInputs]:

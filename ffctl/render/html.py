@@ -52,23 +52,6 @@ PHASE_COLOURS: dict[str, str] = {
 # reported in bursts, so a single interval is no rate), at least 1/SAMPLES of the training.
 TIMELINE_SAMPLES = 400
 WINDOW_GAPS = 2.0
-INSTALL_HINT = "pip install 'ffctl[html]'"
-
-# Okabe-Ito colours (distinguishable with the common colour-vision deficiencies), one per phase.
-PHASE_COLOURS: dict[str, str] = {
-    "detect": "#E69F00",
-    "decide": "#F0E442",
-    "spawn": "#CC79A7",
-    "rendezvous": "#56B4E9",
-    "restore": "#009E73",
-    "replay": "#0072B2",
-    "fault active": "#D55E00",
-    "back to pace": "#999999",
-    "not recovered": "#000000",
-}
-# Bins of the progress timeline: about this many across the training, never narrower than two
-# step intervals (commits are reported in bursts, so a single interval is no rate).
-TIMELINE_BINS = 150
 
 
 def require_matplotlib() -> None:

@@ -47,7 +47,7 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-from ffctl.agent.config import AgentConfig
+from ffctl.agent.agent import AgentConfig
 from recovery import control, messages
 from recovery.plan import GenerationPlan, LocalSlot
 from runs.events import RestoreHow
@@ -458,7 +458,7 @@ class SimAgent:
         key = control.heartbeat_key(self.node)
         self.beats += 1
         beat = messages.Heartbeat(node=self.node, incarnation=self.cfg.incarnation, beat=self.beats)
-        store.set(key, self.sealer.seal(key, beat.to_dict()).encode())
+        control.store_set(store, key, self.sealer.seal(key, beat.to_dict()).encode())
 
     def _report_replicated(self, now: float) -> None:
         if now - self._replicated_at < REPLICATED_S or self.sim.holder(self) is None:
@@ -528,11 +528,11 @@ def main(argv: list[str]) -> int:
                 agent.start()
             elif op["op"] == "stop":
                 with sim.lock:
-                    agent = sim.agents.get(int(op["node"]))
-                if agent is not None and agent.cfg.incarnation == int(op["incarnation"]) and not agent.stopped:
-                    agent.stopped = True
-                    emit({"ev": "exited", "node": agent.node, "incarnation": agent.cfg.incarnation,
-                          "code": -9 if agent.dead else 0})
+                    gone = sim.agents.get(int(op["node"]))
+                if gone is not None and gone.cfg.incarnation == int(op["incarnation"]) and not gone.stopped:
+                    gone.stopped = True
+                    emit({"ev": "exited", "node": gone.node, "incarnation": gone.cfg.incarnation,
+                          "code": -9 if gone.dead else 0})
                 else:
                     emit({"ev": "exited", "node": int(op["node"]), "incarnation": int(op["incarnation"]), "code": 0})
         except Exception as exc:  # noqa: BLE001 - said, and the process goes on with the next line

@@ -125,7 +125,9 @@ def main(argv: list[str] | None = None) -> None:
         model.zero_grad(set_to_none=False)
         loss = model(x, y)
         loss.backward()
-        flat = torch.cat([p.grad.reshape(-1) for p in params] + [loss.detach().reshape(1)])
+        # A parameter the loss did not reach has no gradient: zero, in its place of the flat vector.
+        grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
+        flat = torch.cat(grads + [loss.detach().reshape(1)])
         ctx.allreduce(flat)
         flat /= ctx.world_size
         sharded.step(flat[:-1], ctx)
