@@ -47,7 +47,7 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-from ffctl.agent.agent import AgentConfig
+from ffctl.agent.config import AgentConfig
 from recovery import control, messages
 from recovery.plan import GenerationPlan, LocalSlot
 from runs.events import RestoreHow
