@@ -78,7 +78,7 @@ class JobEnv:
     role: str = "default"  # torchrun's --role
     max_restarts: int = 0  # the job's restart budget, as torchrun tells its workers
     # MASTER_PORT when it is not the control store's: an unchanged script's rendezvous store,
-    # one per generation (see ffctl.controller.controller.Controller._rendezvous_store).
+    # one per generation (see ffctl.controller.plane.ControlPlane.rendezvous_port).
     master_port: int = 0
 
     @property

@@ -29,6 +29,14 @@ class FatalRun(Exception):
         self.root_cause = root_cause
 
 
+class Record(Protocol):
+    """What the controller's pieces record through: an event appended to the run record (`sync`
+    False for a line whose fsync the next event's covers)."""
+
+    def __call__(self, kind: EventKind, /, t: float | None = None, **data: Any) -> object:
+        ...
+
+
 class Recorder(Protocol):
     def record(self, kind: EventKind, /, t: float | None = None, **data: Any) -> None:
         """Append an event to the run record."""

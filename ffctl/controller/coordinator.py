@@ -37,7 +37,7 @@ from recovery.jobenv import Strategy
 from runs.events import EventKind, RestoreSource
 
 __all__ = ["FatalRun", "RankFailure", "RecoveryAbandoned", "RecoveryCoordinator", "RecoveryOutcome", "Verdict",
-           "describe", "error_line", "restart_verdict", "root_cause", "signal_name"]
+           "describe", "error_line", "place", "restart_verdict", "root_cause", "signal_name"]
 
 ABORT_ACK_TIMEOUT = 5.0
 # A running rank's abort watcher answers within milliseconds; this leaves room for a loaded host.
@@ -107,11 +107,17 @@ class RecoveryOutcome:
 
 
 class RecoveryCoordinator:
-    def __init__(self, cluster: Cluster, job: JobState, strategy: str, max_restarts: int) -> None:
+    def __init__(self, cluster: Cluster, job: JobState, strategy: str, max_restarts: int,
+                 crash_loop_guard: bool = True, script_restores_itself: bool = False) -> None:
         self.cluster = cluster
         self.job = job
         self.strategy = Strategy(strategy)
         self.max_restarts = max_restarts
+        # Off for an unchanged script, which torchrun restarts until the budget is spent.
+        self.crash_loop_guard = crash_loop_guard
+        # An unchanged script restores itself from its own checkpoint (or starts over), as under
+        # torchrun: ffctl restarts the group and restores nothing, whatever steps it reported.
+        self.script_restores_itself = script_restores_itself
         # Inventory requests are numbered for the whole run: a late answer to an earlier
         # recovery's request must not pass for an answer to this one.
         self._req = 0
@@ -121,11 +127,6 @@ class RecoveryCoordinator:
         self._failures = 0
         self._handling: list[str] = []  # failure ids of the recovery under way
         self._restored_from: tuple[object, ...] | None = None  # signature of the last such failure
-        # Off for an unchanged script, which torchrun restarts until the budget is spent.
-        self.crash_loop_guard = True
-        # An unchanged script restores itself from its own checkpoint (or starts over), as under
-        # torchrun: ffctl restarts the group and restores nothing, whatever steps it reported.
-        self.script_restores_itself = False
 
     def recover(self) -> RecoveryOutcome:
         """Recover from the pending failure, and from any that arrive before the job resumes;
@@ -289,7 +290,7 @@ class RecoveryCoordinator:
             self._kill(set(job.members) - lost)
             lost = set(job.members)
         respawn = sorted(lost)
-        self._place(respawn, lost_nodes)
+        place(job, respawn, lost_nodes, cluster.spare_nodes(), cluster.has_gpu())
         # (The step a script goes back to is its own business: unknown here until it reports one.)
         restore_step = None if decision.restore_source is RestoreSource.SCRIPT else decision.restore_step
         cluster.record(EventKind.RECOVERY_DECIDED, fault_ids=ids, gen=new_gen, restore_step=restore_step,
@@ -358,30 +359,6 @@ class RecoveryCoordinator:
             if ranks <= answered() or len(ranks & answered()) == before or time.monotonic() > deadline:
                 return
 
-    def _place(self, ranks: list[int], lost_nodes: set[int]) -> None:
-        """Ranks of a lost node go to warm spares on surviving nodes when there are any (no wait
-        for the node to come back), or to surviving nodes whose worker template is warm when the
-        hosts have no GPU (a CPU host can run another rank; a GPU host's devices are taken);
-        otherwise they wait for the node's restarted agent, whose template must warm up first.
-        While the backend holds spare nodes (a scheduler's idle hosts), a lost node's ranks stay
-        with it: it comes back on a spare node, and the survivors keep their own load."""
-        job = self.job
-        # The first lost nodes, as many as there are spare nodes, come back there (in the order
-        # their agents are started again).
-        ranks = [r for r in ranks if job.members[r] not in sorted(lost_nodes)[:self.cluster.spare_nodes()]]
-        # A spare still warming up is further along than a node restart, so count it too.
-        free = {n: st.spares_total for n, st in job.nodes.items() if st.up and n not in lost_nodes}
-        if not self.cluster.has_gpu():
-            for n, st in job.nodes.items():
-                if n in free and st.template:
-                    free[n] = max(free[n], len(ranks))
-        for r in ranks:
-            if job.members[r] in lost_nodes and free:
-                n = max(free, key=lambda k: (free[k], -k))
-                if free[n] > 0:
-                    job.members[r] = n
-                    free[n] -= 1
-
     def _decide(self, gen: int, lost: set[int], lost_nodes: set[int]) -> Decision | None:
         """Generation `gen`'s plan, from what the live agents hold (their inventories)."""
         job = self.job
@@ -409,3 +386,27 @@ class RecoveryCoordinator:
         # Nodes that restarted hold nothing from before; count them as lost for the decision.
         return decide(self.strategy, job.members, lost, lost_nodes, invs, sorted(job.nodes), job.disk_step,
                       frozenset(job.bad_sources), gen=gen)
+
+
+def place(job: JobState, ranks: list[int], lost_nodes: set[int], spare_nodes: int, has_gpu: bool) -> None:
+    """Ranks of a lost node go to warm spares on surviving nodes when there are any (no wait
+    for the node to come back), or to surviving nodes whose worker template is warm when the
+    hosts have no GPU (a CPU host can run another rank; a GPU host's devices are taken);
+    otherwise they wait for the node's restarted agent, whose template must warm up first.
+    While the backend holds spare nodes (a scheduler's idle hosts), a lost node's ranks stay
+    with it: it comes back on a spare node, and the survivors keep their own load."""
+    # The first lost nodes, as many as there are spare nodes, come back there (in the order
+    # their agents are started again).
+    ranks = [r for r in ranks if job.members[r] not in sorted(lost_nodes)[:spare_nodes]]
+    # A spare still warming up is further along than a node restart, so count it too.
+    free = {n: st.spares_total for n, st in job.nodes.items() if st.up and n not in lost_nodes}
+    if not has_gpu:
+        for n, st in job.nodes.items():
+            if n in free and st.template:
+                free[n] = max(free[n], len(ranks))
+    for r in ranks:
+        if job.members[r] in lost_nodes and free:
+            n = max(free, key=lambda k: (free[k], -k))
+            if free[n] > 0:
+                job.members[r] = n
+                free[n] -= 1

@@ -49,6 +49,7 @@ TRANSITIONS: dict[Phase, frozenset[Phase]] = {
 class NodeState:
     node: int
     proc: AgentProcess
+    incarnation: int = 0  # how many times the node's agent was started before this one
     pid: int = 0
     peer: tuple[str, int] | None = None
     up: bool = False

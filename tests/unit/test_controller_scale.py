@@ -1,16 +1,17 @@
 """What keeps the controller's work per pump and per recovery from growing with the cluster: the
 heartbeat keys read a share per pump, evenly, each once per period; the ring wired anew only
 where a neighbour changed; the survivors' answers waited for as long as they keep coming; the
-decision's replicas gathered once. The controller is built bare, with only what these use."""
+decision's replicas gathered once. Each piece is built with only what these use."""
 from __future__ import annotations
 
 from types import SimpleNamespace
 from typing import Any
 
-from ffctl.controller import controller as controller_mod
-from ffctl.controller.controller import Controller
+from ffctl.controller import watchdog as watchdog_mod
 from ffctl.controller.decide import Inventory, decide
+from ffctl.controller.fleet import Fleet
 from ffctl.controller.state import JobState, NodeState
+from ffctl.controller.watchdog import Watchdog
 from recovery import messages
 from recovery.jobenv import Strategy
 from recovery.plan import LocalSlot, PeerReplica
@@ -22,26 +23,33 @@ class _Agent:
         return None  # running
 
 
-def _controller(nodes: int) -> tuple[Controller, list[tuple[int, messages.Message]]]:
-    ctl = Controller.__new__(Controller)
-    ctl.spec = SimpleNamespace(recovery=Strategy.PEER)  # type: ignore[assignment]
-    ctl.job = JobState.for_world(nodes, 1)
+def _job(nodes: int) -> JobState:
+    job = JobState.for_world(nodes, 1)
     for n in range(nodes):
-        ctl.job.nodes[n] = NodeState(n, _Agent(), up=True, peer=("127.0.0.1", 20000 + n))  # type: ignore[arg-type]
-    ctl._incarnation = {}
-    ctl._hb_credit, ctl._hb_checked, ctl._hb_cursor, ctl._wired = 0.0, 0.0, 0, {}
+        job.nodes[n] = NodeState(n, _Agent(), up=True, peer=("127.0.0.1", 20000 + n))  # type: ignore[arg-type]
+    return job
+
+
+def _watchdog(nodes: int) -> tuple[Watchdog, list[int]]:
+    dog = Watchdog(_job(nodes), None, lambda *a, **k: None, 1.0, 5.0, False)  # type: ignore[arg-type]
+    reads: list[int] = []
+    dog.read_heartbeat = lambda st: reads.append(st.node)  # type: ignore[method-assign]
+    return dog, reads
+
+
+def _fleet(nodes: int) -> tuple[Fleet, list[tuple[int, messages.Message]]]:
+    spec = SimpleNamespace(recovery=Strategy.PEER)
+    fleet = Fleet(spec, _job(nodes), None, None, None, "r", None, "")  # type: ignore[arg-type]
     sent: list[tuple[int, messages.Message]] = []
-    ctl.send = lambda node, msg: sent.append((node, msg))  # type: ignore[method-assign]
-    return ctl, sent
+    fleet.send = lambda node, msg: sent.append((node, msg))  # type: ignore[method-assign]
+    return fleet, sent
 
 
 def test_heartbeat_keys_are_read_a_share_per_pump_each_once_per_period() -> None:
     nodes = 1024
-    ctl, _ = _controller(nodes)
-    reads: list[int] = []
-    ctl._read_heartbeat = lambda st: reads.append(st.node)  # type: ignore[method-assign]
-    period = max(controller_mod.HEARTBEAT_READ_S, controller_mod.HEARTBEAT_READ_PER_NODE_S * nodes)
-    ctl._read_heartbeats(100.0)  # the first pump reads every key once
+    dog, reads = _watchdog(nodes)
+    period = max(watchdog_mod.HEARTBEAT_READ_S, watchdog_mod.HEARTBEAT_READ_PER_NODE_S * nodes)
+    dog.read_heartbeats(100.0)  # the first pump reads every key once
     assert sorted(reads) == list(range(nodes))
     reads.clear()
     pump = 0.005
@@ -50,7 +58,7 @@ def test_heartbeat_keys_are_read_a_share_per_pump_each_once_per_period() -> None
     for _ in range(round(period / pump)):  # one period of pumps 5 ms apart
         t += pump
         before = len(reads)
-        ctl._read_heartbeats(t)
+        dog.read_heartbeats(t)
         per_pump.append(len(reads) - before)
     # Every key once in the period (give or take the rounding of the last pump), none twice...
     assert nodes - 2 <= len(reads) <= nodes and len(set(reads)) == len(reads)
@@ -59,33 +67,31 @@ def test_heartbeat_keys_are_read_a_share_per_pump_each_once_per_period() -> None
 
 
 def test_a_small_cluster_keeps_its_read_period() -> None:
-    ctl, _ = _controller(8)
-    reads: list[int] = []
-    ctl._read_heartbeat = lambda st: reads.append(st.node)  # type: ignore[method-assign]
-    ctl._read_heartbeats(50.0)
+    dog, reads = _watchdog(8)
+    dog.read_heartbeats(50.0)
     reads.clear()
     t = 50.0
     for _ in range(100):  # 0.5 s of pumps
         t += 0.005
-        ctl._read_heartbeats(t)
+        dog.read_heartbeats(t)
     # Each of 8 keys every HEARTBEAT_READ_S: 10 reads each in 0.5 s.
-    assert abs(len(reads) - 8 * 0.5 / controller_mod.HEARTBEAT_READ_S) <= 1
+    assert abs(len(reads) - 8 * 0.5 / watchdog_mod.HEARTBEAT_READ_S) <= 1
     assert set(reads) == set(range(8))
 
 
 def test_the_ring_is_wired_anew_only_where_a_neighbour_changed() -> None:
-    ctl, sent = _controller(64)
-    ctl.wire_ring()
+    fleet, sent = _fleet(64)
+    fleet.wire_ring()
     assert sorted(n for n, _ in sent) == list(range(64))  # everyone, the first time
     sent.clear()
-    ctl.wire_ring()
+    fleet.wire_ring()
     assert sent == []  # nothing changed
-    ctl.job.nodes[10].up = False  # node 10 lost: only node 9's neighbour changes
-    ctl.wire_ring()
+    fleet.job.nodes[10].up = False  # node 10 lost: only node 9's neighbour changes
+    fleet.wire_ring()
     assert [(n, m.port) for n, m in sent] == [(9, 20011)]  # type: ignore[attr-defined]
     sent.clear()
-    ctl.job.nodes[10].up, ctl._incarnation[10] = True, 1  # it comes back, a new agent
-    ctl.wire_ring()
+    fleet.job.nodes[10].up, fleet.job.nodes[10].incarnation = True, 1  # it comes back, a new agent
+    fleet.wire_ring()
     assert sorted(n for n, _ in sent) == [9, 10]
 
 

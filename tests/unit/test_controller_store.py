@@ -11,10 +11,11 @@ from typing import Any
 import torch.distributed as dist
 
 from ffctl.controller.controller import Controller
+from ffctl.controller.plane import ControlPlane
 from ffctl.controller.state import JobState, NodeState
+from ffctl.controller.watchdog import Watchdog
 from recovery import control, messages
 from recovery.plan import GenerationPlan
-from recovery.throttle import Throttle
 from runs.events import EventKind
 from tests.helpers.store import loopback_store
 
@@ -38,20 +39,16 @@ class _Agent:
 
 
 def _controller() -> tuple[Controller, _Record]:
-    ctl = Controller.__new__(Controller)
     rec = _Record()
-    ctl.rec = rec  # type: ignore[assignment]
-    ctl.spec = SimpleNamespace(address="127.0.0.1", heartbeat_timeout=1.0, world_size=2, nnodes=2)  # type: ignore[assignment]
-    ctl.store = ctl._server = loopback_store()
-    ctl.token = TOKEN
-    ctl.limits = control.Limits(2, 2)
-    ctl._rejects = Throttle(Controller.REJECTS_PER_S)
-    ctl._hb_opener = control.Opener(TOKEN)
-    ctl._guarded, ctl._guard_at, ctl._store_failing_since = {}, 0.0, None
-    ctl._incarnation = {}
-    ctl._hb_credit, ctl._hb_checked, ctl._hb_cursor, ctl._wired, ctl._signals = 0.0, 0.0, 0, {}, []
-    ctl.job = JobState.for_world(2, 1)
-    ctl.inbox = control.Receiver(ctl.store, control.CTL_QUEUE, opener=control.Opener(TOKEN), on_reject=ctl._rejected)
+    plane = ControlPlane("127.0.0.1", TOKEN, 2, 2, rec.append)
+    plane.store = plane.server = loopback_store()
+    plane.inbox = control.Receiver(plane.store, control.CTL_QUEUE, opener=control.Opener(TOKEN),
+                                   on_reject=plane.rejected)
+    job = JobState.for_world(2, 1)
+    ctl = Controller.__new__(Controller)
+    ctl.job, ctl.plane, ctl._signals = job, plane, []
+    ctl.watchdog = Watchdog(job, plane, rec.append, heartbeat_timeout=1.0, hang_min_s=5.0, plain_script=False)
+    ctl.inbox = SimpleNamespace(handle=lambda msg: None)  # type: ignore[assignment]
     ctl.injector = SimpleNamespace(revert_due=lambda: None)  # type: ignore[assignment]
     return ctl, rec
 
@@ -70,10 +67,10 @@ def test_only_a_newer_sealed_beat_of_the_current_agent_is_a_sign_of_life() -> No
     key = control.heartbeat_key(1)
 
     def read(value: bytes | str) -> float:
-        assert ctl.store is not None
-        ctl.store.set(key, value)
+        assert ctl.plane.store is not None
+        ctl.plane.store.set(key, value)
         st.hb_seen = 0.0
-        ctl._read_heartbeat(st)
+        ctl.watchdog.read_heartbeat(st)
         return st.hb_seen
 
     assert read(first) > 0
@@ -82,9 +79,9 @@ def test_only_a_newer_sealed_beat_of_the_current_agent_is_a_sign_of_life() -> No
     assert read(first) == 0.0  # an older beat written back: a replay
     assert read("garbage") == 0.0
     assert read(_beat(control.Sealer(TOKEN, "agent/1"), 1, 1, incarnation=3)) == 0.0  # not its agent
-    ctl._incarnation[1] = 4
+    st.incarnation = 4
     assert read(_beat(control.Sealer(TOKEN, "agent/1"), 1, 5, incarnation=3)) == 0.0  # its previous agent's:
-    ctl._incarnation[1] = 0  # left in the key, no news, and nothing to report
+    st.incarnation = 0  # left in the key, no news, and nothing to report
     assert read(_beat(control.Sealer("x" * 64, "agent/1"), 1, 9)) == 0.0  # not sealed with the token
     reasons = [r["reason"] for r in rec.rejected()]
     assert len(reasons) == 4 and "replayed" in reasons[0] and "too short" in reasons[1], reasons
@@ -94,36 +91,38 @@ def test_only_a_newer_sealed_beat_of_the_current_agent_is_a_sign_of_life() -> No
 
 def test_keys_the_controller_owns_are_written_again_when_changed_or_deleted() -> None:
     ctl, rec = _controller()
-    assert ctl.store is not None
-    ctl._guarded = control.publish_plan(ctl.store, 1, GenerationPlan.fresh(1, 2, "peer"),
-                                        control.Sealer(TOKEN, "controller"))
-    ctl.store.set(control.GEN_KEY, "0")
+    plane = ctl.plane
+    assert plane.store is not None
+    plane.publish(1, GenerationPlan.fresh(1, 2, "peer"))
+    plane.store.set(control.GEN_KEY, "0")
     ctl.pump()
-    ctl.store.delete_key(control.gen_plan_key(1))
-    ctl._guard_at = 0.0
+    plane.store.delete_key(control.gen_plan_key(1))
+    plane.guard_at = 0.0
     ctl.pump()
-    assert control.read(ctl.store, control.GEN_KEY) == ctl._guarded[control.GEN_KEY]
-    assert control.read(ctl.store, control.gen_plan_key(1)) == ctl._guarded[control.gen_plan_key(1)]
+    assert control.read(plane.store, control.GEN_KEY) == plane.guarded[control.GEN_KEY]
+    assert control.read(plane.store, control.gen_plan_key(1)) == plane.guarded[control.gen_plan_key(1)]
     assert [(r["queue"], r["reason"].split()[1]) for r in rec.rejected()] == [
         (control.GEN_KEY, "overwritten"), (control.gen_plan_key(1), "deleted")]
 
 
 def test_a_failing_store_call_is_recorded_and_the_connection_opened_again() -> None:
     ctl, rec = _controller()
+    plane = ctl.plane
 
     class Broken:
         def poll(self, max_items: int = 1000) -> list[Any]:
             raise dist.DistNetworkError("Failed to recv, got 0 bytes")
 
-    good, ctl.inbox = ctl.inbox, Broken()  # type: ignore[assignment]
-    before = ctl.store
+    good, plane.inbox = plane.inbox, Broken()  # type: ignore[assignment]
+    before = plane.store
     t0 = time.monotonic()
     ctl.pump()  # no exception
     assert time.monotonic() - t0 < 5.0
-    assert ctl.store is not before  # a fresh connection to the same server
+    assert plane.store is not before  # a fresh connection to the same server
     assert "control store error: DistNetworkError" in rec.rejected()[0]["reason"]
-    ctl.inbox = good
-    good.store = ctl.store
-    control.send_dict(ctl.store, control.CTL_QUEUE, {"type": "junk"})  # the new connection works
+    assert good is not None and plane.store is not None
+    plane.inbox = good
+    good.store = plane.store
+    control.send_dict(plane.store, control.CTL_QUEUE, {"type": "junk"})  # the new connection works
     ctl.pump()
-    assert ctl._store_failing_since is None
+    assert plane.failing_since is None

@@ -174,3 +174,23 @@ def test_the_checker_sees_imports_of_every_kind(tmp_path: Path) -> None:
     # functions and under TYPE_CHECKING, and resolve `from pkg import module`.
     assert "ffctl.agent.agent" in GRAPH["ffctl.cli.agent_cmd"]  # imported inside a function
     assert any(_owner(m) == "recovery" for m in GRAPH["ffctl.agent.agent"])
+
+
+# The controller's pieces take the job state, a recorder and the narrow things they need, never
+# the controller: only the launch, the command line and the simulation start one.
+CONTROLLER = "ffctl.controller.controller"
+
+
+def test_nothing_in_the_controller_s_folder_imports_the_controller() -> None:
+    assert not sorted(m for m in GRAPH if _room(m) == "ffctl.controller" and CONTROLLER in GRAPH[m])
+    assert not sorted(m for m in GRAPH if CONTROLLER in GRAPH[m] and _room(m) not in
+                      ("ffctl.launch", "ffctl.cli", "ffctl.sim"))
+
+
+def test_planning_imports_no_runtime() -> None:
+    # Planning a launch (the pure fault plan, the scan of the user's script) loads neither the
+    # fault scheduler nor the controller, nor torch.
+    for pure in ("ffctl.controller.faultplan", "ffctl.controller.script"):
+        assert not GRAPH[pure] & {"ffctl.controller.injector", CONTROLLER}, pure
+        assert "torch" not in THIRD_PARTY[pure], pure
+    assert "ffctl.controller.injector" not in GRAPH["ffctl.launch.plan"]

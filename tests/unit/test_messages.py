@@ -15,10 +15,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ffctl.agent.agent import Agent
-from ffctl.controller.controller import Controller
+from ffctl.controller.inbox import Inbox
+from ffctl.controller.plane import ControlPlane
 from recovery import control, messages
 from recovery.messages import CommandKind, DecodeError, Kind
-from recovery.throttle import Throttle
 from runs.events import EventKind, RestoreHow, RestoreSource
 from tests.helpers.store import loopback_store
 
@@ -264,28 +264,32 @@ def test_a_sealed_message_arrives_as_the_same_message() -> None:
 
 # -- the controller and the agent handle every kind; the rest is recorded or reported -------------
 def test_the_controller_has_a_handler_for_every_report() -> None:
-    assert set(Controller.HANDLERS) == set(Kind)
-    assert all(callable(h) for h in Controller.HANDLERS.values())
+    assert set(Inbox.HANDLERS) == set(Kind)
+    assert all(callable(h) for h in Inbox.HANDLERS.values())
 
 
 def test_the_agent_has_a_handler_for_every_command() -> None:
     assert set(Agent.COMMAND_HANDLERS) == set(CommandKind)
 
 
-def _controller() -> tuple[Controller, list[tuple[EventKind, dict[str, Any]]]]:
-    # Only what `_handle` touches on these paths: the record is where the outcome shows.
-    ctl = Controller.__new__(Controller)
+def _controller() -> tuple[Inbox, list[tuple[EventKind, dict[str, Any]]]]:
+    # Only what `handle` touches on these paths: the record is where the outcome shows.
     recorded: list[tuple[EventKind, dict[str, Any]]] = []
-    ctl.limits = LIMITS
-    ctl._rejects = Throttle(Controller.REJECTS_PER_S)
-    ctl.record = lambda kind, **fields: recorded.append((kind, fields))  # type: ignore[method-assign]
-    return ctl, recorded
+
+    def record(kind: EventKind, /, **fields: Any) -> None:
+        recorded.append((kind, fields))
+
+    inbox = Inbox.__new__(Inbox)
+    inbox.record = record
+    inbox.plane = ControlPlane("127.0.0.1", "e" * 64, LIMITS.world_size, LIMITS.nnodes, record)
+    inbox.plane.limits = LIMITS
+    return inbox, recorded
 
 
 def test_the_controller_records_an_unknown_or_invalid_message() -> None:
     ctl, recorded = _controller()
-    ctl._handle({"type": "launch_missiles", "rank": 0})
-    ctl._handle(_step(rank=9))
+    ctl.handle({"type": "launch_missiles", "rank": 0})
+    ctl.handle(_step(rank=9))
     assert [k for k, _ in recorded] == [EventKind.MESSAGE_REJECTED] * 2
     assert recorded[0][1]["reason"] == "unknown message kind 'launch_missiles'"
     assert recorded[1][1]["reason"].startswith("step: bad rank=9") and '"rank": 9' in recorded[1][1]["raw"]
@@ -293,8 +297,8 @@ def test_the_controller_records_an_unknown_or_invalid_message() -> None:
 
 def test_the_controller_records_a_message_it_has_no_handler_for(monkeypatch: pytest.MonkeyPatch) -> None:
     ctl, recorded = _controller()
-    monkeypatch.setattr(Controller, "HANDLERS", {k: h for k, h in Controller.HANDLERS.items() if k is not Kind.STEP})
-    ctl._handle(_step())
+    monkeypatch.setattr(Inbox, "HANDLERS", {k: h for k, h in Inbox.HANDLERS.items() if k is not Kind.STEP})
+    ctl.handle(_step())
     [(kind, fields)] = recorded
     assert kind is EventKind.MESSAGE_REJECTED and fields["unhandled"] is True
     assert "no handler for 'step'" in fields["reason"] and '"loss": 2.5' in fields["raw"]
@@ -302,8 +306,8 @@ def test_the_controller_records_a_message_it_has_no_handler_for(monkeypatch: pyt
 
 def test_the_controller_records_an_agent_error_and_a_refusal() -> None:
     ctl, recorded = _controller()
-    ctl._handle(_wire(Kind.AGENT_ERROR, REPORTS[Kind.AGENT_ERROR]))
-    ctl._handle(_wire(Kind.REJECTED, {"where": "gen/1/abort/2", "reason": "bad MAC", "rank": 2, "node": 1}))
+    ctl.handle(_wire(Kind.AGENT_ERROR, REPORTS[Kind.AGENT_ERROR]))
+    ctl.handle(_wire(Kind.REJECTED, {"where": "gen/1/abort/2", "reason": "bad MAC", "rank": 2, "node": 1}))
     assert recorded[0] == (EventKind.MESSAGE_REJECTED, {"t": recorded[0][1]["t"], "queue": "agent", "index": -1,
                                                         "node": 1, "reason": "spawn: OSError: no memory", "raw": ""})
     assert recorded[1][1] | {"t": 0} == {"queue": "gen/1/abort/2", "index": -1, "reason": "bad MAC", "raw": "",

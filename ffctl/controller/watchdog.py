@@ -1,0 +1,132 @@
+"""The controller's failure detectors that watch rather than listen: lost nodes and hangs.
+
+A node is lost when its agent process exits or its heartbeat goes silent for longer than the
+heartbeat timeout (longer while the job starts); the heartbeat keys are read a share per pump,
+each once per period, so a thousand nodes never hold up the messages. The job hangs when the
+open generation commits no step for the hang limit. Each makes a failure pending in `JobState`;
+the recovery coordinator takes it from there. (A rank's exit and an error in a step arrive as
+messages: `ffctl.controller.inbox`.)
+"""
+from __future__ import annotations
+
+import time
+
+from ffctl.controller.cluster import Record
+from ffctl.controller.failures import Cause, Failure
+from ffctl.controller.plane import ControlPlane
+from ffctl.controller.state import JobState, NodeState, Phase
+from recovery import control, messages
+from runs.events import EventKind
+
+STARTUP_HANG_S = 120.0
+STARTUP_HEARTBEAT_S = 10.0
+# How often each node's heartbeat key is read (its agent beats every 0.2 s); with many nodes, at
+# most one key per HEARTBEAT_READ_PER_NODE_S (0.2 s per key at 1,024 nodes: about 5,000 reads a
+# second, a tenth of a core, where every 0.05 s would be 20,000 and more time than there is).
+HEARTBEAT_READ_S = 0.05
+HEARTBEAT_READ_PER_NODE_S = 0.0002
+
+
+def wall(monotonic_t: float) -> float:
+    """A `time.monotonic()` reading as wall-clock time (the record's clock)."""
+    return time.time() - (time.monotonic() - monotonic_t)
+
+
+class Watchdog:
+    def __init__(self, job: JobState, plane: ControlPlane, record: Record, heartbeat_timeout: float,
+                 hang_min_s: float, plain_script: bool) -> None:
+        self.job = job
+        self.plane = plane
+        self.record = record
+        self.heartbeat_timeout = heartbeat_timeout
+        self.hang_min_s = hang_min_s
+        self.plain_script = plain_script  # reports no steps: no progress to judge
+        # Heartbeat reads (`read_heartbeats`): reads earned and not made yet, when they were
+        # last counted, and where on the ring of up nodes the next one is.
+        self.hb_credit, self.hb_checked, self.hb_cursor = 0.0, 0.0, 0
+
+    def check_nodes(self) -> None:
+        now = time.monotonic()
+        self.read_heartbeats(now)
+        for n, st in self.job.nodes.items():
+            if not st.up:
+                continue
+            if st.proc.poll() is not None:
+                st.up = False
+                self.record(EventKind.NODE_LOST, node=n, reason="agent-exit")
+                self.job.fail(Failure(Cause.NODE_LOST, nodes={n}, since_what="agent-exit"))
+                continue
+            if now - st.hb_seen > self.heartbeat_limit():
+                st.up = False
+                self.record(EventKind.NODE_LOST, node=n, reason="heartbeat")
+                # It began with the silence: the last genuine beat is the failure's onset.
+                self.job.fail(Failure(Cause.NODE_LOST, nodes={n}, since=wall(st.hb_seen),
+                                      since_what="last-heartbeat"))
+
+    def read_heartbeats(self, now: float) -> None:
+        """Read the up nodes' heartbeat keys, each once per period, round the ring a share per
+        pump: the reads are spread evenly, so a thousand nodes' keys never hold up the messages
+        for tens of milliseconds at a time."""
+        up = [st for st in self.job.nodes.values() if st.up]
+        if not up:
+            return
+        period = max(HEARTBEAT_READ_S, HEARTBEAT_READ_PER_NODE_S * len(up))
+        self.hb_credit = min(float(len(up)), self.hb_credit + len(up) * (now - self.hb_checked) / period)
+        self.hb_checked = now
+        reads = int(self.hb_credit)
+        self.hb_credit -= reads
+        for i in range(reads):
+            st = up[(self.hb_cursor + i) % len(up)]
+            st.hb_read_at = now
+            self.read_heartbeat(st)
+        self.hb_cursor = (self.hb_cursor + reads) % len(up)
+
+    def read_heartbeat(self, st: NodeState) -> None:
+        """Take the node's heartbeat key: a sealed beat of its current agent, newer than the last
+        one, is a sign of life; anything else there is refused and recorded (once per value)."""
+        store = self.plane.store
+        assert store is not None
+        key = control.heartbeat_key(st.node)
+        raw = control.read(store, key)
+        if raw is None or raw == st.hb_raw:
+            return  # no beat yet, or none since the last read (a deleted key: its agent says so)
+        st.hb_raw = raw
+        try:
+            beat = messages.Heartbeat.from_dict(self.plane.hb_opener.open(raw, key), self.plane.limits)
+            if beat.node != st.node:
+                raise messages.DecodeError(f"heartbeat of node {beat.node} under {key}")
+            self.heartbeat(beat)
+        except (control.Rejected, messages.DecodeError) as exc:
+            self.plane.rejected(key, -1, exc.reason, raw)
+        except (KeyError, ValueError) as exc:
+            self.plane.rejected(key, -1, str(exc)[:200], raw)
+
+    def heartbeat(self, msg: messages.Heartbeat) -> None:
+        # From the node's key (`read_heartbeat`) or, while that key is written over, the queue;
+        # sealed either way, and news only when newer than the last from its agent process.
+        st = self.job.nodes[msg.node]
+        if msg.incarnation > st.incarnation:
+            raise ValueError(f"heartbeat of agent incarnation {msg.incarnation}, node {msg.node} "
+                             f"runs {st.incarnation}")
+        if msg.incarnation == st.incarnation and st.up:
+            st.hb_seen = time.monotonic()
+        # (An older incarnation's beat is what the node's previous agent left in its key: no news.)
+
+    def heartbeat_limit(self) -> float:
+        # While the job starts, every host imports torch in several processes at once and an
+        # agent can be starved of CPU for more than a second; a node lost then costs nothing to
+        # wait for, so allow a longer silence until the first step is committed.
+        if self.job.gen == 0 and not self.job.progress.started(0):
+            return max(self.heartbeat_timeout, STARTUP_HEARTBEAT_S)
+        return self.heartbeat_timeout
+
+    def check_hang(self) -> None:
+        if self.job.phase is not Phase.RUNNING or self.job.pending is not None or self.plain_script:
+            return  # (a plain script reports no steps: no progress to judge)
+        if not self.job.progress.started():
+            limit = STARTUP_HANG_S
+        else:
+            limit = self.job.progress.hang_limit(self.hang_min_s)
+        if time.monotonic() - self.job.last_progress > limit:
+            self.job.fail(Failure(Cause.HANG, detail=f"no step progress for {limit:.1f}s",
+                                  since=wall(self.job.last_progress), since_what="last-progress"))
