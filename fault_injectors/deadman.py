@@ -232,7 +232,7 @@ def apply_guarded(plan: FaultPlan, transport_for: TransportFor, timeout: float =
     except Exception:
         try:
             revert_guarded(plan, transport_for, timeout)
-        except Exception:  # noqa: BLE001 - the switch stays armed and reverts later
+        except Exception:  # the switch stays armed and reverts later
             pass
         raise
 

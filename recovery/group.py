@@ -65,11 +65,11 @@ class AbortWatcher:
                 # Timed out: the connection may still owe the server's late answer, so reconnect.
                 try:
                     self._store = control.connect(self._host, self._port, timeout=10.0)
-                except Exception:  # noqa: BLE001 - the controller is gone, as below
+                except Exception:  # the controller is gone, as below
                     pass
                 else:
                     continue
-            except Exception:  # noqa: BLE001 - the controller is gone: nothing can complete any more
+            except Exception:  # the controller is gone: nothing can complete any more
                 pass
             else:
                 if self._stop.is_set():
@@ -85,7 +85,7 @@ class AbortWatcher:
                     # how the controller tells a busy rank from a stopped or wedged one.
                     try:
                         self._on_seen(self._store)
-                    except Exception:  # noqa: BLE001 - the controller is gone: nobody to tell
+                    except Exception:  # the controller is gone: nobody to tell
                         pass
             return
 
@@ -107,16 +107,16 @@ class AbortWatcher:
             if self._on_forged is not None:
                 try:
                     self._on_forged(self.key, reason, raw)
-                except Exception:  # noqa: BLE001 - reporting is best effort
+                except Exception:  # reporting is best effort
                     pass
             while not self._stop.wait(FORGED_POLL_S):
                 try:
                     if control.read(self._store, self.key) != raw:
                         break
-                except Exception:  # noqa: BLE001 - the controller is gone
+                except Exception:  # the controller is gone
                     return True
             return False
-        except Exception:  # noqa: BLE001 - the controller is gone: nothing can complete any more
+        except Exception:  # the controller is gone: nothing can complete any more
             return True
 
     def stop(self, store: dist.Store) -> None:
@@ -124,7 +124,7 @@ class AbortWatcher:
         self._stop.set()
         try:
             store.set(self.key, "closed")
-        except Exception:  # noqa: BLE001 - the controller is gone: the wait has ended already
+        except Exception:  # the controller is gone: the wait has ended already
             pass
         self._thread.join(timeout=1.0)
 
@@ -286,7 +286,7 @@ class Generation:
             def block() -> None:
                 try:
                     work.wait()
-                except Exception as exc:  # noqa: BLE001 - handed to the waiting rank below
+                except Exception as exc:  # handed to the waiting rank below
                     errors.append(exc)
                 finished()
 

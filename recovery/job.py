@@ -381,7 +381,7 @@ class Job:
         """A forged plan, generation pointer or abort flag: ignored, and the controller told."""
         try:
             self._send(messages.Refusal, where=where, index=index, reason=reason, raw=control.short_repr(raw))
-        except Exception:  # noqa: BLE001 - the controller is gone: nobody to tell
+        except Exception:  # the controller is gone: nobody to tell
             pass
 
     def _join(self, gen: int, plan: GenerationPlan, in_step: bool = False) -> tuple[int, RestoreHow | None]:
@@ -507,7 +507,7 @@ class Job:
         try:
             self._send(messages.StepError, gen=self.group.gen if self.group else self.env.gen, step=step, error=text[:500],
                        traceback=[line[:400] for line in trace[-ERROR_TRACE_LINES:]])
-        except Exception:  # noqa: BLE001 - the controller may be gone; the exit still tells the agent
+        except Exception:  # the controller may be gone; the exit still tells the agent
             pass
 
     def _commit(self, step: int, loss: float, t0: float) -> None:

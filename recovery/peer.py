@@ -274,7 +274,7 @@ class PeerStore:
             return
         try:
             self.on_refused(why, held)
-        except Exception:  # noqa: BLE001 - whoever listens is gone: the log line stays
+        except Exception:  # whoever listens is gone: the log line stays
             pass
 
     def settle(self, header: dict[str, Any]) -> dict[str, Any]:

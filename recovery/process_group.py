@@ -177,7 +177,7 @@ class ResilientGroup(dist.ProcessGroup):
         self._name = ""
         self._inner: tuple[int, dist.ProcessGroup] | None = None  # (generation, its group)
 
-    def getBackendName(self) -> str:  # noqa: N802 - torch's name
+    def getBackendName(self) -> str:  # torch's name
         return BACKEND
 
     def _set_group_name(self, name: str) -> None:

@@ -51,7 +51,7 @@ class StepReporter:
                 msg = messages.Step(rank=self.env.rank, node=self.env.node, gen=self.env.gen, step=step,
                                     loss=loss, dt=max(0.0, dt))
                 control.send(self._store, control.CTL_QUEUE, msg, self._sealer)
-            except Exception:  # noqa: BLE001 - the controller is gone: training goes on regardless
+            except Exception:  # the controller is gone: training goes on regardless
                 self._broken = True
 
 

@@ -58,7 +58,7 @@ def listed_reports(records: list[RunStore]) -> list[dict[str, Any]]:
     for record in records:
         try:
             listed.append(run_report(record))
-        except Exception as exc:  # noqa: BLE001 - whatever a hostile record trips, the listing goes on
+        except Exception as exc:  # whatever a hostile record trips, the listing goes on
             why = " ".join(str(exc).split()) or type(exc).__name__
             typer.echo(f"ffctl: warning: run {record.run_id!r} skipped: {why[:300]}", err=True)
     return listed

@@ -172,7 +172,7 @@ class Sim:
                 except control.Rejected:
                     pass
                 time.sleep(0.05)
-        except Exception:  # noqa: BLE001 - the controller is gone: nothing to watch any more
+        except Exception:  # the controller is gone: nothing to watch any more
             return
         with self.lock:
             self.aborted.add(gen)
@@ -251,7 +251,7 @@ class Sim:
         keys = None
         try:
             keys = int(cohorts[0].store.num_keys()) if cohorts else None
-        except Exception:  # noqa: BLE001 - a figure of the bench, not the protocol
+        except Exception:  # a figure of the bench, not the protocol
             pass
         self.emit({"ev": "step", "step": step, "gen": gen, "t": t0, "sent_s": round(time.time() - t0, 6),
                    "cpu_s": time.process_time(), "keys": keys})
@@ -278,7 +278,7 @@ class Sim:
                 now = time.monotonic()
                 for agent in live:
                     agent.beat(store, now)
-            except Exception as exc:  # noqa: BLE001 - the controller is gone
+            except Exception as exc:  # the controller is gone
                 print(f"ffctl sim: heartbeats: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
 
     def shard_loop(self, shard: int) -> None:
@@ -299,12 +299,12 @@ class Sim:
                     moved = {a.node for a, raw in zip(mine, counters) if bytes(raw) != a.counter_seen}
                     for a, raw in zip(mine, counters):
                         a.counter_seen = bytes(raw)
-                except Exception as exc:  # noqa: BLE001 - the controller is gone
+                except Exception as exc:  # the controller is gone
                     print(f"ffctl sim: shard {shard}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
             for agent in mine:
                 try:
                     agent.tick(now, agent.node in moved)
-                except Exception as exc:  # noqa: BLE001 - an agent whose store call failed
+                except Exception as exc:  # an agent whose store call failed
                     print(f"ffctl sim: agent {agent.node}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
             self.shutting.wait(0.002)
 
@@ -535,7 +535,7 @@ def main(argv: list[str]) -> int:
                           "code": -9 if gone.dead else 0})
                 else:
                     emit({"ev": "exited", "node": int(op["node"]), "incarnation": int(op["incarnation"]), "code": 0})
-        except Exception as exc:  # noqa: BLE001 - said, and the process goes on with the next line
+        except Exception as exc:  # said, and the process goes on with the next line
             print(f"ffctl sim: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
     sim.shutting.set()
     with sim.lock:
