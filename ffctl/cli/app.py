@@ -6,7 +6,7 @@ import sys
 import typer
 
 try:  # typer >= 0.16 ships its own copy of click
-    from typer._click import exceptions as click_exc  # type: ignore[import-not-found]
+    from typer._click import exceptions as click_exc
 except ImportError:  # pragma: no cover - older typer uses click itself
     from click import exceptions as click_exc  # type: ignore[no-redef]
 
