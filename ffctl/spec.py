@@ -30,7 +30,7 @@ PLAIN_MAX_RESTARTS = 0
 LIBRARY_MAX_RESTARTS = 3
 # What a worker given with torchrun's --no-python runs (it replaces itself with the program).
 EXEC_MODULE = "ffctl.agent.execprog"
-SANDBOXES = ("netns",)  # --sandbox values (ffctl.launch.plan.BACKENDS has one backend each)
+SANDBOXES = ("netns",)  # --sandbox values (ffctl.backends.BACKENDS has one backend each)
 # --backend values: local processes, the netns sandbox (as --sandbox netns), Slurm job steps.
 BACKEND_NAMES = ("local", "netns", "slurm")
 

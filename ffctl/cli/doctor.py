@@ -32,7 +32,7 @@ def diagnose(hosts: Path | None, *, accept_new_host_keys: bool = False, python: 
             raise BadInput("--backend slurm checks the allocation's nodes: give it without --hosts")
         import sys
 
-        from ffctl.launch.slurm import doctor_transports
+        from ffctl.backends.slurm_steps import doctor_transports
 
         # The agents run with this interpreter on every node (a shared filesystem's).
         return check_hosts(doctor_transports(), timeout=timeout, python=sys.executable)

@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 from fault_injectors import Topology
 from fault_injectors.plan import HostCommand
-from ffctl.controller.backend import NodeBackend
+from ffctl.backends.protocol import NodeBackend
 from ffctl.controller.barrier import ExitBarrier
 from ffctl.controller.cluster import FatalRun, RecoveryAbandoned
 from ffctl.controller.coordinator import RecoveryCoordinator, RecoveryOutcome

@@ -14,7 +14,7 @@ from typing import Callable
 
 from fault_injectors import NodePlace, RankPlace, Topology
 from ffctl.agent.config import TERM_GRACE_S, AgentConfig
-from ffctl.controller.backend import NodeBackend
+from ffctl.backends.protocol import NodeBackend
 from ffctl.controller.cluster import FatalRun
 from ffctl.controller.decide import ring_holder
 from ffctl.controller.plane import ControlPlane

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from ffctl.controller.backend import NodeBackend
+from ffctl.backends.protocol import NodeBackend
 from ffctl.controller.cluster import FatalRun, Record, RecoveryAbandoned
 from ffctl.controller.decide import Decision
 from ffctl.controller.failures import Cause, Failure

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from ffctl.controller.backend import AgentProcess
+from ffctl.backends.protocol import AgentProcess
 from ffctl.controller.failures import Failure, RankFailure
 from ffctl.controller.progress import Progress
 from recovery import messages

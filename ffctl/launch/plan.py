@@ -2,9 +2,11 @@
 
 `plan_launch` checks everything a user can get wrong before anything starts (`LaunchSpec.validate`,
 then what needs this machine: root for a sandbox, the runs dir, each fault's tools) and returns
-what would run; `execute` is the one path for every node backend (local, netns sandbox, SSH):
-the backend prepares the nodes and names the controller's address, the run record is created,
-the controller runs over the backend, and the backend cleans up however the run ends.
+what would run, each node's agent argv asked of the backend that will run it
+(`LaunchBackend.agent_launch`, the very request its `start` runs); `execute` is the one path for
+every node backend (`ffctl.backends`: local, netns sandbox, SSH, Slurm): the backend prepares the
+nodes and names the controller's address, the run record is created, the controller runs over
+the backend, and the backend cleans up however the run ends.
 """
 from __future__ import annotations
 
@@ -13,9 +15,8 @@ import os
 import platform
 import shlex
 import signal
-import sys
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable
 
 from fault_injectors import FaultSpecError, NodePlace, RankPlace, Target, TargetMode, Topology
 from fault_injectors.network import preflight
@@ -23,7 +24,8 @@ from fault_injectors.schedule import parse_chaos
 from fault_injectors.spec import FaultKind, FaultSpec
 from fault_injectors.transport import LocalTransport
 from ffctl import __version__
-from ffctl.controller.backend import NodeBackend
+from ffctl.backends import BACKENDS, SLURM, backend_name
+from ffctl.backends.protocol import LaunchBackend
 from ffctl.errors import BadInput
 from ffctl.launch.timeouts import findings, read_timeouts
 from ffctl.controller.faultplan import chaos_faults, plan_fault
@@ -34,10 +36,8 @@ from runs.metrics import run_strategy
 from runs.store import RunStore, RunStoreError, new_run_id, validate_run_id
 
 if TYPE_CHECKING:
-    from ffctl.launch.sandbox import NetnsSandbox
+    from ffctl.backends.netns import NetnsSandbox
 
-SANDBOX_NETNS = "netns"
-SLURM = "slurm"
 CHAOS_PREVIEW = 5  # chaos faults `--dry-run` lists
 
 
@@ -78,7 +78,7 @@ def _record_dir(spec: LaunchSpec, run_id: str, remote: bool) -> str:
 def plan_launch(spec: LaunchSpec) -> LaunchPlan:
     hosts: list[str] | None = None
     if spec.hostfile is not None:
-        from ffctl.hosts.ssh.nodes import hosts_spec
+        from ffctl.hosts.ssh.preflight import hosts_spec
 
         spec, entries = hosts_spec(spec)  # one node per host, slots= ranks each
         hosts = [e.name for e in entries]
@@ -93,16 +93,15 @@ def plan_launch(spec: LaunchSpec) -> LaunchPlan:
     drains = [str(f) for f in spec.injects if f.option("drain") == "yes"]
     if drains and spec.backend != SLURM:
         raise BadInput(f"--inject {drains[0]}: drain=yes drains a Slurm node; it needs --backend slurm")
-    slurm_hosts: list[str] | None = None
-    if spec.backend == SLURM:
-        from ffctl.launch.slurm import plan_hosts
-
-        slurm_hosts = plan_hosts(spec)  # outside an allocation: one line, exit 2
+    sandbox = _preview_sandbox(spec, run_id) if spec.sandbox is not None else None
+    # The backend that will run the nodes, made as `execute` makes it (building and connecting
+    # nothing): outside a Slurm allocation, or with a bad --master-addr, this is one line, exit 2.
+    backend = BACKENDS[backend_name(spec)](spec, run_id)
+    slurm_hosts = [backend.host(n) for n in range(spec.nnodes)] if spec.backend == SLURM else None
     topo = _static_topology(spec, run_id, hosts or slurm_hosts)
     if slurm_hosts:
         # The record is on a filesystem the allocation's nodes share, as it is here.
         topo = replace(topo, record_dir=_record_dir(spec, run_id, False))
-    sandbox = _preview_sandbox(spec, run_id) if spec.sandbox is not None else None
     if sandbox is not None:
         topo = _sandbox_topology(spec, run_id, sandbox)
     # A script trains its own steps: --steps is the built-in GPT's, no total of the script's.
@@ -120,20 +119,13 @@ def plan_launch(spec: LaunchSpec) -> LaunchPlan:
              f"recovery {recovery}" + (f", checkpoint every {spec.ckpt_every}" if spec.ckpt_every else "")
              + (f", {spec.spares} warm spare(s) per node" if spec.spares else "")]
     worker = " ".join(shlex.quote(a) for a in spec.script) if spec.script else f"built-in GPT ({spec.model}{'' if spec.parallel == 'ddp' else ', ' + spec.parallel})"
-    # The very argv each backend starts its agents with.
-    from ffctl.agent.config import agent_argv
-    from ffctl.launch.nodes import local_agent_argv
-
     for n in range(spec.nnodes):
         ranks = [r for r in range(spec.world_size) if r // spec.nproc_per_node == n]
-        where = f"`{shlex.join(agent_argv(spec.remote_python))}` over SSH on {hosts[n]}" if hosts else \
-            f"`{shlex.join(local_agent_argv())}` on localhost"
-        if slurm_hosts:
-            where = f"`{shlex.join(agent_argv(sys.executable))}` as a step (srun --overlap) on Slurm node {slurm_hosts[n]}"
+        # The very argv the backend's `start` will run for this node's agent.
+        where = backend.agent_launch(n).describe()
         if sandbox is not None:
             place = topo.node(n)
-            where = (f"`{shlex.join(local_agent_argv(place.netns))}` on localhost "
-                     f"(address {place.address}, interface {place.interface})")
+            where += f" (address {place.address}, interface {place.interface})"
         lines.append(f"node {n}: agent {where}, ranks {ranks}: {worker}")
     if sandbox is not None:
         lines.insert(1, f"sandbox: bridge {sandbox.bridge} on {sandbox.subnet}, the controller's store on "
@@ -169,7 +161,7 @@ def timeout_findings(spec: LaunchSpec, plain: bool) -> list[str]:
 
 
 def _preview_sandbox(spec: LaunchSpec, run_id: str) -> NetnsSandbox:
-    from ffctl.launch.sandbox import NetnsSandbox, SandboxError, require_root
+    from ffctl.backends.netns import NetnsSandbox, SandboxError, require_root
 
     try:
         require_root()
@@ -243,54 +235,28 @@ def run_info(plan: LaunchPlan) -> dict[str, Any]:
     }
 
 
-class LaunchBackend(NodeBackend, Protocol):
-    """A node backend as `execute` drives it: `prepare` checks and builds what the nodes need
-    (leaving nothing behind when it fails) and returns the address the controller's store
-    listens on; `attach` is told the run record once it exists; `release` undoes `prepare`
-    however the run ended (the record is None when it was never created)."""
+def requeue_bound(spec: LaunchSpec) -> int:
+    """The requeues a Slurm job may have: its --max-restarts, or the default the controller
+    applies (torchrun's 0 for an unchanged script, 3 for the built-in GPT and the recovery library)."""
+    if spec.max_restarts is not None:
+        return spec.max_restarts
+    from ffctl.spec import LIBRARY_MAX_RESTARTS, PLAIN_MAX_RESTARTS
 
-    def prepare(self) -> str: ...
+    if spec.script:
+        from ffctl.controller.script import uses_recovery_library
 
-    def attach(self, record: RunStore) -> None: ...
-
-    def release(self, record: RunStore | None) -> None: ...
-
-
-def _local(spec: LaunchSpec, run_id: str) -> LaunchBackend:
-    from ffctl.launch.nodes import LocalNodes
-
-    return LocalNodes.for_launch(spec, run_id)
+        return LIBRARY_MAX_RESTARTS if uses_recovery_library(spec.script) else PLAIN_MAX_RESTARTS
+    return LIBRARY_MAX_RESTARTS
 
 
-def _netns(spec: LaunchSpec, run_id: str) -> LaunchBackend:
-    from ffctl.launch.sandbox import SandboxNodes
+def _check_requeue(spec: LaunchSpec) -> None:
+    """A Slurm job requeued more often than it may be starts nothing (NoRequeue, exit 4)."""
+    if backend_name(spec) == SLURM:
+        from ffctl.backends.slurm_cluster import check_requeue, restart_count
 
-    return SandboxNodes.for_launch(spec, run_id)
-
-
-def _slurm(spec: LaunchSpec, run_id: str) -> LaunchBackend:
-    from ffctl.launch.slurm import SlurmNodes
-
-    return SlurmNodes.for_launch(spec, run_id)
-
-
-def _ssh(spec: LaunchSpec, run_id: str) -> LaunchBackend:
-    from ffctl.hosts.ssh.nodes import SSHNodes  # paramiko: imported only for a run over SSH
-
-    return SSHNodes.for_launch(spec, run_id)
-
-
-# Each way of running nodes, by name; a new one (srun, Kubernetes) is one module and one line.
-BACKENDS: dict[str, Callable[[LaunchSpec, str], LaunchBackend]] = {"local": _local, SANDBOX_NETNS: _netns, "ssh": _ssh,
-                                                                   SLURM: _slurm}
-
-
-def backend_name(spec: LaunchSpec) -> str:
-    if spec.hostfile is not None:
-        return "ssh"
-    if spec.backend == SLURM:
-        return SLURM
-    return spec.sandbox or "local"
+        restarts = restart_count(os.environ)
+        if restarts:
+            check_requeue(restarts, requeue_bound(spec))
 
 
 def execute(plan: LaunchPlan, view: Callable[[dict[str, Any]], None]) -> tuple[RunStatus, RunStore]:
@@ -299,7 +265,8 @@ def execute(plan: LaunchPlan, view: Callable[[dict[str, Any]], None]) -> tuple[R
     it ends (Ctrl-C and SIGTERM included)."""
     from ffctl.controller.controller import Controller
 
-    backend = BACKENDS[backend_name(plan.spec)](plan.spec, plan.run_id)
+    _check_requeue(plan.spec)
+    backend: LaunchBackend = BACKENDS[backend_name(plan.spec)](plan.spec, plan.run_id)
     previous = signal.getsignal(signal.SIGTERM)
     # SIGTERM unwinds like Ctrl-C from here on, so what the backend built goes in either case.
     signal.signal(signal.SIGTERM, _interrupt)

@@ -30,7 +30,7 @@ LOCAL = "localhost"
 
 
 def _sandbox_prefix(run_id: str | None) -> str:
-    from ffctl.launch.sandbox import NS_PREFIX, short_id
+    from ffctl.backends.netns import NS_PREFIX, short_id
 
     return NS_PREFIX if run_id is None else f"{NS_PREFIX}{short_id(run_id)}-"
 
@@ -94,7 +94,7 @@ def _commands(host: str, netns: str | None, run_id: str | None) -> tuple[HostCom
 def _drained(run_id: str | None) -> tuple[str, ...]:
     """The Slurm nodes ffctl drained (all runs', or `run_id`'s) as sinfo lists them here; none
     where there is no Slurm client or it cannot reach its controller."""
-    from ffctl.launch.slurm import COMMAND_TIMEOUT_S, ffctl_drained, parse_node_states
+    from ffctl.backends.slurm_cluster import COMMAND_TIMEOUT_S, ffctl_drained, parse_node_states
 
     if shutil.which("sinfo") is None:
         return ()
@@ -108,7 +108,7 @@ def _drained(run_id: str | None) -> tuple[str, ...]:
 
 def plan_revert(hostfile: Path | None, run_id: str | None = None) -> RevertPlan:
     """Find what to clean (this machine, its sandbox namespaces, the hostfile's hosts) and how."""
-    from ffctl.launch.sandbox import list_namespaces
+    from ffctl.backends.netns import list_namespaces
     from runs.store import RunStoreError, validate_run_id
 
     if run_id is not None:
@@ -154,7 +154,7 @@ def _outcome(name: str, removed: list[str]) -> str:
 def execute_revert(plan: RevertPlan) -> list[str]:
     """Carry out `plan`, every place even when one fails; one line per place cleaned. Raises
     InfraError naming the first place that could not be cleaned."""
-    from ffctl.launch.sandbox import SandboxError, cleanup_stale
+    from ffctl.backends.netns import SandboxError, cleanup_stale
 
     lines: list[str] = []
     failures: list[str] = []

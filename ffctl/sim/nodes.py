@@ -1,6 +1,6 @@
 """The simulated node backend: the controller's agent starts go to one simulated-agent process.
 
-`SimNodes` implements the controller's `NodeBackend` (`ffctl.controller.backend`) as every other
+`SimNodes` implements the controller's `NodeBackend` (`ffctl.backends.protocol`) as every other
 backend does, so the controller runs unchanged: `start(cfg)` hands the agent's configuration to
 the `python -m ffctl.sim` process (started with the first agent) and returns a `SimAgent`
 handle, whose `poll` and `stop` are answered by that process. Nodes are named `sim<N>` on
@@ -22,6 +22,7 @@ from typing import IO, Any, Sequence
 from fault_injectors.plan import HostCommand
 from fault_injectors.transport import Transport
 from ffctl.agent.config import AgentConfig
+from ffctl.backends.process import stop_process
 from ffctl.errors import InfraError
 from ffctl.sim.agents import SimSpec
 
@@ -117,16 +118,7 @@ class SimNodes:
         """End the simulator (its stdin closes) and return its summary."""
         if self.proc is None:
             return None
-        try:
-            if self.proc.stdin is not None:
-                self.proc.stdin.close()
-        except OSError:
-            pass
-        try:
-            self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=timeout)
+        stop_process(self.proc, timeout)
         if self._reader is not None:
             self._reader.join(timeout=timeout)
         if self._log is not None:

@@ -103,7 +103,7 @@ def test_sbatch_example_kills_a_node_and_recovers_it_from_peer_memory(cluster: S
 
 def _sinfo(cluster: SlurmCluster) -> dict[str, tuple[str, str]]:
     """Each node's state and reason as sinfo gives them."""
-    from ffctl.launch.slurm import parse_node_states
+    from ffctl.backends.slurm_cluster import parse_node_states
 
     return parse_node_states(cluster.run(["sinfo", "--noheader", "--Node", "--format=%N|%T|%E"]).stdout)
 

@@ -13,7 +13,7 @@ from typing import Callable, Iterator, Sequence
 from fault_injectors import deadman
 from fault_injectors.plan import HostCommand, NodePlace, Topology
 from fault_injectors.transport import LocalTransport, Transport
-from ffctl.launch.sandbox import NetnsSandbox, cleanup_stale, list_namespaces
+from ffctl.backends.netns import NetnsSandbox, cleanup_stale, list_namespaces
 
 SSH_PORT = 22
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterator, Sequence
 
 if TYPE_CHECKING:
-    from ffctl.launch.sandbox import NetnsSandbox
+    from ffctl.backends.netns import NetnsSandbox
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "srun", "scancel", "scontrol", "squeue", "sinfo")
@@ -201,7 +201,7 @@ def slurm_cluster(tmp: Path, nnodes: int = 3, cpus: int = 4, netns: bool = False
     (and so each node's steps) runs in a network namespace of its own on a private bridge
     (`NetnsSandbox`'s), slurmctld on the bridge's address; else all on loopback."""
     if netns:
-        from ffctl.launch.sandbox import NetnsSandbox, cleanup_stale
+        from ffctl.backends.netns import NetnsSandbox, cleanup_stale
 
         sandbox = NetnsSandbox(f"slurm-{os.urandom(3).hex()}", nnodes).create()
         try:

@@ -21,7 +21,7 @@ import psutil
 import pytest
 
 from fault_injectors import deadman, network
-from ffctl.launch.sandbox import NetnsSandbox, cleanup_stale, list_namespaces
+from ffctl.backends.netns import NetnsSandbox, cleanup_stale, list_namespaces
 from runs.events import EventKind
 from tests.conftest import needs_root
 from tests.helpers.launch import processes_in, rid, run_ffctl, shm_left, start_launch, wait_event

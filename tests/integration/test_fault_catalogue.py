@@ -38,7 +38,7 @@ from fault_injectors.schedule import parse_chaos
 from fault_injectors.targets import resolve
 from fault_injectors.transport import LocalTransport, Transport
 from ffctl.controller.faultplan import chaos_faults
-from ffctl.launch.sandbox import cleanup_stale, list_namespaces, short_id
+from ffctl.backends.netns import cleanup_stale, list_namespaces, short_id
 from runs.events import Event, EventKind
 from runs import shm
 from runs.store import iter_events

@@ -33,7 +33,7 @@ from fault_injectors.network import FaultUnsupported, preflight
 from fault_injectors.plan import FaultPlan, HostCommand, RankPlace, Topology
 from fault_injectors.planner import run_commands
 from fault_injectors.revert import revert_all
-from ffctl.launch.sandbox import NetnsSandbox
+from ffctl.backends.netns import NetnsSandbox
 from tests.conftest import ROOT, needs_root
 from tests.helpers.netns import (
     clean_sandbox,

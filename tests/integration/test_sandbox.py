@@ -10,9 +10,9 @@ from typing import Iterator
 
 import pytest
 
-import ffctl.launch.sandbox as sandbox_mod
+import ffctl.backends.netns as sandbox_mod
 from fault_injectors import make_plan, parse_spec
-from ffctl.launch.sandbox import NetnsSandbox, SandboxError, cleanup_stale, list_namespaces, pick_subnet
+from ffctl.backends.netns import NetnsSandbox, SandboxError, cleanup_stale, list_namespaces, pick_subnet
 from tests.conftest import needs_root
 from tests.helpers.netns import clean_sandbox, connect, leftovers, sh, tcp_server, topology
 
@@ -185,6 +185,6 @@ def test_node_count_is_checked(n: int) -> None:
 def test_names_fit_the_kernel_limits() -> None:
     sb = NetnsSandbox("a-very-long-run-id-" * 10, 250)
     assert len(sb.bridge) <= 15
-    names = sb._names()
+    names = sb.node_names()
     assert all(len(n.interface) <= 15 and len(n.host_interface) <= 15 for n in names)
     assert all(n.netns.startswith("ffctl-") for n in names)

@@ -328,7 +328,7 @@ def test_a_hosts_run_directory_is_made_only_in_a_runs_root_of_ours(root_is: str,
     """`--remote-runs-dir` (default /tmp/ffctl-runs) as the SSH backend prepares it on a host: in
     a root another user owns or can write, that user could swap the run's directory for a
     symlink and read or redirect its logs and checkpoints, so it is refused."""
-    from ffctl.hosts.ssh.nodes import MAKE_RUN_DIR
+    from ffctl.backends.ssh import MAKE_RUN_DIR
 
     root = tmp_path / "ffctl-runs"
     if root_is == "a symlink":

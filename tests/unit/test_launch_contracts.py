@@ -2,16 +2,22 @@
 optimizer names, the fault planners, and the launch checks that read them."""
 from __future__ import annotations
 
+import shlex
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from fault_injectors.planner import PLANNERS
 from fault_injectors.spec import FaultFamily
+from fault_injectors.transport import CommandResult
+from ffctl.agent.config import AgentConfig
+from ffctl.backends import BACKENDS
 from ffctl.errors import BadInput
-from ffctl.launch.plan import BACKENDS, plan_launch
+from ffctl.launch.plan import plan_launch
 from ffctl.spec import LaunchSpec, SpecError
 from ffctl.workload import gpt, sizes
 from recovery.faults import InStepFaults
@@ -77,29 +83,89 @@ def test_every_family_has_a_planner_and_every_way_a_backend() -> None:
     assert set(BACKENDS) == {"local", "netns", "ssh", "slurm"}
 
 
-def test_the_dry_run_prints_the_argv_each_local_agent_is_started_with(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import shlex
+class _Started(Exception):
+    """Raised by a stand-in process start once it has the argv: nothing runs."""
 
-    from ffctl.agent.config import AgentConfig
-    from ffctl.launch import nodes as local
 
-    started: list[list[str]] = []
+def _shown(lines: tuple[str, ...], node: int) -> list[str]:
+    """The agent argv the dry run prints for `node` (between backquotes)."""
+    line = next(x for x in lines if x.startswith(f"node {node}: agent `"))
+    return shlex.split(line.split("`")[1])
 
-    class Started(Exception):
-        pass
+
+def _cfg(run_id: str, node: int, tmp_path: Path) -> AgentConfig:
+    return AgentConfig(run_id=run_id, node=node, nnodes=2, store_host="127.0.0.1", store_port=1, address="127.0.0.1",
+                       token="t", log_dir=str(tmp_path / "logs" / str(node)), worker_argv=("-m", "x"))
+
+
+def _started_locally(monkeypatch: pytest.MonkeyPatch, backend: Any, started: list[list[str]]) -> None:
+    """Capture at the process start of the local backends: `subprocess.Popen`."""
+    from ffctl.backends import local
 
     def popen(argv: list[str], **kwargs: object) -> None:
         started.append(list(argv))
-        raise Started
+        raise _Started
 
-    plan = plan_launch(LaunchSpec(nnodes=2, nproc_per_node=1, runs_dir=tmp_path / "runs"))
-    backend = local.LocalNodes(plan.spec, plan.run_id)
-    backend.log_dir = tmp_path / "logs"
     monkeypatch.setattr(local.subprocess, "Popen", popen)
     monkeypatch.setattr(backend, "_hold_shm", lambda shm_dir: None)
-    with pytest.raises(Started):
-        backend.start(AgentConfig(run_id=plan.run_id, node=0, nnodes=2, store_host="127.0.0.1", store_port=1,
-                                  address="127.0.0.1", token="t", log_dir=str(tmp_path), worker_argv=("-m", "x")))
-    [argv] = started
-    shown = [line for line in plan.lines if line.startswith("node 0: agent ")]
-    assert shown and f"`{shlex.join(argv)}` on localhost" in shown[0], (shown, argv)
+
+
+@pytest.mark.parametrize("name", ["local", "netns", "ssh", "slurm"])
+def test_the_dry_run_prints_the_argv_each_backend_starts_its_agents_with(
+        name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # What `--dry-run` prints for each node's agent is what the backend hands its process start
+    # (Popen, a step's srun, the SSH transport's start), captured there, not derived again.
+    spec = LaunchSpec(nnodes=2, nproc_per_node=1, runs_dir=tmp_path / "runs")
+    if name == "netns":
+        from ffctl.backends import netns
+
+        monkeypatch.setattr(netns, "require_root", lambda: None)
+        monkeypatch.setattr(netns, "_networks_in_use", lambda: [])
+        spec = replace(spec, sandbox="netns")
+    elif name == "ssh":
+        (tmp_path / "hosts").write_text("h0\nh1\n")
+        spec = replace(spec, hostfile=tmp_path / "hosts", remote_python="python3.11")
+    elif name == "slurm":
+        monkeypatch.setenv("SLURM_JOB_ID", "7")
+        monkeypatch.setenv("SLURM_JOB_NODELIST", "n[1-2]")
+        spec = replace(spec, backend="slurm")
+    plan = plan_launch(spec)
+    backend = BACKENDS[name](plan.spec, plan.run_id)
+    backend.log_dir = tmp_path / "logs"  # what attach() gives it
+    started: list[list[str]] = []
+    if name in ("local", "netns"):
+        _started_locally(monkeypatch, backend, started)
+    elif name == "ssh":
+        from ffctl.hosts.hostfile import HostEntry
+        from ffctl.hosts.ssh.preflight import HostSetup
+
+        class Transport:
+            def __init__(self, host: str) -> None:
+                self.host = host
+
+            def run(self, argv: Any, *, timeout: float, input: str | None = None) -> CommandResult:
+                return CommandResult(tuple(argv), 0, "", "")
+
+            def start(self, argv: Any, env: Any = None, **kwargs: object) -> None:
+                started.append(list(argv))
+                raise _Started
+
+        # As `prepare` leaves it: each host checked, its python found at a path of its own.
+        backend._use([(Transport(h), HostSetup(n, HostEntry(h), "/opt/py/bin/python3.11", "0", f"10.0.0.{n}",
+                                               "eth0", "10.0.0.9", None, None)) for n, h in enumerate(("h0", "h1"))])
+    else:
+        def popen(argv: list[str], **kwargs: object) -> None:
+            started.append(list(argv))
+            raise _Started
+
+        backend._popen = popen
+    for node in (0, 1):
+        with pytest.raises(_Started):
+            backend.start(_cfg(plan.run_id, node, tmp_path))
+        assert started[-1] == _shown(plan.lines, node), (plan.lines, started)
+    # Each backend's own argv, not a shared default: the namespace, the node's step, the
+    # interpreter as --remote-python names it.
+    where = {"local": [sys.executable, "-m", "ffctl.agent"], "netns": ["ip", "netns", "exec"],
+             "ssh": ["python3.11", "-m", "ffctl.agent"], "slurm": ["srun", "--jobid=7"]}[name]
+    assert started[1][:len(where)] == where and started[1][-2:] == ["-m", "ffctl.agent"]
+    assert name != "slurm" or "--nodelist=n2" in started[1]

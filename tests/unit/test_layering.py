@@ -91,12 +91,17 @@ def test_each_library_stays_in_its_room(library: str, room: str) -> None:
 ALLOWED = {
     "ffctl.agent": set(),
     "ffctl.workload": set(),
-    "ffctl.controller": {"ffctl.agent"},  # the agent's config: what it starts agents with
+    # The agent's config (what it starts agents with) and the node-backend protocol, never a backend.
+    "ffctl.controller": {"ffctl.agent", "ffctl.backends.protocol"},
     "ffctl.hosts": {"ffctl.agent"},
-    "ffctl.launch": {"ffctl.agent", "ffctl.controller", "ffctl.hosts", "ffctl.workload"},
+    # A backend starts agents (their config) on hosts (SSH's transport and preflight).
+    "ffctl.backends": {"ffctl.agent", "ffctl.hosts"},
+    "ffctl.launch": {"ffctl.agent", "ffctl.backends", "ffctl.controller", "ffctl.hosts", "ffctl.workload"},
     "ffctl.render": {"ffctl.hosts.doctor"},  # the doctor's result types, to show them
-    "ffctl.cli": {"ffctl.launch", "ffctl.controller", "ffctl.hosts", "ffctl.render", "ffctl.agent", "ffctl.bench"},
-    "ffctl.sim": {"ffctl.agent", "ffctl.controller"},  # simulated agents, a backend, the real controller
+    "ffctl.cli": {"ffctl.launch", "ffctl.backends", "ffctl.controller", "ffctl.hosts", "ffctl.render", "ffctl.agent",
+                  "ffctl.bench"},
+    # Simulated agents, a backend (the protocol, the stop sequence), the real controller.
+    "ffctl.sim": {"ffctl.agent", "ffctl.backends", "ffctl.controller"},
 }
 
 
@@ -127,6 +132,30 @@ def test_the_controller_and_the_backends_import_only_the_agent_s_config() -> Non
     # The config itself stays light: nothing of the project but the lower packages, nothing heavy.
     assert not [d for d in GRAPH[AGENT_CONFIG] if _owner(d) == "ffctl"]
     assert not THIRD_PARTY[AGENT_CONFIG] & {"torch", "psutil", "recovery", "runs"}
+
+
+def _reach(start: str) -> set[str]:
+    """Every module `start` imports, directly or through others."""
+    seen: set[str] = set()
+    todo = [start]
+    while todo:
+        for dep in GRAPH[todo.pop()]:
+            if dep not in seen:
+                seen.add(dep)
+                todo.append(dep)
+    return seen
+
+
+def test_the_controller_reaches_no_node_backend() -> None:
+    # One protocol, one folder: the controller sees nodes only through `ffctl.backends.protocol`,
+    # which imports no backend, so nothing the controller loads is a backend (or paramiko).
+    backends = {m for m in GRAPH if _room(m) == "ffctl.backends"} - {"ffctl.backends.protocol"}
+    assert not _reach("ffctl.backends.protocol") & backends
+    for mod in (m for m in GRAPH if _room(m) == "ffctl.controller"):
+        assert not _reach(mod) & backends, mod
+    # And every backend module implements the protocol from that one place.
+    for name in ("local", "ssh", "slurm"):
+        assert "ffctl.backends.protocol" in GRAPH[f"ffctl.backends.{name}"], name
 
 
 def test_no_import_circle() -> None:

@@ -41,3 +41,10 @@ def test_the_class_counter_sees_every_class(tmp_path: Path) -> None:
     (tmp_path / "m.py").write_text("class A:\n    x = 1\n\n    class B:\n        y = 2\n        z = 3\n")
     sizes = {name.split(":")[1]: n for name, n in _classes(tmp_path).items()}
     assert sizes == {"A": 6, "B": 3}
+
+
+def test_no_node_backend_or_ssh_class_is_over_300_lines() -> None:
+    # The backends and the SSH transport they start agents over (SlurmNodes, SSHTransport).
+    for folder in (ROOT / "ffctl" / "backends", ROOT / "ffctl" / "hosts"):
+        long = {name: n for name, n in _classes(folder).items() if n > MAX_CLASS_LINES}
+        assert not long, long

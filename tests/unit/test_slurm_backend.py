@@ -16,11 +16,8 @@ import pytest
 from fault_injectors.plan import HostCommand
 from ffctl.agent.config import AgentConfig
 from ffctl.errors import BadInput, NoRequeue
-from ffctl.launch.slurm import (
-    SlurmNodes,
-    SlurmTransport,
-    StepKill,
-    agent_argv,
+from ffctl.backends.slurm import SlurmNodes
+from ffctl.backends.slurm_cluster import (
     allocation,
     check_requeue,
     expand_nodelist,
@@ -29,10 +26,11 @@ from ffctl.launch.slurm import (
     is_out,
     newest_checkpoint,
     parse_node_states,
-    requeue_bound,
     restart_count,
     split_nodes,
 )
+from ffctl.backends.slurm_steps import SlurmTransport, StepKill, agent_argv
+from ffctl.launch.plan import requeue_bound
 from ffctl.spec import LaunchSpec
 from runs.events import EventKind
 

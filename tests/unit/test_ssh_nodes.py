@@ -14,17 +14,10 @@ from fault_injectors.transport import CommandResult, LocalTransport, TransportEr
 from ffctl.agent.config import CONFIG_ENV, AgentConfig
 from ffctl.errors import BadInput, InfraError
 from ffctl.hosts.hostfile import HostEntry
-from ffctl.hosts.ssh import nodes as ssh_nodes
+from ffctl.backends.ssh import MAKE_RUN_DIR, SSHNodes
+from ffctl.hosts.ssh import preflight as ssh_preflight
+from ffctl.hosts.ssh.preflight import HostSetup, check_master_addr, controller_address, hosts_spec, parse_net_probe
 from ffctl.spec import LaunchSpec
-from ffctl.hosts.ssh.nodes import (
-    MAKE_RUN_DIR,
-    HostSetup,
-    SSHNodes,
-    check_master_addr,
-    controller_address,
-    hosts_spec,
-    parse_net_probe,
-)
 
 PROBE = """conn=10.0.0.1 51234 10.0.0.11 22
 1: lo    inet 127.0.0.1/8 scope host lo\\       valid_lft forever preferred_lft forever
@@ -119,9 +112,9 @@ def test_hosts_and_the_sandbox_do_not_mix(tmp_path: Path) -> None:
 
 def test_an_address_seen_through_nat_falls_back_to_our_route(monkeypatch: pytest.MonkeyPatch) -> None:
     # The host saw an address that is not ours (NAT): our source address towards it is used.
-    monkeypatch.setattr(ssh_nodes, "_route_source", lambda dest: "127.0.0.1" if dest == "192.0.2.10" else None)
+    monkeypatch.setattr(ssh_preflight, "_route_source", lambda dest: "127.0.0.1" if dest == "192.0.2.10" else None)
     assert controller_address([setup(address="192.0.2.10", seen="192.0.2.1")]) == "127.0.0.1"
-    monkeypatch.setattr(ssh_nodes, "_route_source", lambda dest: None)
+    monkeypatch.setattr(ssh_preflight, "_route_source", lambda dest: None)
     with pytest.raises(InfraError, match=r"^n0: cannot tell .* give --master-addr$"):
         controller_address([setup(address="192.0.2.10", seen="192.0.2.1")])
 

@@ -1,2 +1,3 @@
-"""SSH to the hosts: the paramiko transport (the only module that imports paramiko) and the node
-backend that starts one agent per host over it."""
+"""SSH to the hosts: the connection (`connection`) and transport (`transport`), the only modules
+that import paramiko, and the checks every host passes before a run over SSH (`preflight`). The
+SSH node backend that starts one agent per host over them is `ffctl.backends.ssh`."""

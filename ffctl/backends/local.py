@@ -1,8 +1,7 @@
-"""The local node backend: every node's agent a subprocess on this machine.
+"""The local node backend (`--backend local`): every node's agent a subprocess on this machine.
 
-`LocalNodes` implements the controller's `NodeBackend` (`ffctl.controller.backend`) and the
-launch's lifecycle (`ffctl.launch.plan.LaunchBackend`). The netns sandbox
-(`ffctl.launch.sandbox.SandboxNodes`) is the same backend with each node in its own namespace.
+`LocalNodes` implements `ffctl.backends.protocol.LaunchBackend`. The netns sandbox
+(`ffctl.backends.netns.SandboxNodes`) is the same backend with each node in its own namespace.
 A `LocalAgent` is the controller's handle on one agent: its pid, whether it still runs, and its
 stdin, held open for the agent's lifetime (the agent exits when it closes).
 """
@@ -17,6 +16,8 @@ from typing import IO, Any, Sequence
 from fault_injectors.plan import HostCommand
 from fault_injectors.transport import LocalTransport, Transport
 from ffctl.agent.config import AgentConfig, agent_argv
+from ffctl.backends.process import stop_process
+from ffctl.backends.protocol import AgentLaunch
 from ffctl.spec import LaunchSpec
 from runs import shm
 from runs.store import RunStore
@@ -32,17 +33,7 @@ class LocalAgent:
         return self.proc.poll()
 
     def stop(self, timeout: float) -> None:
-        try:
-            if self.proc.stdin is not None:
-                self.proc.stdin.close()
-        except OSError:
-            pass
-        try:
-            self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=timeout)
-        self._log.close()
+        stop_process(self.proc, timeout, log=self._log)
 
 
 def local_agent_argv(netns: str | None = None) -> list[str]:
@@ -84,6 +75,9 @@ class LocalNodes:
 
     def release(self, record: RunStore | None) -> None:
         """Nothing to undo: the controller stopped the agents and swept their names."""
+
+    def agent_launch(self, node: int) -> AgentLaunch:
+        return AgentLaunch(node, tuple(local_agent_argv(self.netns(node))), "on localhost")
 
     # -- NodeBackend --------------------------------------------------------------------------
     def address(self, node: int) -> str:
@@ -136,7 +130,7 @@ class LocalNodes:
         if self.log_dir is None:
             raise RuntimeError("LocalNodes.start before attach(): no log directory")
         self._hold_shm(cfg.shm_dir)
-        argv = local_agent_argv(self.netns(cfg.node))
+        argv = list(self.agent_launch(cfg.node).argv)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log = open(self.log_dir / f"agent-{cfg.node}.log", "ab")
         proc = subprocess.Popen(

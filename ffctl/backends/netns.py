@@ -1,4 +1,5 @@
-"""`--sandbox netns`: one network namespace per node on this machine, so network faults are real.
+"""The netns node backend (`--sandbox netns`): one network namespace per node on this machine,
+so network faults are real.
 
 Layout for a run (short id = a digest of the run id):
 
@@ -12,7 +13,8 @@ it. The bridge and host-side veths carry the alias `ffctl-sandbox:ffctl-<short>-
 
 The caller stops every process inside the namespaces before `destroy()`: a namespace with a live
 process in it outlives `ip netns del`. `SandboxNodes` is the node backend of `--sandbox netns`:
-the local backend with the namespaces built in `prepare` and removed in `release`.
+the local backend (`ffctl.backends.local`) with the namespaces built in `prepare` and removed in
+`release`.
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ from typing import Any
 
 from fault_injectors.plan import NodePlace
 from ffctl.errors import InfraError
-from ffctl.launch.nodes import LocalNodes
+from ffctl.backends.local import LocalNodes
 from ffctl.spec import LaunchSpec
 from runs.store import RunStore
 
@@ -182,7 +184,7 @@ class NetnsSandbox:
     def describe(self) -> dict[str, object]:
         """What this sandbox puts on the machine, by name, for the run record: a controller that
         is killed leaves exactly this until `ffctl inject revert --all --run RUN` removes it."""
-        names = self._names()
+        names = self.node_names()
         return {"kind": "netns", "namespaces": [n.netns for n in names],
                 "links": [self.bridge, *(n.host_interface for n in names)]}
 
@@ -233,12 +235,13 @@ class NetnsSandbox:
 
     def destroy(self) -> None:
         """Remove namespaces, veths and the bridge. Idempotent; raises only if something stays."""
-        _remove(self.prefix, bridges=[self.bridge], veths=[n.host_interface for n in self._names()])
+        _remove(self.prefix, bridges=[self.bridge], veths=[n.host_interface for n in self.node_names()])
         if self._forward_rule:
             _drop_forward_rule(self.bridge, self.alias)  # the bridge (and its alias) may be gone
             self._forward_rule = False
 
-    def _names(self) -> tuple[SandboxNode, ...]:
+    def node_names(self) -> tuple[SandboxNode, ...]:
+        """Each node's namespace and interfaces (addresses too once the subnet is picked)."""
         if self._subnet is None:
             # Never created here (or create failed early): names do not depend on the subnet.
             return tuple(SandboxNode(i, f"{self.prefix}n{i}", "", f"ffv{self.short}n{i}",
@@ -344,6 +347,11 @@ class SandboxNodes(LocalNodes):
     def __init__(self, run_id: str, nnodes: int) -> None:
         super().__init__()
         self.sandbox = NetnsSandbox(run_id, nnodes)
+        # The names do not depend on the subnet: what each agent is started in is known (and the
+        # dry run shows it) before the namespaces exist.
+        names = self.sandbox.node_names()
+        self._netns = {n.index: n.netns for n in names}
+        self._ifaces = {n.index: n.interface for n in names}
 
     @classmethod
     def for_launch(cls, spec: LaunchSpec, run_id: str) -> SandboxNodes:

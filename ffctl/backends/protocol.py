@@ -1,24 +1,31 @@
-"""What the controller needs from a node backend: the one seam between it and how nodes run.
+"""The node-backend protocol: the one seam between ffctl and how nodes run.
 
 A backend starts a node's agent from its `AgentConfig` and says where each node is (host,
 address, network namespace, interface), whether its hosts have a GPU, where the run's files
 live on them, how far their clocks are from ours, how a fault's command reaches a host, what
 node-local leftovers to sweep once the agents are gone, and what it leaves on the machines for
-the record. The controller calls exactly these and nothing else: it never imports a backend.
+the record (`NodeBackend`: all the controller calls; the controller imports this module and never
+a backend). The launch drives the rest of a backend's life (`LaunchBackend`): `prepare` the
+nodes, `attach` the run record, `release` whatever was built, and say beforehand what `start`
+will run (`agent_launch`), which is how `ffctl launch --dry-run` prints the very argv each
+agent is started with: `start` runs the `AgentLaunch` that `agent_launch` returns, nothing else.
 
-Backends today: local processes (`ffctl.launch.nodes.LocalNodes`), local processes inside network
-namespaces (`ffctl.launch.sandbox.SandboxNodes`), SSH (`ffctl.hosts.ssh.nodes.SSHNodes`) and Slurm
-job steps (`ffctl.launch.slurm.SlurmNodes`). A Kubernetes backend is one more module implementing
-this protocol (plus the launch-side lifecycle of `ffctl.launch.plan.LaunchBackend`) and one entry
-in the launch's map.
+Backends (`ffctl.backends`, one module each): `local`, `netns`, `ssh`, `slurm`; the simulated
+nodes of `ffctl.sim.nodes` implement `NodeBackend` too. A Kubernetes backend would be one more
+module and one entry in `ffctl.backends.BACKENDS`. This module imports no backend.
 """
 from __future__ import annotations
 
-from typing import Any, Protocol, Sequence
+import shlex
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 from fault_injectors.plan import HostCommand
 from fault_injectors.transport import Transport
 from ffctl.agent.config import AgentConfig
+
+if TYPE_CHECKING:
+    from runs.store import RunStore
 
 
 class AgentProcess(Protocol):
@@ -34,6 +41,20 @@ class AgentProcess(Protocol):
         """End the agent (it shuts its workers down first), waiting at most about `timeout`
         before killing it; idempotent."""
         ...
+
+
+@dataclass(frozen=True)
+class AgentLaunch:
+    """What a backend runs to start one node's agent: the argv handed to its process start
+    (`subprocess.Popen` here, a step's `srun`, an SSH transport's `start`) and where it runs.
+    The dry run prints it; `start` runs it."""
+
+    node: int
+    argv: tuple[str, ...]
+    where: str  # "on localhost", "over SSH on h1", "as a step (srun --overlap) on Slurm node n1"
+
+    def describe(self) -> str:
+        return f"`{shlex.join(self.argv)}` {self.where}"
 
 
 class NodeBackend(Protocol):
@@ -91,3 +112,22 @@ class NodeBackend(Protocol):
         """Fields for the run record's `run.json`: what this backend set up and leaves if the
         controller is killed (e.g. the sandbox's namespaces, the hosts' run directories)."""
         ...
+
+
+class LaunchBackend(NodeBackend, Protocol):
+    """A node backend as the launch drives it. Made by its factory (`ffctl.backends.BACKENDS`)
+    from the launch spec alone, building and connecting nothing, so the dry run can ask it what
+    it would run; `prepare` checks and builds what the nodes need (leaving nothing behind when it
+    fails) and returns the address the controller's store listens on; `attach` is told the run
+    record once it exists; `release` undoes `prepare` however the run ended (the record is None
+    when it was never created)."""
+
+    def agent_launch(self, node: int) -> AgentLaunch:
+        """What the next `start` of `node`'s agent runs (before `prepare`: what the first will)."""
+        ...
+
+    def prepare(self) -> str: ...
+
+    def attach(self, record: RunStore) -> None: ...
+
+    def release(self, record: RunStore | None) -> None: ...
