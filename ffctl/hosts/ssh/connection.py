@@ -106,7 +106,8 @@ def resolve_settings(
     user = entry.user or str(options.get("user") or "") or getpass.getuser()
 
     identity = options.get("identityfile") or []
-    identity_files = tuple(os.path.expanduser(str(p)) for p in identity)  # type: ignore[union-attr]
+    # paramiko gives a list (IdentityFile may be repeated); a lone value is taken as one file.
+    identity_files = tuple(os.path.expanduser(str(p)) for p in (identity if isinstance(identity, list) else [identity]))
     identities_only = str(options.get("identitiesonly", "no")).lower() == "yes"
 
     if known_hosts is not None:
