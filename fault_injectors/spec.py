@@ -89,6 +89,13 @@ class Target:
     def __str__(self) -> str:
         return self.mode.value if self.value is None else f"{self.mode.value}:{self.value}"
 
+    @property
+    def number(self) -> int:
+        """The number of a rank, node, fixed or percent target (the parser makes it an int)."""
+        if not isinstance(self.value, int):
+            raise TypeError(f"a {self.mode.value} target carries no number")
+        return self.value
+
 
 @dataclass(frozen=True)
 class Trigger:

@@ -16,13 +16,13 @@ def resolve(spec: FaultSpec, topo: Topology) -> tuple[tuple[int, ...], tuple[int
     all_nodes = sorted(n.node for n in topo.nodes)
     by_rank = spec.kind.targets_rank
     if target.mode is TargetMode.RANK:
-        rank = int(target.value)  # type: ignore[arg-type]
+        rank = target.number
         if rank not in all_ranks:
             raise FaultSpecError(f"rank {rank} does not exist (world size {len(all_ranks)})")
         node = topo.rank(rank).node
         return ((rank,), (node,)) if by_rank else ((), (node,))
     if target.mode is TargetMode.NODE:
-        node = int(target.value)  # type: ignore[arg-type]
+        node = target.number
         if node not in all_nodes:
             raise FaultSpecError(f"node {node} does not exist (nodes {all_nodes})")
         return (tuple(r.rank for r in topo.ranks_of(node)) if by_rank else (), (node,))
@@ -39,11 +39,11 @@ def resolve(spec: FaultSpec, topo: Topology) -> tuple[tuple[int, ...], tuple[int
     elif target.mode is TargetMode.ALL:
         count = len(pool)
     elif target.mode is TargetMode.FIXED:
-        count = int(target.value)  # type: ignore[arg-type]
+        count = target.number
         if count > len(pool):
             raise FaultSpecError(f"fixed:{count} asks for more targets than the {len(pool)} there are")
     else:
-        count = max(1, math.floor(len(pool) * int(target.value) / 100))  # type: ignore[arg-type]
+        count = max(1, math.floor(len(pool) * target.number / 100))
     chosen = tuple(sorted(rng.sample(pool, count)))
     if by_rank:
         return chosen, tuple(sorted({topo.rank(r).node for r in chosen}))
@@ -55,11 +55,11 @@ def check_in_job(spec: FaultSpec, world_size: int, nnodes: int) -> None:
     checks `resolve` makes against the live topology, for what the job's size alone decides)."""
     target = spec.target
     pool = world_size if spec.kind.targets_rank else nnodes
-    if target.mode is TargetMode.RANK and int(target.value) >= world_size:  # type: ignore[arg-type]
+    if target.mode is TargetMode.RANK and target.number >= world_size:
         raise FaultSpecError(f"rank {target.value} does not exist (world size {world_size}: ranks 0-{world_size - 1})")
-    if target.mode is TargetMode.NODE and int(target.value) >= nnodes:  # type: ignore[arg-type]
+    if target.mode is TargetMode.NODE and target.number >= nnodes:
         raise FaultSpecError(f"node {target.value} does not exist ({nnodes} node(s): nodes 0-{nnodes - 1})")
-    if target.mode is TargetMode.FIXED and int(target.value) > pool:  # type: ignore[arg-type]
+    if target.mode is TargetMode.FIXED and target.number > pool:
         what = "ranks" if spec.kind.targets_rank else "nodes"
         raise FaultSpecError(f"fixed:{target.value} asks for more targets than the {pool} {what} there are")
     peer = spec.option("peer")

@@ -42,7 +42,7 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, TypeGuard
+from typing import Any, Callable, Literal, TypeGuard
 
 import torch.distributed as dist
 
@@ -387,7 +387,7 @@ class Receiver:
         value = f"{max(self.high, self.seen) + REPAIR_MARGIN}:{self._tag}".encode()
         store_compare_set(self.store, self._counter, b"" if raw is None else raw, value)
 
-    def _take(self, idx: int) -> dict[str, Any] | None | bool:
+    def _take(self, idx: int) -> dict[str, Any] | None | Literal[False]:
         """The message at `idx`; None if not written yet; False if written but refused."""
         key = f"{self.queue}/{idx}"
         raw = read(self.store, key)
@@ -438,7 +438,7 @@ class Receiver:
             msg = self._take(idx)
             if msg is not None:
                 if msg is not False:
-                    out.append(msg)  # type: ignore[arg-type]
+                    out.append(msg)
                 del self._missing[idx]
             elif now - self._missing[idx] >= self.gap_timeout:
                 del self._missing[idx]  # its producer died between reserving and writing
@@ -457,7 +457,7 @@ class Receiver:
                 continue
             run = 0
             if msg is not False:
-                out.append(msg)  # type: ignore[arg-type]
+                out.append(msg)
         return out
 
     def _watch(self, idx: int, now: float) -> None:

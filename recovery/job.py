@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -39,6 +39,9 @@ from recovery.slots import SlotContent, SlotWriter, read_slot, slot_path
 from recovery.restore import KEPT, Prepared, Unusable, agree, prepare, restore
 from recovery.snapshot import Capture, StateEntry, capture, state_entry
 from runs.events import RestoreHow
+
+if TYPE_CHECKING:
+    from recovery.standalone import PlainJob
 
 T = TypeVar("T")
 CONTINUED = RestoreHow.CONTINUED  # a survivor kept its state and goes on with the step it was in
@@ -100,14 +103,14 @@ class Job:
         self._send(messages.Started, gen=env.gen, pid=os.getpid())
 
     @classmethod
-    def from_env(cls) -> Job:
+    def from_env(cls) -> Job | PlainJob:
         """The job of this rank. Outside ffctl (plain torchrun, or `python SCRIPT`) the same
         surface over torch's default process group, recovering nothing
         (`recovery.standalone.PlainJob`), so an adapted script still runs there."""
         from recovery.standalone import PlainJob, under_ffctl
 
         if not under_ffctl():
-            return PlainJob.from_env()  # type: ignore[return-value]  # the same public surface
+            return PlainJob.from_env()
         return cls(JobEnv.from_env())
 
     # -- registration -------------------------------------------------------------------------
@@ -356,7 +359,7 @@ class Job:
 
     def _send(self, kind: type[messages.Message], **fields: Any) -> None:
         """Report a message of `kind` (every one from a rank names the rank and its node)."""
-        msg = kind(rank=self.env.rank, node=self.env.node, **fields)  # type: ignore[call-arg]
+        msg = kind(rank=self.env.rank, node=self.env.node, **fields)  # type: ignore[call-arg]  # a kind a rank sends
         with self._send_lock:
             blocked = control.send(self.store, control.CTL_QUEUE, msg, self._sealer)
         if blocked is not None:

@@ -286,7 +286,7 @@ class Message:
         """`raw` decoded as this kind of message (DecodeError if it is another or is invalid)."""
         if raw.get("type") != cls.kind.value:
             raise DecodeError(f"a {short_repr(raw.get('type'))} message where a {cls.kind.value} belongs")
-        return _decode_fields(cls._spec, cls.kind.value, raw, limits)  # type: ignore[return-value]
+        return _decode_fields(cls._spec, cls.kind.value, raw, limits)  # type: ignore[return-value]  # made by cls
 
 
 M = TypeVar("M", bound=Message)
@@ -305,7 +305,7 @@ def _register(table: dict[str, _Spec], kind: Enum) -> Callable[[type[M]], type[M
     def wrap(cls: type[M]) -> type[M]:
         cls = dataclasses.dataclass(frozen=True, slots=True, kw_only=True)(cls)
         fields = tuple((f.name, f.metadata["check"], bool(f.metadata.get("optional")), f.metadata.get("convert"))
-                       for f in dataclasses.fields(cls))  # type: ignore[arg-type]
+                       for f in dataclasses.fields(cls))  # type: ignore[arg-type]  # one since the line above
         cls.kind = kind
         cls._spec = _Spec(cls, fields, frozenset(name for name, _, _, _ in fields))
         table[kind.value] = cls._spec
@@ -637,7 +637,7 @@ def decode(raw: Any, limits: Limits | None = None, *, command: bool = False) -> 
     kind = raw.get("type")
     table = COMMANDS if command else REPORTS
     spec = table.get(kind) if isinstance(kind, str) else None
-    if spec is None:
+    if spec is None or not isinstance(kind, str):
         what = "command" if command else "message"
         raise DecodeError(f"unknown {what} kind {short_repr(kind)}")
-    return _decode_fields(spec, kind, raw, limits)  # type: ignore[arg-type]
+    return _decode_fields(spec, kind, raw, limits)

@@ -135,9 +135,9 @@ def decode_source(raw: Any, limits: Limits | None = None) -> Source:
         raise DecodeError(f"not a source: {short_repr(raw)}")
     kind = raw.get("type")
     spec = SOURCES.get(kind) if isinstance(kind, str) else None
-    if spec is None:
+    if spec is None or not isinstance(kind, str):
         raise DecodeError(f"unknown source kind {short_repr(kind)}")
-    return _decode_fields(spec, kind, raw, limits)  # type: ignore[arg-type, return-value]
+    return _decode_fields(spec, kind, raw, limits)  # type: ignore[return-value]  # SOURCES holds sources only
 
 
 def _sources(value: dict[Any, Any], limits: Limits | None) -> dict[int, Source]:
@@ -204,4 +204,5 @@ def decode_plan(raw: Any, limits: Limits | None = None) -> GenerationPlan:
         raise DecodeError(f"not a plan: {short_repr(raw)}")
     if raw.get("type") != PlanKind.PLAN.value:
         raise DecodeError(f"a {short_repr(raw.get('type'))} where a plan belongs")
+    # PLANS holds GenerationPlan alone.
     return _decode_fields(PLANS[PlanKind.PLAN.value], PlanKind.PLAN.value, raw, limits)  # type: ignore[return-value]

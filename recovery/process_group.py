@@ -184,7 +184,7 @@ class ResilientGroup(dist.ProcessGroup):
         self._name = name
 
     @property
-    def group_name(self) -> str:  # type: ignore[override]
+    def group_name(self) -> str:  # type: ignore[override]  # torch types it as GroupName, a NewType of str
         return self._name
 
     def _group_of(self, gen: Generation) -> dist.ProcessGroup:

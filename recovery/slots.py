@@ -197,10 +197,11 @@ class SlotWriter:
         HEADER.pack_into(mm, 0, MAGIC, WRITING, cap.step, 0, 0, 0, self._seq)
         mm[DATA_OFFSET : DATA_OFFSET + len(cap.meta)] = cap.meta
         base = DATA_OFFSET + len(cap.meta)
-        dst = torch.frombuffer(mm, dtype=torch.uint8, count=cap.shard_len, offset=base) if cap.shard_len else None
-        for off, src in cap.shard_pieces():
-            dst[off : off + src.numel()].copy_(src)  # type: ignore[index]
-        del dst  # release the buffer export so the map can be closed later
+        if cap.shard_len:
+            dst = torch.frombuffer(mm, dtype=torch.uint8, count=cap.shard_len, offset=base)
+            for off, src in cap.shard_pieces():
+                dst[off : off + src.numel()].copy_(src)
+            del dst  # release the buffer export so the map can be closed later
         crc = zlib.crc32(memoryview(mm)[base : base + cap.shard_len], zlib.crc32(cap.meta))
         HEADER.pack_into(mm, 0, MAGIC, VALID, cap.step, len(cap.meta), cap.shard_len, crc, self._seq)
         self.last_written = cap.step

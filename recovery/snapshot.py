@@ -158,7 +158,7 @@ def byte_view(t: torch.Tensor) -> memoryview:
     if t.numel() == 0:
         return memoryview(bytearray())
     arr = (ctypes.c_ubyte * t.numel()).from_address(t.data_ptr())
-    arr._owner = t  # type: ignore[attr-defined]
+    arr._owner = t  # type: ignore[attr-defined]  # a ctypes array takes new attributes; the stub has none
     return memoryview(arr).cast("B")
 
 

@@ -36,7 +36,7 @@ import math
 import statistics
 from dataclasses import asdict, dataclass, field, replace
 from enum import Enum
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, TypeVar
 
 from runs.events import Event, EventKind, RestoreSource, RunStatus, finish_reason
 
@@ -119,7 +119,7 @@ class RunMetrics:
     world_size: int
     steps_completed: int
     final_loss: float | None
-    loss_by_step: list[list[float]]
+    loss_by_step: list[list[Any]]  # [int step, float loss or None], as JSON lists
     faults: list[FaultMetrics] = field(default_factory=list)
     lost_gpu_hours_total: float = 0.0
     spare_gpu_hours: float = 0.0
@@ -165,14 +165,17 @@ def _first(events: Iterable[Event], pred: Any) -> Event | None:
     return None
 
 
-def _final_values(events: list[Event], value: Callable[[Event], float | None]) -> dict[int, float]:
+V = TypeVar("V")
+
+
+def _final_values(events: list[Event], value: Callable[[Event], V]) -> dict[int, V]:
     """Each step's `value` as the job finally committed it. A decision to restore step s sets
     steps past s aside (they will be recomputed) and brings back steps up to s that an earlier,
     abandoned decision had set aside: restoring s means s and everything before it stand. A
     script that restores itself (restore_source "script") went back to the step before the first
     one it reports again: that first report is where its decision takes effect."""
-    values: dict[int, float] = {}
-    aside: dict[int, float] = {}
+    values: dict[int, V] = {}
+    aside: dict[int, V] = {}
     script_gen: int | None = None  # a script's restart whose restore step is not known yet
 
     def restore(s: int) -> None:
@@ -187,7 +190,7 @@ def _final_values(events: list[Event], value: Callable[[Event], float | None]) -
             if script_gen is not None and int(ev.get("gen", 0) or 0) >= script_gen:
                 script_gen = None
                 restore(step - 1)
-            values[step] = value(ev)  # type: ignore[assignment]
+            values[step] = value(ev)
             aside.pop(step, None)
         elif ev.kind is EventKind.RECOVERY_DECIDED and ev.get("restore_step") is not None:
             script_gen = None
@@ -204,14 +207,14 @@ def _field(name: str) -> Callable[[Event], float | None]:
     return get
 
 
-def final_losses(events: list[Event]) -> dict[int, float]:
-    """Loss of every step as the job finally committed it."""
+def final_losses(events: list[Event]) -> dict[int, float | None]:
+    """Loss of every step as the job finally committed it (None: a step reported without one)."""
     return _final_values(events, _field("loss"))
 
 
 def _final_step_times(events: list[Event], plain_script: bool = False) -> dict[int, float]:
     if not plain_script:
-        return _final_values(events, _field("step_time_s"))
+        return _final_values(events, lambda ev: float(ev.get("step_time_s") or 0.0))
     # A plain script's step time is the time between its reports (or printed lines): the first
     # one of each generation spans the start-up (a step printed) or nothing (`report_step` counts
     # from its first call), so it is taken at the median of the others.
@@ -519,10 +522,10 @@ def _script_restore(events: list[Event], decision: Event, m: int) -> tuple[int |
     step = int(again.get("step"))
     restore_step = step - 1 if step > 0 else None
     first = _first(events, lambda ev: ev.kind is EventKind.STEP)
-    if first is again:
+    if first is None or first is again:  # (None only for no step at all: `again` is one)
         return restore_step, RestoreSource.SCRIPT.value, None
     lost = max(0, m - step + 1)
-    if step <= int(first.get("step")):  # type: ignore[union-attr]
+    if step <= int(first.get("step")):
         return None, RestoreSource.NONE.value, lost
     return restore_step, RestoreSource.SCRIPT.value, lost
 

@@ -25,10 +25,11 @@ def _version(value: str | None) -> str:
 def _bytes(value: int | None) -> str:
     if value is None:
         return _DASH
+    size = float(value)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024  # type: ignore[assignment]
+        if size < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
     return _DASH  # unreachable; keeps type checkers content
 
 

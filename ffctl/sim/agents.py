@@ -108,7 +108,7 @@ class SharedReader(control.Reader):
             hit = self._cache.get((gen, raw))
         if hit is not None:
             return hit
-        plan = super().plan(_Answer(raw), gen)  # type: ignore[arg-type]
+        plan = super().plan(_Answer(raw), gen)  # type: ignore[arg-type]  # a store for the one read it makes
         if plan is not None:
             with self._cache_lock:
                 self._cache[(gen, raw)] = plan
@@ -224,21 +224,21 @@ class Sim:
                     continue  # the survivors wait in the collective the lost node never joins
                 if (self.spec.kill_node is not None and self.killed_at is None and self.spec.kill_step is not None
                         and step >= self.spec.kill_step):
-                    self._kill(gen)
+                    self._kill(gen, self.spec.kill_node)
                     continue
                 step += 1
                 self.step = step
                 cohorts = [c for a in self.agents.values() if not a.dead for c in a.cohorts if c.gen == gen and c.ranks]
             self._commit(cohorts, gen, step)
 
-    def _kill(self, gen: int) -> None:
-        """Lose node `kill_node` (lock held): its agent and ranks fall silent at once."""
-        agent = self.agents.get(self.spec.kill_node)  # type: ignore[arg-type]
+    def _kill(self, gen: int, node: int) -> None:
+        """Lose `node` (lock held): its agent and ranks fall silent at once."""
+        agent = self.agents.get(node)
         self.killed_at = time.time()
         self._killed_gen = gen
         if agent is not None:
             agent.dead = True
-        self.emit({"ev": "killed", "node": self.spec.kill_node, "t": self.killed_at, "step": self.step})
+        self.emit({"ev": "killed", "node": node, "t": self.killed_at, "step": self.step})
 
     def _commit(self, cohorts: list[Cohort], gen: int, step: int) -> None:
         t0 = time.time()
@@ -337,7 +337,7 @@ class Cohort:
         self._found: tuple[int, GenerationPlan] | None = None
 
     def send(self, rank: int, kind: type[messages.Message], **fields: Any) -> None:
-        msg = kind(rank=rank, node=self.agent.node, **fields)  # type: ignore[call-arg]
+        msg = kind(rank=rank, node=self.agent.node, **fields)  # type: ignore[call-arg]  # a kind a rank sends
         control.send(self.store, control.CTL_QUEUE, msg, self.sealers[rank])
 
     def alive(self) -> bool:
@@ -433,7 +433,7 @@ class SimAgent:
         self.report(messages.Spares, count=0, total=0, template=True)
 
     def report(self, kind: type[messages.Message], **fields: Any) -> None:
-        msg = kind(node=self.node, **fields)  # type: ignore[call-arg]
+        msg = kind(node=self.node, **fields)  # type: ignore[call-arg]  # a kind an agent sends
         control.send(self.store, control.CTL_QUEUE, msg, self.sealer)
 
     def _rejected(self, where: str, index: int, reason: str, raw: bytes) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+from typing import TYPE_CHECKING
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -28,6 +29,9 @@ from ffctl.workload.data import batch
 from ffctl.workload.gpt import GPT
 from ffctl.workload.sizes import MODELS, OPTIMIZERS, PARALLELISMS, SIZES
 from recovery import Job, StepContext
+
+if TYPE_CHECKING:
+    from recovery.standalone import PlainJob
 
 
 LR = 3e-3
@@ -136,7 +140,7 @@ def main(argv: list[str] | None = None) -> None:
     job.run(step_fn, args.steps)
 
 
-def _train_sharded(job: Job, model: GPT, args: argparse.Namespace) -> None:
+def _train_sharded(job: Job | PlainJob, model: GPT, args: argparse.Namespace) -> None:
     """The GPT sharded with torch's `fully_shard` (docs/fsdp.md): each block and the root, on a
     mesh of every rank (fsdp) or of nodes x ranks per node (hsdp: a replica per node, its ranks
     sharding it). The loss reported is the mean over the ranks."""
