@@ -111,7 +111,7 @@ class Eavesdropper:
             else:
                 try:
                     store.wait([key], datetime.timedelta(seconds=0.5))
-                except Exception:  # noqa: BLE001 - not written within the wait
+                except Exception:  # not written within the wait
                     store = _client(self.port)
 
     def stop(self) -> None:

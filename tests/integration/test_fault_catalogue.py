@@ -198,7 +198,7 @@ def scrub(cwd: Path, run_ids: list[str]) -> None:
                     pass
             try:
                 revert_all("localhost", _local, netns=ns, run_id=run_id)
-            except Exception:  # noqa: BLE001 - the namespace goes next anyway
+            except Exception:  # the namespace goes next anyway
                 pass
         subprocess.run(["pkill", "-TERM", "-f", "--", deadman.pattern(run_id)], check=False)
         cleanup_stale(prefix)

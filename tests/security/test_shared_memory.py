@@ -49,7 +49,7 @@ def as_nobody(action: Callable[[], object]) -> object:
             os.setgid(NOBODY)
             os.setuid(NOBODY)
             out: object = action()
-        except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        except BaseException as exc:  # reported to the parent
             out, code = {"error": repr(exc)}, 1
         os.write(write_fd, json.dumps(out).encode())
         os._exit(code)

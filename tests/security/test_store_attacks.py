@@ -60,7 +60,7 @@ class Loop:
                 try:
                     attack(store)
                     self.rounds += 1
-                except Exception as exc:  # noqa: BLE001 - the attacker keeps going; the test looks
+                except Exception as exc:  # the attacker keeps going; the test looks
                     self.errors.append(f"{type(exc).__name__}: {exc}")
                     store = _client(port)
                 self._stop.wait(period)
