@@ -10,7 +10,7 @@ import time
 from typing import Callable
 
 from ffctl.controller.cluster import FatalRun, Record
-from ffctl.controller.state import JobState
+from ffctl.controller.state import JobState, Report
 from recovery import messages
 from runs.events import EventKind
 
@@ -50,7 +50,7 @@ class ExitBarrier:
         fail the run naming them, with the end of their logs. A job never waits forever for a
         rank whose peers have nothing left to do with it."""
         job = self.job
-        done = job.reported("done", job.gen)
+        done = job.reported(Report.DONE, job.gen)
         if not done or world <= done or job.pending is not None:
             self.waiting = None
             return

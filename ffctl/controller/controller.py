@@ -33,7 +33,7 @@ from ffctl.controller.inbox import Inbox
 from ffctl.controller.injector import Injector
 from ffctl.controller.plane import ControlPlane
 from ffctl.controller.script import uses_recovery_library
-from ffctl.controller.state import JobState, Phase
+from ffctl.controller.state import JobState, Phase, Report
 from ffctl.controller.stragglers import StragglerDetector
 from ffctl.controller.watchdog import Watchdog
 from ffctl.spec import LIBRARY_MAX_RESTARTS, PLAIN_MAX_RESTARTS, LaunchSpec
@@ -305,7 +305,7 @@ class Controller:
                 if time.monotonic() >= due:
                     del self.job.deferred_restarts[n]
                     self.start_agent(n)
-            if world <= self.job.reported("done", self.job.gen):
+            if world <= self.job.reported(Report.DONE, self.job.gen):
                 return RunStatus.COMPLETED
             self.barrier.check(world)
             self.show()

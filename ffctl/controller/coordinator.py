@@ -31,7 +31,7 @@ from ffctl.controller.failures import (  # noqa: F401 (RankFailure, error_line, 
     root_cause,
     signal_name,
 )
-from ffctl.controller.state import JobState
+from ffctl.controller.state import JobState, Report
 from recovery import messages
 from recovery.jobenv import Strategy
 from runs.events import EventKind, RestoreSource
@@ -333,13 +333,13 @@ class RecoveryCoordinator:
         job = self.job
         survivors = set(job.members) - lost
         exited = lambda: {r for r in survivors if job.pids.get(r) is None}  # noqa: E731
-        answered = lambda: job.reported("aborted", old_gen) | job.reported("abort_seen", old_gen) | exited()  # noqa: E731
+        answered = lambda: job.reported(Report.ABORTED, old_gen) | job.reported(Report.ABORT_SEEN, old_gen) | exited()  # noqa: E731
         self._await_answers(survivors, answered, ABORT_SEEN_TIMEOUT)
         silent = survivors - answered()
         busy = survivors - silent
-        self._await_answers(busy, lambda: job.reported("aborted", old_gen) | exited(),
+        self._await_answers(busy, lambda: job.reported(Report.ABORTED, old_gen) | exited(),
                             ABORT_ACK_TIMEOUT - ABORT_SEEN_TIMEOUT)
-        gone = survivors - job.reported("aborted", old_gen)
+        gone = survivors - job.reported(Report.ABORTED, old_gen)
         self._kill(gone, grace=0.5)
         if job.pending is not None:  # exits seen meanwhile belong to this failure
             gone |= job.take_pending().ranks  # type: ignore[union-attr]

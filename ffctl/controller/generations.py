@@ -17,7 +17,7 @@ from ffctl.controller.cluster import FatalRun, Record, RecoveryAbandoned
 from ffctl.controller.decide import Decision
 from ffctl.controller.failures import Cause, Failure
 from ffctl.controller.plane import ControlPlane
-from ffctl.controller.state import JobState
+from ffctl.controller.state import JobState, Report
 from ffctl.spec import LaunchSpec
 from recovery import disk, messages
 from recovery.jobenv import JobEnv, Strategy
@@ -90,10 +90,10 @@ class Generations:
         world = set(job.members)
         # Spawned means started and ready to join (torch imported), not merely forked. A plain
         # script says nothing: its process being up is all there is.
-        said = "spawned" if self.plain_script else "started"
+        said = Report.SPAWNED if self.plain_script else Report.STARTED
         # (A rank that already ended cleanly without a word ran no library: it is done, see
         # Inbox._on_rank_exited, and nothing more is to be waited for from it.)
-        spawned = lambda: set(respawn) <= job.reported(said, gen) | job.reported("done", gen)  # noqa: E731
+        spawned = lambda: set(respawn) <= job.reported(said, gen) | job.reported(Report.DONE, gen)  # noqa: E731
         if not self.wait_for(spawned, PHASE_TIMEOUT, "spawn"):
             raise FatalRun(f"ranks {sorted(respawn)} were not spawned within {PHASE_TIMEOUT:g}s")
         # How each started (a warm spare, a fork of the template, a fresh interpreter) and how
@@ -103,15 +103,15 @@ class Generations:
                     pids={str(r): job.pids.get(r) for r in respawn},
                     started_by={r: how for r, (how, _) in started.items() if how},
                     start_s={r: s for r, (_, s) in started.items() if s is not None})
-        if self.plain_script or world <= job.reported("done", gen):
+        if self.plain_script or world <= job.reported(Report.DONE, gen):
             job.last_progress = time.monotonic()
             return  # its rendezvous is torch's own (MASTER_ADDR), unseen here
-        if not self.wait_for(lambda: world <= job.reported("joined", gen), PHASE_TIMEOUT, "rendezvous"):
-            job.fail(Failure(Cause.RENDEZVOUS_TIMEOUT, world - job.reported("joined", gen)))
+        if not self.wait_for(lambda: world <= job.reported(Report.JOINED, gen), PHASE_TIMEOUT, "rendezvous"):
+            job.fail(Failure(Cause.RENDEZVOUS_TIMEOUT, world - job.reported(Report.JOINED, gen)))
             raise RecoveryAbandoned("rendezvous")
         self.record(EventKind.RENDEZVOUS_DONE, gen=gen)
         if restore_step > 0:
-            if not self.wait_for(lambda: world <= job.reported("restored", gen), PHASE_TIMEOUT, "restore"):
+            if not self.wait_for(lambda: world <= job.reported(Report.RESTORED, gen), PHASE_TIMEOUT, "restore"):
                 job.fail(Failure(Cause.RESTORE_TIMEOUT))
                 raise RecoveryAbandoned("restore")
             how = job.restore_how.get(gen, {})

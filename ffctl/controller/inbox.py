@@ -21,7 +21,7 @@ from ffctl.controller.fleet import Fleet
 from ffctl.controller.injector import Injector
 from ffctl.controller.plane import ControlPlane
 from ffctl.controller.progress import StepReport
-from ffctl.controller.state import JobState
+from ffctl.controller.state import JobState, Report
 from ffctl.controller.stragglers import Finding, Replace, StragglerDetector, Straggling
 from ffctl.controller.watchdog import Watchdog
 from recovery import control, disk, messages
@@ -141,7 +141,7 @@ class Inbox:
     def _on_spawned(self, msg: messages.Spawned) -> None:
         for r, pid in msg.pids.items():
             self.job.pids[int(r)] = pid
-        self.job.gen_msgs.setdefault(("spawned", msg.gen), set()).update(int(r) for r in msg.pids)
+        self.job.reports.add(Report.SPAWNED, msg.gen, (int(r) for r in msg.pids))
         for r, how in (msg.how or {}).items():
             self.job.started_by[(msg.gen, int(r))] = (how, (msg.start_s or {}).get(r))
 
@@ -160,19 +160,18 @@ class Inbox:
 
     def _on_generation_report(self, msg: messages.Started | messages.Joined | messages.Done
                               | messages.AbortSeen) -> None:
-        # Keyed by the kind's value: an enum member does not hash as its string does.
-        self.job.gen_msgs.setdefault((msg.kind.value, msg.gen), set()).add(msg.rank)
+        self.job.reports.add(Report(msg.kind.value), msg.gen, (msg.rank,))
 
     def _on_restored(self, msg: messages.Restored) -> None:
-        self.job.gen_msgs.setdefault(("restored", msg.gen), set()).add(msg.rank)
+        self.job.reports.add(Report.RESTORED, msg.gen, (msg.rank,))
         if msg.how:
             self.job.restore_how.setdefault(msg.gen, {})[msg.rank] = msg.how
 
     def _on_aborted(self, msg: messages.Aborted) -> None:
-        self.job.gen_msgs.setdefault(("aborted", msg.gen), set()).add(msg.rank)
+        self.job.reports.add(Report.ABORTED, msg.gen, (msg.rank,))
 
     def _on_restore_failed(self, msg: messages.RestoreFailed) -> None:
-        self.job.gen_msgs.setdefault(("restore_failed", msg.gen), set()).add(msg.rank)
+        self.job.reports.add(Report.RESTORE_FAILED, msg.gen, (msg.rank,))
         # That copy is never offered again: the next decision picks another or disk.
         self.job.bad_sources.add((msg.rank, msg.step, msg.source))
         self.job.fail(Failure("restore-failed", {msg.rank}, t=time.time(), detail=str(msg.reason)))
@@ -224,13 +223,13 @@ class Inbox:
         if self.job.pids.get(rank) != pid:
             return  # a process of an earlier generation, already replaced
         self.job.pids[rank] = None
-        if msg.expected or rank in self.job.reported("done", self.job.gen):
+        if msg.expected or rank in self.job.reported(Report.DONE, self.job.gen):
             return
         if code == 0 and (self.plain_script or not self._ever_announced(rank)):
             # A script without the recovery library has no other way to say it finished; and a
             # rank that ends cleanly without ever announcing itself (the library's `started`)
             # ran no library, whatever its source looked like.
-            self.job.gen_msgs.setdefault(("done", msg.gen), set()).add(rank)
+            self.job.reports.add(Report.DONE, msg.gen, (rank,))
             return
         node = msg.node
         rf = self.job.rank_failed.get(rank)
@@ -287,7 +286,7 @@ class Inbox:
 
     def _ever_announced(self, rank: int) -> bool:
         """Whether the rank has spoken the library's protocol in any generation."""
-        return any(rank in ranks for (kind, _), ranks in self.job.gen_msgs.items() if kind in ("started", "joined"))
+        return self.job.reports.ever(rank, (Report.STARTED, Report.JOINED))
 
     def _failing_step(self, rank: int) -> int | None:
         """The step a rank that exited was most likely in: the one after its newest commit in this

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Iterable
 from ffctl.backends.protocol import AgentProcess
 from ffctl.controller.failures import Failure, RankFailure
 from ffctl.controller.progress import Progress
@@ -45,6 +46,40 @@ TRANSITIONS: dict[Phase, frozenset[Phase]] = {
 }
 
 
+class Report(Label):
+    """What a rank says about a generation, as the ledger files it (each a message kind of its
+    own, `spawned` its agent's): the steps of a generation starting, ending or being given up."""
+
+    SPAWNED = "spawned"  # its agent started the process (all a plain script ever says)
+    STARTED = "started"  # the library is up, ready to join
+    JOINED = "joined"
+    RESTORED = "restored"
+    ABORT_SEEN = "abort_seen"  # its abort watcher saw the flag
+    ABORTED = "aborted"  # it has left the generation
+    RESTORE_FAILED = "restore_failed"
+    DONE = "done"
+
+
+@dataclass
+class Ledger:
+    """Which ranks sent which report in which generation. Kinds are checked (`Report`): a
+    misspelt one is a ValueError, never a set nobody ever fills."""
+
+    _ranks: dict[tuple[Report, int], set[int]] = field(default_factory=dict)
+
+    def add(self, kind: Report | str, gen: int, ranks: Iterable[int]) -> None:
+        self._ranks.setdefault((Report(kind), gen), set()).update(ranks)
+
+    def ranks(self, kind: Report | str, gen: int) -> set[int]:
+        """The ranks that sent `kind` in `gen` (a copy: adding goes through `add`)."""
+        return set(self._ranks.get((Report(kind), gen), ()))
+
+    def ever(self, rank: int, kinds: Iterable[Report | str]) -> bool:
+        """Whether `rank` sent any of `kinds` in any generation."""
+        wanted = {Report(k) for k in kinds}
+        return any(rank in ranks for (kind, _), ranks in self._ranks.items() if kind in wanted)
+
+
 @dataclass
 class NodeState:
     node: int
@@ -71,7 +106,7 @@ class JobState:
     phase: Phase = Phase.STARTING
     progress: Progress = field(default_factory=Progress)
     last_progress: float = field(default_factory=time.monotonic)  # when the open generation last moved
-    gen_msgs: dict[tuple[str, int], set[int]] = field(default_factory=dict)  # (report kind, gen) -> ranks
+    reports: Ledger = field(default_factory=Ledger)  # what each generation's ranks reported
     restore_how: dict[int, dict[int, RestoreHow]] = field(default_factory=dict)  # gen -> rank -> kept | received | ...
     # (gen, rank) -> how its worker started (spare | template | cold) and the agent's seconds
     started_by: dict[tuple[int, int], tuple[str, float | None]] = field(default_factory=dict)
@@ -106,9 +141,9 @@ class JobState:
         failure, self.pending = self.pending, None
         return failure
 
-    def reported(self, kind: str, gen: int) -> set[int]:
+    def reported(self, kind: Report | str, gen: int) -> set[int]:
         """The ranks that sent report `kind` (`started`, `joined`, `aborted`, ...) in `gen`."""
-        return self.gen_msgs.get((kind, gen), set())
+        return self.reports.ranks(kind, gen)
 
     def live_nodes(self) -> list[int]:
         return sorted(n for n, st in self.nodes.items() if st.up)

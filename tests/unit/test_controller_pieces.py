@@ -1,11 +1,15 @@
 """The controller's pieces stay pieces: read from the source's syntax tree, each class of
 `ffctl/controller/` makes its fields in its constructor only, no piece's constructor takes the
 controller, and the controller neither sets the coordinator's fields after building it nor drops
-what a recovery returns."""
+what a recovery returns; and the job's ledger of reports takes only kinds it knows."""
 from __future__ import annotations
 
 import ast
 from pathlib import Path
+
+import pytest
+
+from ffctl.controller.state import JobState, Ledger, Report
 
 FOLDER = Path(__file__).resolve().parents[2] / "ffctl" / "controller"
 CONSTRUCTORS = ("__init__", "__post_init__")
@@ -67,3 +71,18 @@ def test_the_controller_leaves_the_coordinator_alone_and_keeps_its_outcome() -> 
     dropped = [ast.unparse(n) for n in ast.walk(tree)
                if isinstance(n, ast.Expr) and isinstance(n.value, ast.Call) and ast.unparse(n.value.func).endswith(".recover")]
     assert not dropped
+
+
+def test_the_ledger_files_each_report_under_a_checked_kind() -> None:
+    ledger = Ledger()
+    ledger.add(Report.JOINED, 1, [0, 1])
+    ledger.add("joined", 1, [2])  # a kind's value is the kind
+    assert ledger.ranks(Report.JOINED, 1) == {0, 1, 2} and ledger.ranks("joined", 2) == set()
+    ledger.ranks(Report.JOINED, 1).add(9)  # a copy: the ledger changes only through `add`
+    assert 9 not in ledger.ranks(Report.JOINED, 1)
+    assert ledger.ever(2, (Report.STARTED, Report.JOINED)) and not ledger.ever(3, (Report.JOINED,))
+    with pytest.raises(ValueError):
+        ledger.add("joinde", 1, [0])  # a typo is an error, not a set nobody fills
+    job = JobState.for_world(2, 1)
+    job.reports.add(Report.DONE, 0, [1])
+    assert job.reported(Report.DONE, 0) == {1}

@@ -26,7 +26,7 @@ class _Record:
     def __init__(self) -> None:
         self.events: list[tuple[EventKind, dict[str, Any]]] = []
 
-    def append(self, kind: EventKind, t: float | None = None, **data: Any) -> None:
+    def append(self, kind: EventKind, /, t: float | None = None, **data: Any) -> None:
         self.events.append((kind, data))
 
     def rejected(self) -> list[dict[str, Any]]:

@@ -21,7 +21,7 @@ from ffctl.controller.decide import Decision
 from ffctl.controller.failures import Cause, Failure, RankFailure
 from ffctl.controller.injector import Injector
 from ffctl.controller.progress import StepReport
-from ffctl.controller.state import JobState, NodeState, Phase
+from ffctl.controller.state import JobState, NodeState, Phase, Report
 from recovery import messages
 from recovery.jobenv import Strategy
 from runs.events import EventKind, RestoreSource
@@ -96,8 +96,7 @@ class FakeCluster:
         if what == "abort":
             self._abort_waits += 1
             if self._abort_waits == 2 and self.busy_acks:
-                self.job.gen_msgs.setdefault(("aborted", self.job.gen), set()).update(
-                    r for r in self.busy if self.job.pids.get(r))
+                self.job.reports.add(Report.ABORTED, self.job.gen, (r for r in self.busy if self.job.pids.get(r)))
         for hook in self.hooks.pop(what, []):
             hook()
         if abandon_on_failure and self.job.pending is not None:
@@ -106,10 +105,9 @@ class FakeCluster:
 
     def abort_generation(self, gen: int) -> None:
         self.aborted.append(gen)
-        acks = self.job.gen_msgs.setdefault(("aborted", gen), set())
-        acks.update(r for r, pid in self.job.pids.items() if pid and r not in self.stuck | self.busy)
-        seen = self.job.gen_msgs.setdefault(("abort_seen", gen), set())
-        seen.update(r for r, pid in self.job.pids.items() if pid and r not in self.stuck)
+        self.job.reports.add(Report.ABORTED, gen,
+                             (r for r, pid in self.job.pids.items() if pid and r not in self.stuck | self.busy))
+        self.job.reports.add(Report.ABORT_SEEN, gen, (r for r, pid in self.job.pids.items() if pid and r not in self.stuck))
         self._abort_waits = 0
 
     def wire_ring(self) -> None:
