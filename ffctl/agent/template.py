@@ -31,6 +31,7 @@ import importlib.machinery
 import importlib.util
 import io
 import json
+import logging
 import os
 import select
 import signal
@@ -42,6 +43,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from ffctl.agent import diagnostics
+
+log = logging.getLogger(__name__)
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 READY = b"ready\n"
@@ -210,6 +214,9 @@ def run_assignment(job: Assignment) -> None:
 
 def _become_worker(job: Assignment, agent: int) -> None:
     """In the forked worker: shed the template's state and take the worker's."""
+    # Its logging is its script's, as under `python SCRIPT`.
+    while _diagnostics:
+        diagnostics.detach(_diagnostics.pop())
     # The template's stdin and stdout are its pipes to the agent: not the worker's.
     null = os.open(os.devnull, os.O_RDWR)
     os.dup2(null, 0)
@@ -283,7 +290,12 @@ def serve(requests: IO[bytes], replies: IO[bytes], agent: int) -> Assignment | N
     return None
 
 
+# The template's diagnostics handler (`main`), taken off in a forked worker.
+_diagnostics: list[logging.Handler] = []
+
+
 def main() -> int:
+    _diagnostics.append(diagnostics.to_stderr())
     agent = os.getppid()
     die_with_parent(agent)
     # The agent stops the template with SIGTERM: leave quietly, whatever we were doing.
@@ -292,7 +304,7 @@ def main() -> int:
     if threads_now() != 1:
         # Forking a multi-threaded process can deadlock the child; the agent starts its
         # workers the slow way instead.
-        sys.stderr.write(f"template: {threads_now()} threads after warm-up: refusing to fork\n")
+        log.error("template: %d threads after warm-up: refusing to fork", threads_now())
         return 3
     os.write(1, READY)
     job = serve(sys.stdin.buffer, sys.stdout.buffer, agent)

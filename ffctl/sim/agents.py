@@ -450,7 +450,7 @@ class SimAgent:
             cohort.tick(now)
 
     def beat(self, store: dist.Store, now: float) -> None:
-        """Beat if due. As ffctl.agent.agent.Agent._beat, less its read-back of the last beat (a
+        """Beat if due. As ffctl.agent.heartbeat.Heartbeat.beat, less its read-back of the last beat (a
         check against tampering that costs the agent a round trip and the controller nothing)."""
         if now < self._next_beat:
             return

@@ -241,7 +241,7 @@ def test_a_deeply_nested_deadman_line_is_skipped(tmp_path: Path) -> None:
 def test_a_workers_error_file_never_stops_or_freezes_its_agent(content: bytes | None, tmp_path: Path) -> None:
     """torch's `@record` error file, as a worker's script may leave it: read or ignored, never a
     wait on a FIFO nor an exception in the agent's loop."""
-    from ffctl.agent.agent import read_error_file
+    from ffctl.agent.workers import read_error_file
 
     path = tmp_path / "1.gen0.error.json"
     if content is None:

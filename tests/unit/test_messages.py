@@ -14,7 +14,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ffctl.agent.agent import Agent
+from ffctl.agent.commands import CommandHandler
+from ffctl.agent.workers import WorkerSupervisor
 from ffctl.controller.inbox import Inbox
 from ffctl.controller.plane import ControlPlane
 from recovery import control, messages
@@ -269,7 +270,7 @@ def test_the_controller_has_a_handler_for_every_report() -> None:
 
 
 def test_the_agent_has_a_handler_for_every_command() -> None:
-    assert set(Agent.COMMAND_HANDLERS) == set(CommandKind)
+    assert set(CommandHandler.HANDLERS) == set(CommandKind)
 
 
 def _controller() -> tuple[Inbox, list[tuple[EventKind, dict[str, Any]]]]:
@@ -314,25 +315,45 @@ def test_the_controller_records_an_agent_error_and_a_refusal() -> None:
                                          "reported_by_node": 1, "reported_by_rank": 2, "t": 0}
 
 
-class _Inbox:
-    queue = "agent/0/0/q"
+class _Reporter:
+    """The agent's reporter as the command handler uses it: what it would send, kept."""
+
+    node = 0
+
+    def __init__(self) -> None:
+        self.reported: list[messages.Message] = []
+
+    def report(self, kind: type[messages.Message], **fields: Any) -> None:
+        self.reported.append(kind(node=self.node, **fields))  # type: ignore[call-arg]
+
+    def rejected(self, where: str, index: int, reason: str, raw: bytes) -> None:
+        self.report(messages.Refusal, where=where, index=index, reason=reason, raw=control.short_repr(raw))
 
 
-def _agent() -> tuple[Agent, list[messages.Message]]:
-    agent = Agent.__new__(Agent)
-    reported: list[messages.Message] = []
-    agent.limits = messages.Limits(messages.MAX_RANKS, 2)
-    agent.inbox = _Inbox()  # type: ignore[assignment]
-    agent.stopping = threading.Event()
-    agent.cfg = type("Cfg", (), {"node": 0})()  # type: ignore[assignment]
-    agent.template = None
-    agent._held = []
-    agent._report = lambda kind, **fields: reported.append(kind(node=0, **fields))  # type: ignore[method-assign]
-    return agent, reported
+class _Agent:
+    """The agent's command handler over a worker supervisor with no template, spares or store."""
+
+    def __init__(self) -> None:
+        reporter = _Reporter()
+        self.reported = reporter.reported
+        self.stopping = threading.Event()
+        cfg = type("Cfg", (), {"node": 0})()
+        self.workers = WorkerSupervisor(cfg, None, None, None, dict, self.stopping,  # type: ignore[arg-type]
+                                        reporter.report)
+        self.commands = CommandHandler("agent/0/0/q", messages.Limits(messages.MAX_RANKS, 2), reporter,  # type: ignore[arg-type]
+                                       self.workers, None, self.stopping, 5.0)  # type: ignore[arg-type]
+
+    def handle(self, raw: dict[str, Any]) -> None:
+        self.commands.handle(raw)
+
+
+def _agent() -> tuple[_Agent, list[messages.Message]]:
+    agent = _Agent()
+    return agent, agent.reported
 
 
 def test_the_agent_reports_a_command_it_refuses_or_fails_and_carries_out_the_rest(
-        capsys: pytest.CaptureFixture[str]) -> None:
+        caplog: pytest.LogCaptureFixture) -> None:
     agent, reported = _agent()
     agent.handle({"type": "launch_missiles"})
     agent.handle({"type": "kill", "ranks": [-1]})
@@ -340,7 +361,7 @@ def test_the_agent_reports_a_command_it_refuses_or_fails_and_carries_out_the_res
     def broken(ranks: list[int], grace: float, tail: bool = False) -> None:
         raise OSError("no such process group")
 
-    agent.kill = broken  # type: ignore[method-assign]
+    agent.workers.kill = broken  # type: ignore[method-assign]
     agent.handle({"type": "kill", "ranks": [1], "grace": 0.5})
     agent.handle({"type": "stop"})
     assert [type(m) for m in reported] == [messages.Refusal, messages.Refusal, messages.AgentError]
@@ -348,11 +369,12 @@ def test_the_agent_reports_a_command_it_refuses_or_fails_and_carries_out_the_res
     assert reported[1].reason.startswith("kill: bad ranks=[-1]")  # type: ignore[attr-defined]
     assert reported[2].error == "kill: OSError: no such process group"  # type: ignore[attr-defined]
     assert agent.stopping.is_set()
-    assert "command failed" in capsys.readouterr().err
+    assert "ffctl agent 0: command failed: kill: OSError" in caplog.text
 
 
 class _WarmingTemplate:
-    """The agent's template as `_on_spawn` sees it: on its first warm-up until `ready` is set."""
+    """The agent's template as the worker supervisor sees it: on its first warm-up until `ready`
+    is set."""
 
     def __init__(self) -> None:
         self.starts, self.ready, self.dead = 1, False, False
@@ -371,16 +393,16 @@ def _spawn(gen: int, *ranks: int) -> dict[str, Any]:
 def test_the_first_workers_wait_for_the_template_s_first_warm_up_and_a_killed_one_never_starts() -> None:
     agent, _ = _agent()
     template = _WarmingTemplate()
-    agent.template = template  # type: ignore[assignment]
+    agent.workers.template = template  # type: ignore[assignment]
     started: list[tuple[int, list[int]]] = []
-    agent.spawn = lambda gen, ranks, received=None: started.append((gen, [r["rank"] for r in ranks]))  # type: ignore[method-assign]
-    agent.kill = lambda ranks, grace: None  # type: ignore[method-assign]
+    agent.workers.spawn = lambda gen, ranks, received=None: started.append((gen, [r["rank"] for r in ranks]))  # type: ignore[method-assign]
+    agent.workers.kill = lambda ranks, grace, tail=False: None  # type: ignore[method-assign]
     agent.handle(_spawn(0, 0, 1))
-    agent._spawn_held()
+    agent.workers.spawn_held()
     assert started == []  # held while the template imports torch
     agent.handle({"type": "kill", "ranks": [1], "grace": 0.5})
     template.ready = True
-    agent._spawn_held()
+    agent.workers.spawn_held()
     assert started == [(0, [0])]  # forked once warm; the killed rank never started
     # A template started again (it died) is not waited for: the replacement starts at once, cold.
     template.starts, template.ready = 2, False
@@ -391,11 +413,11 @@ def test_the_first_workers_wait_for_the_template_s_first_warm_up_and_a_killed_on
 def test_held_workers_start_cold_when_the_template_dies_before_it_is_warm() -> None:
     agent, _ = _agent()
     template = _WarmingTemplate()
-    agent.template = template  # type: ignore[assignment]
+    agent.workers.template = template  # type: ignore[assignment]
     started: list[int] = []
-    agent.spawn = lambda gen, ranks, received=None: started.append(gen)  # type: ignore[method-assign]
+    agent.workers.spawn = lambda gen, ranks, received=None: started.append(gen)  # type: ignore[method-assign]
     agent.handle(_spawn(0, 0))
-    agent._spawn_held()
+    agent.workers.spawn_held()
     template.dead = True
-    agent._spawn_held()
+    agent.workers.spawn_held()
     assert started == [0]

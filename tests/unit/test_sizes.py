@@ -48,3 +48,9 @@ def test_no_node_backend_or_ssh_class_is_over_300_lines() -> None:
     for folder in (ROOT / "ffctl" / "backends", ROOT / "ffctl" / "hosts"):
         long = {name: n for name, n in _classes(folder).items() if n > MAX_CLASS_LINES}
         assert not long, long
+
+
+def test_no_agent_class_is_over_300_lines() -> None:
+    # The node agent's pieces (supervisor, spares, commands, snapshots, reports) and its template.
+    long = {name: n for name, n in _classes(ROOT / "ffctl" / "agent").items() if n > MAX_CLASS_LINES}
+    assert not long, long

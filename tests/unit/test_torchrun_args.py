@@ -240,7 +240,7 @@ def test_job_env_carries_torchruns_names() -> None:
 def test_error_file_as_torchs_record_writes_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    from ffctl.agent.agent import read_error_file
+    from ffctl.agent.workers import read_error_file
 
     path = tmp_path / "0.gen0.error.json"
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))

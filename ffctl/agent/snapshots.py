@@ -1,0 +1,93 @@
+"""The node's snapshot store, as its agent holds it: the node's claim, its ranks' shared-memory
+slots, the snapshot channel that serves them (and the ring neighbour's replicas) to a
+replacement, and the replicator that streams the slots to the neighbour.
+
+A node is claimed on its host before anything of it is touched: two agents of one node would
+wipe each other's slots. A node started again may find its previous agent on the same host
+still shutting down (a node Slurm marked down, whose processes live on until they see their
+stdin close); its claim is released when it exits, so a restarted node waits a little for it.
+A (re)started node is an empty node: its slots are wiped when it is claimed and when it ends.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from ffctl.agent.config import AgentConfig
+from ffctl.agent.reporter import Reporter
+from recovery import messages
+from recovery.peer import PeerStore
+from recovery.replicator import Replicator
+from recovery.slots import NodeBusy, claim_node, read_header, release_node, slot_path
+from runs import shm
+
+# How long a restarted node's agent waits for its predecessor on the same host to let go of the
+# node's claim.
+CLAIM_WAIT_S = 10.0
+
+
+class NodeSnapshots:
+    """One node's slots and replicas, from its claim to its release."""
+
+    def __init__(self, cfg: AgentConfig, reporter: Reporter) -> None:
+        """Claim the node (raises NodeBusy or UnsafeShm, reported as `agent_failed`), wipe its
+        slots and open its snapshot channel; replication starts with `start`."""
+        self.shm_dir, self.run_id, self.node = cfg.shm_dir, cfg.run_id, cfg.node
+        deadline = time.monotonic() + (CLAIM_WAIT_S if cfg.incarnation else 0.0)
+        while True:
+            try:
+                self._claim = claim_node(cfg.shm_dir, cfg.run_id, cfg.node)
+                break
+            except NodeBusy as exc:
+                if time.monotonic() < deadline:
+                    time.sleep(0.1)
+                    continue
+                reporter.report(messages.AgentFailed, reason=str(exc))
+                raise
+            except shm.UnsafeShm as exc:
+                reporter.report(messages.AgentFailed, reason=str(exc))
+                raise
+        self.wipe()
+        self.peer = PeerStore(cfg.address, cfg.token, self.slot, on_refused=reporter.peer_refused).start()
+        self.replicator = Replicator(cfg.run_id, cfg.node, cfg.token, self.slot_files, reporter.report_kind)
+
+    def slot(self, rank: int, index: int) -> Path:
+        return slot_path(self.shm_dir, self.run_id, self.node, rank, index)
+
+    def slot_files(self) -> list[Path]:
+        return shm.node_slots(self.shm_dir, self.run_id, self.node)
+
+    def wipe(self) -> None:
+        for path in self.slot_files():
+            path.unlink(missing_ok=True)
+
+    def inventory(self) -> dict[str, Any]:
+        """The steps this node holds: its ranks' valid slots, and the replicas it keeps."""
+        local: dict[str, list[int]] = {}
+        for path in self.slot_files():
+            rank = shm.slot_rank(path, self.run_id, self.node)
+            header = read_header(path)
+            if header is not None and header.valid:
+                local.setdefault(str(rank), []).append(header.step)
+        return {"local": local, "replica": self.peer.inventory()["replica"]}
+
+    def set_neighbor(self, address: str | None, port: int | None) -> None:
+        """Where the node's slots are streamed to (the ring neighbour's snapshot channel)."""
+        self.replicator.set_target(address, port)
+
+    def start(self) -> None:
+        self.replicator.start()
+
+    def stop_replicating(self) -> None:
+        self.replicator.stop()
+
+    def close(self) -> None:
+        """Stop serving, wipe the slots and let go of the node."""
+        self.peer.stop()
+        self.wipe()
+        release_node(self.shm_dir, self.run_id, self.node, self._claim)
+        # The host's last holder of the run's directory takes it away (over SSH there is nobody
+        # else to; locally the launcher holds it until its own sweep).
+        if not shm.in_use(self.shm_dir):
+            shm.remove_run_dir(Path(self.shm_dir))
