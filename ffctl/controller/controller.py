@@ -279,9 +279,9 @@ class Controller:
             for finding in self.stragglers.close():  # a slowdown still under way at the end
                 self.inbox.straggler(finding)
             self._teardown()
+            cause: dict[str, Any] = {"root_cause": self.root_cause} if status is RunStatus.FAILED and self.root_cause else {}
             self.record(EventKind.RUN_FINISHED, status=status.value, steps_completed=self.job.progress.committed_step,
-                        reason=reason, path=self.training_path(), api=self.inbox.training_api,
-                        **({"root_cause": self.root_cause} if status is RunStatus.FAILED and self.root_cause else {}))
+                        reason=reason, path=self.training_path(), api=self.inbox.training_api, **cause)
             self.rec.close()  # the events still waiting for a full disk first, if it takes them now
             try:
                 self.rec.write_json("report.json", compute(self.rec.run_id, self.rec.events()).to_dict())

@@ -23,7 +23,7 @@ from typing import Callable
 
 from ffctl.controller.cluster import Cluster, FatalRun, RecoveryAbandoned
 from ffctl.controller.decide import Decision, Inventory, decide
-from ffctl.controller.failures import (  # noqa: F401 (RankFailure, error_line, signal_name: their old home)
+from ffctl.controller.failures import (  # RankFailure, error_line, signal_name: re-exported from their old home
     Failure,
     RankFailure,
     describe,

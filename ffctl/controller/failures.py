@@ -167,6 +167,6 @@ def describe(failure: Failure) -> str:
     """The failure in one line per failed rank (or one line for a failure that names none)."""
     if failure.rank_failures:
         return "; ".join(f.summary() for f in sorted(failure.rank_failures.values(), key=lambda f: f.rank))
-    what = {Cause.NODE_LOST: f"node(s) {sorted(failure.nodes)} lost", Cause.HANG: "hang"}.get(
-        failure.cause.split("+")[0], failure.cause)
+    names: dict[str, str] = {Cause.NODE_LOST: f"node(s) {sorted(failure.nodes)} lost", Cause.HANG: "hang"}
+    what = names.get(failure.cause.split("+")[0], failure.cause)
     return f"{what}: {failure.detail}" if failure.detail else what

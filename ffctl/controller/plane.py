@@ -125,7 +125,7 @@ class ControlPlane:
         assert self.store is not None
         # Sealed: ranks ignore (and report) an abort flag anyone else wrote.
         keys, values = control.abort_values(self.sealer, gen, self.world_size)
-        self.store.multi_set(keys, values)
+        control.store_multi_set(self.store, keys, values)
 
     def publish(self, gen: int, plan: GenerationPlan) -> None:
         """Make `gen` the current generation with `plan`, and guard both keys from now on."""
@@ -135,7 +135,7 @@ class ControlPlane:
     def reply(self, key: str, reply: dict[str, Any]) -> None:
         """Write a sealed answer under `key` (an `ffctl inject` request's reply)."""
         assert self.store is not None
-        self.store.set(key, self.sealer.seal(key, reply))
+        control.store_set(self.store, key, self.sealer.seal(key, reply))
 
     def ok(self) -> None:
         """A pump went through without a store error."""
@@ -153,7 +153,7 @@ class ControlPlane:
             if raw != value:
                 why = "deleted" if raw is None else "overwritten"
                 self.rejected(key, -1, f"{key} {why} by someone else: written again", raw or b"")
-                self.store.set(key, value)
+                control.store_set(self.store, key, value)
 
     def failed(self, exc: RuntimeError) -> None:
         """A store call failed: recorded, then, after a short wait, a fresh connection to our own

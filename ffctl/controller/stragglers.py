@@ -122,9 +122,9 @@ class StragglerDetector:
         if gen > self.gen:
             # A new generation replays from its restore step and may have replaced the
             # straggler: measurements start over (an episode under way ends with what it had).
-            out = self._close_all()
+            ended = self._close_all()
             self.gen, self._steps, self._done = gen, {}, 0
-            return out + self.report(gen, step, rank, dt, wait, t)
+            return ended + self.report(gen, step, rank, dt, wait, t)
         if step <= self._done:
             return []
         entry = self._steps.setdefault(step, _Step())
