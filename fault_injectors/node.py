@@ -7,7 +7,7 @@ the run and the fault, so that the launch's end and `ffctl inject revert --all` 
 """
 from __future__ import annotations
 
-from fault_injectors.plan import FaultPlan, HostCommand, Topology
+from fault_injectors.plan import FaultPlan, HostCommand, Topology, pid_arg
 from fault_injectors.spec import FaultKind, FaultSpec
 from runs.shm import node_prefix
 
@@ -49,7 +49,10 @@ def plan(spec: FaultSpec, topo: Topology, ranks: tuple[int, ...], nodes: tuple[i
     apply: list[HostCommand] = []
     for n in nodes:
         place = topo.node(n)
-        pids = [str(place.agent_pid)] + [str(r.pid) for r in topo.ranks_of(n)]
+        # A node is killed through its agent: one that is starting again (after an earlier node
+        # fault) has no pid yet, and the fault is refused rather than sent to a process group.
+        pids = [pid_arg(place.agent_pid, f"node {n}'s agent")] + [
+            pid_arg(r.pid, f"rank {r.rank}") for r in topo.ranks_of(n)]
         # The agent first: it must not see its workers die and report them as rank faults.
         apply.append(HostCommand(n, place.host, ("kill", "-KILL", *pids), place.netns, allow_fail=True))
         if spec.option("drain") == "yes":

@@ -9,9 +9,19 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Callable
 
-from fault_injectors.spec import FaultSpec
+from fault_injectors.spec import FaultSpec, FaultSpecError
 from fault_injectors.transport import CommandResult, Transport
 
+
+
+def pid_arg(pid: int | None, what: str) -> str:
+    """`pid` as `kill` takes it. 0 and the negative numbers are process groups, not processes
+    (`kill -KILL 0` is the caller's own group, -1 every process it may signal): a fault against a
+    process that has not reported its pid yet (an agent starting again) is refused, never turned
+    into one of those."""
+    if pid is None or pid <= 0:
+        raise FaultSpecError(f"{what} has no process yet (pid {pid}): nothing to signal; it is starting")
+    return str(pid)
 
 @dataclass(frozen=True)
 class RankPlace:

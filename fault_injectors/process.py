@@ -6,7 +6,7 @@ step hook raises it.
 """
 from __future__ import annotations
 
-from fault_injectors.plan import FaultPlan, HostCommand, Topology
+from fault_injectors.plan import FaultPlan, HostCommand, Topology, pid_arg
 from fault_injectors.spec import FaultKind, FaultSpec
 from runs.shm import fault_path
 
@@ -33,7 +33,8 @@ def in_step_command(topo: Topology, rank: int, what: str) -> HostCommand:
     place = topo.rank(rank)
     node = topo.node(place.node)
     # Positional parameters, not string pasting: nothing in the path or name reaches the shell.
-    argv = ("sh", "-c", IN_STEP_SCRIPT, "sh", topo.fault_dir, what, in_step_fault_path(topo, rank), str(place.pid))
+    argv = ("sh", "-c", IN_STEP_SCRIPT, "sh", topo.fault_dir, what, in_step_fault_path(topo, rank),
+            pid_arg(place.pid, f"rank {rank}"))
     return HostCommand(node.node, node.host, argv, netns=node.netns)
 
 
@@ -47,9 +48,10 @@ def plan(spec: FaultSpec, topo: Topology, ranks: tuple[int, ...], nodes: tuple[i
     for rank in ranks:
         place = topo.rank(rank)
         node = topo.node(place.node)
-        apply.append(HostCommand(node.node, node.host, ("kill", f"-{sig}", str(place.pid)), node.netns))
+        apply.append(HostCommand(node.node, node.host, ("kill", f"-{sig}", pid_arg(place.pid, f"rank {rank}")), node.netns))
         if spec.kind is FaultKind.HANG_RANK:
             revert.append(
-                HostCommand(node.node, node.host, ("kill", "-CONT", str(place.pid)), node.netns, allow_fail=True)
+                HostCommand(node.node, node.host, ("kill", "-CONT", pid_arg(place.pid, f"rank {rank}")), node.netns,
+                            allow_fail=True)
             )
     return FaultPlan(spec, ranks, nodes, apply=tuple(apply), revert=tuple(revert))

@@ -32,7 +32,10 @@ def resolve(spec: FaultSpec, topo: Topology) -> tuple[tuple[int, ...], tuple[int
             raise FaultSpecError(f"host {target.value!r} is not part of this run")
         ranks = tuple(r.rank for r in topo.ranks if r.node in nodes)
         return (ranks if by_rank else (), nodes)
-    pool = all_ranks if by_rank else all_nodes
+    # A seeded pick is among the nodes that are up: one whose agent is starting again after an
+    # earlier fault has nothing to hit yet (its ranks, if any, are elsewhere).
+    up = [n.node for n in topo.nodes if n.agent_pid > 0]
+    pool = all_ranks if by_rank else (up or all_nodes)
     rng = random.Random(spec.seed)
     if target.mode is TargetMode.ONE:
         count = 1

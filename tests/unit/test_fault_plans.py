@@ -507,3 +507,32 @@ def test_bad_chaos_specs_name_the_bad_value(text: str, bad: str) -> None:
 def test_schedule_without_an_end_is_refused() -> None:
     with pytest.raises(FaultSpecError, match="until"):
         ChaosSpec(mtbf=10).schedule()
+
+
+@pytest.mark.parametrize("pid", [0, -1])
+def test_a_node_whose_agent_has_no_pid_is_refused_never_sent_to_a_process_group(pid: int) -> None:
+    # An agent starting again after an earlier node fault has not reported its pid: `kill -KILL 0`
+    # would kill the controller's own process group, and -1 every process it may signal.
+    t = topo(2, 1)
+    t = Topology("run1", (t.nodes[0], NodePlace(1, "localhost", "10.9.0.3", pid, netns=None)), t.ranks)
+    with pytest.raises(FaultSpecError, match=r"node 1's agent has no process yet \(pid " + str(pid)):
+        plan_of("kill-node:node=1", t)
+    for c in plan_of("kill-node:node=0", t).apply:
+        assert all(not a.lstrip("-").isdigit() or int(a) > 0 for a in c.argv[2:])
+
+
+@pytest.mark.parametrize("kind", ["kill-rank", "term-rank", "hang-rank", "crash-rank"])
+def test_a_rank_without_a_pid_is_refused(kind: str) -> None:
+    t = topo(1, 2)
+    t = Topology("run1", t.nodes, (t.ranks[0], RankPlace(1, 0, 0)))
+    with pytest.raises(FaultSpecError, match="rank 1 has no process yet"):
+        plan_of(f"{kind}:rank=1", t)
+
+
+def test_a_seeded_node_pick_is_among_the_nodes_that_are_up() -> None:
+    t = topo(4, 1)
+    down = {1, 2}
+    t = Topology("run1", tuple(NodePlace(n.node, n.host, n.address, 0 if n.node in down else n.agent_pid)
+                               for n in t.nodes), t.ranks)
+    picked = {resolve(parse_spec(f"kill-node:mode=one,seed={s}"), t)[1] for s in range(40)}
+    assert picked == {(0,), (3,)}
