@@ -15,10 +15,10 @@ from ffctl.cli.report import check_outputs, run_report
 from ffctl.errors import BadInput
 from ffctl.render import html as html_page
 from ffctl.render import make_console
-from ffctl.render.report import markdown_fleet_projection, render_fleet_projection
+from ffctl.render.report import markdown_fleet_projection, render_fleet_projection, render_run_check
 from runs.events import EventKind
 from runs.projection import (DEFAULT_GPUS, DEFAULT_GPUS_PER_NODE, DEFAULT_SPARES_PER_1000, PRESETS, Fleet,
-                             ProjectionSpec, RunMeasure, measure_run, project)
+                             ProjectionSpec, RunMeasure, check_run, measure_run, project)
 from runs.store import RunStore, RunStoreError, open_run
 
 _DURATION_UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
@@ -121,6 +121,30 @@ def load_measures(runs_dir: Path, run_ids: list[str]) -> list[RunMeasure]:
     return out
 
 
+def _check(runs_dir: Path, runs: list[str], check: str | None, within: float | None, as_json: bool,
+           other_output: bool) -> None:
+    """`--check RUN`: RUN's goodput predicted from the RUNs' per-fault costs beside what it measured."""
+    if check is None:
+        raise BadInput("--within: only with --check RUN")
+    if within is not None and not 0 <= within < math.inf:
+        raise BadInput(f"--within {within!r}: a number of percentage points, 0 or more")
+    if other_output:
+        raise BadInput("--check: prints a table or --json only (no --markdown, no --html)")
+    measures = load_measures(runs_dir, [r for r in runs if r != check] + [check])
+    try:
+        doc = check_run(measures[:-1], measures[-1])
+    except ValueError as exc:
+        raise BadInput(f"--check {check!r}: {exc}") from None
+    doc["within_points"] = within
+    doc["ok"] = within is None or abs(doc["difference_points"]) <= within
+    if as_json:
+        typer.echo(json.dumps(doc, indent=2))
+    else:
+        render_run_check(doc, make_console())
+    if not doc["ok"]:
+        raise typer.Exit(1)
+
+
 def register(app: typer.Typer) -> None:
     @app.command("project")
     def project_cmd(
@@ -154,10 +178,20 @@ def register(app: typer.Typer) -> None:
             "--html", metavar="FILE",
             help="Also write a self-contained HTML page with the tables and ETTR against GPU count "
                  "(needs the html extra: pip install 'ffctl\\[html]').")] = None,
+        check: Annotated[Optional[str], typer.Option(
+            "--check", metavar="RUN",
+            help="Instead of a fleet: predict RUN's goodput (a run with many faults, e.g. --chaos) from the "
+                 "RUNs' per-fault costs, and print it beside what RUN measured.")] = None,
+        within: Annotated[Optional[float], typer.Option(
+            "--within", metavar="POINTS",
+            help="With --check: exit 1 unless the prediction is within POINTS percentage points.")] = None,
     ) -> None:
         """Project measured recovery costs to a fleet: MTBF, ETTR, lost and spare GPU-hours per day."""
         if as_json and markdown:
             raise BadInput("--json and --markdown: choose one")
+        if check is not None or within is not None:
+            _check(runs_dir, runs, check, within, as_json, markdown or html is not None)
+            return
         the_fleet = parse_fleet(fleet, rate, mtbf, gpus_per_node)
         if not 0 <= spares_per_1000 < math.inf:
             raise BadInput(f"--spares-per-1000 {spares_per_1000!r}: 0 or more spare GPUs per 1,000")

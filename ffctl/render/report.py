@@ -369,6 +369,33 @@ def render_fleet_projection(doc: dict[str, Any], console: Console) -> None:
         console.print(Padding(line, (0, 0, 0, 2), expand=False), markup=False, highlight=False)
 
 
+def render_run_check(doc: dict[str, Any], console: Console) -> None:
+    """`ffctl project --check`: a run's goodput as predicted from single-fault runs, and as measured."""
+    kinds = ", ".join(f"{n} {k}" for k, n in doc["faults_by_kind"].items()) or "none"
+    rows = [
+        ["faults", f"{doc['faults']} ({kinds})"],
+        ["wall s", _s(doc["wall_s"])],
+        ["MTBF s", _s(doc["mtbf_s"])],
+        ["lost s per fault predicted", _s(doc["lost_s_per_fault_predicted"])],
+        ["lost s per fault measured", _s(doc["lost_s_per_fault_measured"])],
+        ["ETTR predicted", f"{doc['ettr_predicted']:.3f}"],
+        ["ETTR measured", f"{doc['ettr_measured']:.3f}"],
+        ["difference (points)", f"{doc['difference_points']:+.1f}"],
+        ["goodput predicted", "-" if doc["goodput_predicted"] is None else f"{doc['goodput_predicted']:.3f}"],
+        ["goodput measured", f"{doc['goodput_measured']:.3f}"],
+    ]
+    if doc["within_points"] is not None:
+        rows.append([f"within {doc['within_points']:g} points", "yes" if doc["ok"] else "NO"])
+    title = f"run {doc['run']} ({doc['strategy']}) predicted from {', '.join(doc['from_runs'])}"
+    _table_or_blocks(console, title, ["", "value"], rows)
+    if doc["unpredicted_faults"]:
+        console.print(f"faults of a kind no single-fault run measured, taken as measured: "
+                      f"{', '.join(doc['unpredicted_faults'])}", markup=False, highlight=False)
+    console.print("formulas (docs/projection.md):", markup=False, highlight=False)
+    for line in doc["formulas"]:
+        console.print(Padding(line, (0, 0, 0, 2), expand=False), markup=False, highlight=False)
+
+
 # --- Markdown (GitHub-flavoured), for CI summaries ------------------------------------------
 
 

@@ -23,8 +23,8 @@ import pytest
 
 from runs.events import EventKind
 from runs.metrics import compute
-from runs.projection import (PRESETS, Fleet, ProjectionSpec, daly_interval, ettr_daly, ettr_first_order,
-                             measure_run, project, strategy_inputs, young_interval)
+from runs.projection import (PRESETS, FaultCost, Fleet, ProjectionSpec, RunMeasure, check_run, daly_interval,
+                             ettr_daly, ettr_first_order, measure_run, project, strategy_inputs, young_interval)
 from tests.helpers.events import StreamBuilder
 from tests.unit.test_report_cli import run_cli, write_run
 
@@ -386,3 +386,83 @@ def test_html_page_with_the_ettr_plot(runs_dir: Path, tmp_path: Path) -> None:
     assert len(sizes) == 1 and sizes[0][0] > 300
     for needle in ("ETTR against GPU count", "inputs from the runs", ">restart-disk<", "Llama 3", "formulas"):
         assert needle in page, needle
+
+
+# --- A chaos run predicted from single-fault runs (`--check`) ----------------------------------
+
+
+def cost(run_id: str, fid: str, kind: str, lost: float, spare: bool = True, recovered: bool = True) -> FaultCost:
+    return FaultCost(run_id, fid, kind, lost, 0.0, lost, 0.1, spare, True, recovered)
+
+
+def run_of(run_id: str, faults: list[FaultCost], wall: float = 100.0, goodput: float | None = 0.8,
+           strategy: str = "peer") -> RunMeasure:
+    return RunMeasure(run_id, strategy, 4, "model tiny", (), (), (), tuple(faults), wall_s=wall, goodput=goodput)
+
+
+def test_check_predicts_each_fault_by_kind_and_spare_from_the_single_fault_runs() -> None:
+    single = run_of("s", [cost("s", "f1", "kill-rank", 0.4), cost("s", "f2", "kill-rank", 0.6),
+                          cost("s", "f3", "kill-node", 2.0, spare=False),
+                          cost("s", "f4", "kill-node", 9.0, spare=False, recovered=False)])
+    other = run_of("d", [cost("d", "f1", "kill-rank", 50.0)], strategy="restart-disk")  # another strategy
+    chaos = run_of("c", [cost("c", "f1", "kill-rank", 0.7), cost("c", "f2", "kill-node", 1.0),
+                         cost("c", "f3", "detected", 0.3)])
+    doc = check_run([single, other], chaos)
+    assert doc["from_runs"] == ["s"] and doc["faults_by_kind"] == {"kill-rank": 1, "kill-node": 1, "detected": 1}
+    # kill-rank: the mean 0.5; kill-node with a spare was only measured without one (2.0, the
+    # unrecovered one left out); the straggler no single run had is taken as measured, and named.
+    assert doc["lost_s_per_fault_predicted"] == pytest.approx((0.5 + 2.0 + 0.3) / 3)
+    assert doc["unpredicted_faults"] == ["f3"]
+    assert doc["mtbf_s"] == pytest.approx(100 / 3)
+    assert doc["ettr_predicted"] == pytest.approx(1 - (2.8 / 3) / (100 / 3))
+    assert doc["ettr_measured"] == pytest.approx(1 - 2.0 / 100)
+    assert doc["difference_points"] == pytest.approx(100 * (doc["ettr_predicted"] - doc["ettr_measured"]))
+    assert doc["goodput_predicted"] == pytest.approx(0.8 * doc["ettr_predicted"] / doc["ettr_measured"])
+
+
+def test_a_fault_that_costs_more_beside_others_fails_the_check() -> None:
+    single = run_of("s", [cost("s", "f1", "kill-rank", 0.5)])
+    # Faults close together each cost a restart from far back: the premise does not hold.
+    chaos = run_of("c", [cost("c", f"f{i}", "kill-rank", 4.0) for i in range(1, 5)])
+    doc = check_run([single], chaos)
+    assert doc["difference_points"] == pytest.approx(100 * (16.0 / 100 - 4 * 0.5 / 100))
+
+
+@pytest.mark.parametrize("singles, chaos, needle", [
+    ([], run_of("c", [cost("c", "f1", "kill-rank", 1.0)]), "no run of strategy 'peer' besides 'c'"),
+    ([run_of("s", [cost("s", "f1", "kill-rank", 1.0)])], run_of("c", []), "had no fault"),
+    ([run_of("s", [cost("s", "f1", "kill-rank", 1.0)])], run_of("c", [cost("c", "f1", "kill-rank", 1.0)],
+                                                                 goodput=None), "measured no goodput"),
+])
+def test_check_refuses_what_it_cannot_predict(singles: list[RunMeasure], chaos: RunMeasure, needle: str) -> None:
+    with pytest.raises(ValueError, match=needle):
+        check_run(singles, chaos)
+
+
+def test_check_through_the_command(runs_dir: Path) -> None:
+    write_run(runs_dir, "peer-2", fault_run(5000.0, "peer", step_s=0.55))
+    code, out = run_cli(["project", "peer-1", "--check", "peer-2", "--json"], runs_dir)
+    assert code == 0, out
+    doc = json.loads(out)
+    assert doc["run"] == "peer-2" and doc["from_runs"] == ["peer-1"] and doc["ok"]
+    assert abs(doc["difference_points"]) < 1e-6  # the same run twice: the same cost
+    code, text = run_cli(["project", "peer-1", "--check", "peer-2"], runs_dir)
+    assert code == 0 and "ETTR predicted" in text and "formulas" in text, text
+    code, text = run_cli(["project", "peer-1", "--check", "peer-2", "--within", "0"], runs_dir)
+    assert code == 0, text
+    write_run(runs_dir, "peer-slow", fault_run(6000.0, "peer", step_s=0.55, lost_steps=15))
+    code, text = run_cli(["project", "peer-1", "--check", "peer-slow", "--within", "1"], runs_dir)
+    assert code == 1 and "NO" in text, text
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--within", "3"], "--within: only with --check RUN"),
+    (["--check", "peer-1"], "--check 'peer-1': no run of strategy 'peer' besides 'peer-1'"),
+    (["--check", "no-such-run"], "'no-such-run'"),
+    (["--check", "disk-1", "--within", "-1"], "--within -1.0"),
+    (["--check", "mem-1", "--markdown"], "--check: prints a table or --json only"),
+])
+def test_check_bad_input_is_one_line_and_exit_2(runs_dir: Path, args: list[str], needle: str) -> None:
+    code, text = run_cli(["project", "peer-1", *args], runs_dir)
+    lines = text.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("ffctl: error: ") and needle in lines[0], text
