@@ -43,7 +43,6 @@ _CLASS_RATE = "100gbit"  # htb classes must have a rate; this one never limits
 
 IPTABLES_KINDS = frozenset({FaultKind.NET_PARTITION, FaultKind.NET_PORT_BLOCK})
 TC_KINDS = frozenset({FaultKind.NET_BANDWIDTH, FaultKind.NET_DELAY, FaultKind.NET_LOSS})
-NETEM_KINDS = frozenset({FaultKind.NET_DELAY, FaultKind.NET_LOSS})
 
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 TransportFor = Callable[[HostCommand], Transport]

@@ -379,7 +379,6 @@ BASELINE = "restart-disk"
 # (a hang or a network fault needs a duration and, for the network, a sandbox).
 BENCH_KINDS = (FaultKind.KILL_RANK, FaultKind.TERM_RANK, FaultKind.CRASH_RANK, FaultKind.KILL_NODE)
 FIGURES = ("recovery_s", "lost_s", "lost_steps", "lost_gpu_hours", "goodput", "snapshot_overhead")
-HIGHER_IS_BETTER = frozenset({"goodput"})
 WARMUP_STEPS = 10  # no fault before: the pace before a fault needs steps, a peer a snapshot
 FAULT_GAP_STEPS = 10  # faults at least this many steps apart, each seen on its own
 TAIL_STEPS = 20  # no fault this close to the end: the job must be seen back at its pace
