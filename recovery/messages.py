@@ -81,6 +81,12 @@ class CommandKind(str, Enum):
     STOP = "stop"
 
 
+class ReplyKind(str, Enum):
+    """What the controller answers a client (`ffctl inject`) under a key of the request's own."""
+
+    INJECT_REPLY = "inject_reply"
+
+
 class DecodeError(ValueError):
     """A value is not a valid message; `reason` says which kind, field and value, in one line."""
 
@@ -292,6 +298,7 @@ class Message:
 M = TypeVar("M", bound=Message)
 REPORTS: dict[str, _Spec] = {}
 COMMANDS: dict[str, _Spec] = {}
+REPLIES: dict[str, _Spec] = {}
 
 
 # The registering decorators make their class a keyword-only frozen dataclass (below), which a
@@ -321,6 +328,11 @@ def _report(kind: Kind) -> Callable[[type[M]], type[M]]:
 @dataclass_transform(kw_only_default=True, frozen_default=True, field_specifiers=(dataclasses.field, _field))
 def _command(kind: CommandKind) -> Callable[[type[M]], type[M]]:
     return _register(COMMANDS, kind)
+
+
+@dataclass_transform(kw_only_default=True, frozen_default=True, field_specifiers=(dataclasses.field, _field))
+def _reply(kind: ReplyKind) -> Callable[[type[M]], type[M]]:
+    return _register(REPLIES, kind)
 
 
 # Reports from a rank name the rank, its node and the generation it is in.
@@ -531,11 +543,31 @@ class Inventory(Message):
 
 @_report(Kind.INJECT_REQUEST)
 class InjectRequest(Message):
-    """`ffctl inject` asks for a fault; the answer goes to `inject/reply/<req>`."""
+    """`ffctl inject` asks for a fault; the answer, an `InjectReply`, goes to `inject_reply_key(req)`."""
 
     spec: str = _field(_str)
     req: str = _field(_req)
     dry_run: bool | None = _optional(_bool)
+
+
+def inject_reply_key(req: str) -> str:
+    """The store key the controller answers inject request `req` under (`req` is alphanumeric:
+    `InjectRequest` checks it)."""
+    return f"inject/reply/{req}"
+
+
+@_reply(ReplyKind.INJECT_REPLY)
+class InjectReply(Message):
+    """The controller's answer to inject request `req`: applied as `fault_id` (`ok`), or not and
+    why (`error`; `bad_input` when the spec itself is wrong for this job), or with `dry_run`
+    the plan's lines (`plan`)."""
+
+    req: str = _field(_req)
+    ok: bool = _field(_bool)
+    fault_id: str | None = _optional(_str)
+    error: str | None = _optional(_str)
+    bad_input: bool | None = _optional(_bool)
+    plan: list[str] | None = _optional(_lines)
 
 
 @_report(Kind.REJECTED)

@@ -82,12 +82,12 @@ def register(app: typer.Typer) -> None:
         except RunStoreError as exc:  # its events are garbage: no status to go by
             raise BadInput(f"run {run}: unreadable record: {exc}") from None
         if dry_run:
-            render_plan(list(reply.get("plan", [])), console)
+            render_plan(list(reply.plan or []), console)
             return EXIT_OK
-        if not reply.get("ok"):
-            typer.echo(f"ffctl: error: {reply.get('error')}", err=True)
+        if not reply.ok:
+            typer.echo(f"ffctl: error: {reply.error}", err=True)
             return EXIT_INFRA
-        console.print(f"injected {kind} as {reply['fault_id']} into run {run}", markup=False, highlight=False)
+        console.print(f"injected {kind} as {reply.fault_id} into run {run}", markup=False, highlight=False)
         return EXIT_OK
 
 

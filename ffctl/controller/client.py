@@ -1,7 +1,8 @@
 """Ad hoc injection into a running job: `ffctl inject` asks the run's controller to apply a fault.
 
 The controller stays the only writer of the record, so the request goes through its store (the
-endpoint is in run.json) and the controller answers under `inject/reply/<id>`. Both are sealed
+endpoint is in run.json) and the controller answers, an `InjectReply`, under a key of the
+request's own (`messages.inject_reply_key`). Both are sealed
 with the job token, read from the run's owner-only token file: the controller ignores a request
 anyone else wrote, and this client a reply it did not seal.
 """
@@ -9,7 +10,6 @@ from __future__ import annotations
 
 import secrets
 import time
-from typing import Any
 
 from ffctl.errors import BadInput, InfraError
 from recovery import control, messages
@@ -17,7 +17,10 @@ from runs.events import RunStatus
 from runs.store import RunStore
 
 
-def request(record: RunStore, spec_text: str, dry_run: bool, timeout: float = 30.0) -> dict[str, Any]:
+def request(record: RunStore, spec_text: str, dry_run: bool, timeout: float = 30.0) -> messages.InjectReply:
+    """Ask the run's controller to inject `spec_text` (or with `dry_run` to plan it); its answer.
+    BadInput when the run cannot take it or the controller found the spec wrong for the job,
+    InfraError when the controller cannot be reached or does not answer in `timeout` seconds."""
     if record.status() is not RunStatus.RUNNING:
         raise BadInput(f"run {record.run_id!r} is not running (status {record.status().value})")
     ctl = record.read_json("run.json").get("controller")
@@ -37,22 +40,26 @@ def request(record: RunStore, spec_text: str, dry_run: bool, timeout: float = 30
                            sealer)
     if blocked is not None:
         raise InfraError(f"controller of run {record.run_id!r}: request not sent ({blocked.reason})")
-    key = f"inject/reply/{req}"
+    key = messages.inject_reply_key(req)
     deadline = time.monotonic() + timeout
     refused = ""
     while True:
         raw = control.read(store, key)  # never blocks, whoever deletes the key meanwhile
         if raw is not None:
             try:
-                reply: dict[str, Any] = opener.open(raw, key, replay=False)
-                break
+                reply = messages.InjectReply.from_dict(opener.open(raw, key, replay=False))
+                if reply.req == req:
+                    break
+                refused = f"an answer to request {reply.req!r}"
             except control.Rejected as exc:
                 refused = exc.reason  # not the controller's: wait for its own answer
+            except messages.DecodeError as exc:
+                refused = exc.reason
         if time.monotonic() > deadline:
-            why = f" (a forged answer was refused: {refused})" if refused else ""
+            why = f" (a forged or malformed answer was refused: {refused})" if refused else ""
             raise InfraError(f"controller of run {record.run_id!r} did not answer within {timeout:g}s{why}")
         time.sleep(0.02)
     store.delete_key(key)
-    if not reply.get("ok") and reply.get("bad_input"):
-        raise BadInput(str(reply.get("error")))
+    if not reply.ok and reply.bad_input:
+        raise BadInput(str(reply.error))
     return reply

@@ -249,14 +249,14 @@ class Inbox:
         try:
             spec = parse_spec(msg.spec)
             if msg.dry_run:
-                reply = {"ok": True, "plan": self.injector.plan(spec).describe()}
+                reply = messages.InjectReply(req=msg.req, ok=True, plan=self.injector.plan(spec).describe())
             else:
                 fault, err = self.injector.inject(spec, raise_refused=True)
-                reply = {"ok": err is None, "error": err, "fault_id": fault.fault_id if fault else None}
+                reply = messages.InjectReply(req=msg.req, ok=err is None, error=err,
+                                             fault_id=fault.fault_id if fault else None)
         except FaultSpecError as exc:
-            reply = {"ok": False, "error": str(exc), "bad_input": True}
-        key = f"inject/reply/{msg.req}"  # req is checked alphanumeric (messages.InjectRequest)
-        self.plane.reply(key, {"type": "inject_reply", **reply})
+            reply = messages.InjectReply(req=msg.req, ok=False, error=str(exc), bad_input=True)
+        self.plane.reply(messages.inject_reply_key(msg.req), reply.to_dict())
 
     # Every kind of report has its handler (a unit test holds this table to `messages.Kind`).
     HANDLERS: dict[messages.Kind, Callable[[Inbox, Any], None]] = {

@@ -188,9 +188,9 @@ class Job:
         spec_text = kind + (":" + ",".join(fields) if fields else "")
         parse_injection(spec_text, scheduled=False)  # a bad spec fails here, with its own message
         reply = client.request(open_run(self.runs_dir, self.run_id), spec_text, False, timeout=timeout)
-        if not reply.get("ok"):
-            raise JobError(f"run {self.run_id}: inject {spec_text} refused: {reply.get('error')}")
-        return str(reply["fault_id"])
+        if not reply.ok:
+            raise JobError(f"run {self.run_id}: inject {spec_text} refused: {reply.error}")
+        return str(reply.fault_id)
 
     def stop(self, timeout: float = STOP_GRACE_S) -> int:
         """Stop the job as Ctrl-C does (its record ends `interrupted`); its exit code."""

@@ -8,6 +8,7 @@ import dataclasses
 import json
 import math
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -20,7 +21,7 @@ from ffctl.controller.inbox import Inbox
 from ffctl.controller.plane import ControlPlane
 from recovery import control, messages
 from recovery.messages import CommandKind, DecodeError, Kind
-from runs.events import EventKind, RestoreHow, RestoreSource
+from runs.events import EventKind, RestoreHow, RestoreSource, RunStatus
 from tests.helpers.store import loopback_store
 
 LIMITS = messages.Limits(world_size=4, nnodes=2)
@@ -421,3 +422,81 @@ def test_held_workers_start_cold_when_the_template_dies_before_it_is_warm() -> N
     template.dead = True
     agent.workers.spawn_held()
     assert started == [0]
+
+
+# --- The controller's answer to `ffctl inject` ------------------------------------------------
+
+
+def test_an_inject_reply_round_trips_and_refuses_a_malformed_one() -> None:
+    reply = messages.InjectReply(req="abc123", ok=True, fault_id="f3")
+    wire = json.loads(json.dumps(reply.to_dict()))
+    assert wire == {"type": "inject_reply", "req": "abc123", "ok": True, "fault_id": "f3"}
+    assert messages.InjectReply.from_dict(wire) == reply
+    for bad, why in (({**wire, "ok": "yes"}, "ok"), ({k: v for k, v in wire.items() if k != "ok"}, "ok"),
+                     ({**wire, "req": "../gen/current"}, "req"), ({**wire, "plan": "not a list"}, "plan"),
+                     ({**wire, "type": "step"}, "step"), ({**wire, "extra": 1}, "extra")):
+        with pytest.raises(messages.DecodeError, match=why):
+            messages.InjectReply.from_dict(bad)
+    assert messages.inject_reply_key("abc123") == "inject/reply/abc123"
+
+
+class _Record:
+    """What the inject client reads of a run: its status, its controller endpoint and its token."""
+
+    def __init__(self, port: int, token: str) -> None:
+        self.run_id, self._port, self._token = "r1", port, token
+
+    def status(self) -> RunStatus:
+        return RunStatus.RUNNING
+
+    def read_json(self, name: str) -> dict[str, Any]:
+        return {"controller": {"address": "127.0.0.1", "port": self._port}}
+
+    def token(self) -> str:
+        return self._token
+
+
+def test_the_inject_client_takes_only_a_sealed_well_formed_answer_to_its_own_request(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    from ffctl.controller import client
+    from ffctl.errors import BadInput, InfraError
+
+    token = "t" * 32
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=10),
+                           wait_for_workers=False)
+    monkeypatch.setattr(client.secrets, "token_hex", lambda n: "req1")
+    key = messages.inject_reply_key("req1")
+    sealer = control.Sealer(token, "controller")
+
+    def answer(*replies: dict[str, Any]) -> threading.Thread:
+        def run() -> None:
+            for reply in replies:
+                time.sleep(0.15)
+                server.set(key, sealer.seal(key, reply))
+        thread = threading.Thread(target=run)
+        thread.start()
+        return thread
+
+    # Malformed, then unsealed, then an answer to someone else's request, then the real one.
+    thread = answer({"type": "inject_reply", "req": "req1", "fault_id": "f1"},
+                    {"type": "inject_reply", "req": "other", "ok": True, "fault_id": "f9"},
+                    {"type": "inject_reply", "req": "req1", "ok": True, "fault_id": "f2"})
+    server.set(key, b"not sealed")
+    got = client.request(_Record(server.port, token), "kill-rank:rank=0", False, timeout=20)
+    thread.join()
+    assert got == messages.InjectReply(req="req1", ok=True, fault_id="f2")
+    assert server.check([key]) is False  # taken away once read
+
+    thread = answer({"type": "inject_reply", "req": "req1", "ok": False, "error": "rank 9 does not exist",
+                     "bad_input": True})
+    with pytest.raises(BadInput, match="rank 9 does not exist"):
+        client.request(_Record(server.port, token), "kill-rank:rank=9", False, timeout=20)
+    thread.join()
+    thread = answer({"type": "inject_reply", "req": "req1", "ok": "sure"})
+    with pytest.raises(InfraError, match="did not answer within 1s .*malformed.*ok"):
+        client.request(_Record(server.port, token), "kill-rank:rank=0", False, timeout=1)
+    thread.join()
