@@ -85,7 +85,7 @@ class Controller:
                                    self.fleet.send, self.wait_for, self.fleet.host)
         self.inbox = Inbox(self.job, self.record, self.plane, self.fleet, self.watchdog, self.barrier, self.injector,
                            self.stragglers, self.announce,
-                           checkpoints=None if nodes.run_dir else record.path / "checkpoints",
+                           checkpoints=None if nodes.run_dir is not None else record.path / "checkpoints",
                            plain_script=self.plain_script, straggler_policy=spec.straggler_policy)
         self.generations = Generations(spec, self.job, nodes, self.plane, self.fleet.send, self.wait_for,
                                        self.record, record.run_id, record.path, self.plain_script, self.max_restarts)

@@ -11,6 +11,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ffctl.controller.controller import Controller
+from ffctl.controller.inbox import Inbox
 from ffctl.controller.plane import ControlPlane
 from ffctl.controller.state import JobState, NodeState
 from ffctl.controller.watchdog import Watchdog
@@ -48,7 +49,9 @@ def _controller() -> tuple[Controller, _Record]:
     ctl = Controller.__new__(Controller)
     ctl.job, ctl.plane, ctl._signals = job, plane, []
     ctl.watchdog = Watchdog(job, plane, rec.append, heartbeat_timeout=1.0, hang_min_s=5.0, plain_script=False)
-    ctl.inbox = SimpleNamespace(handle=lambda msg: None)  # type: ignore[assignment]
+    # The inbox as it is, its pieces that these paths never reach left out.
+    ctl.inbox = Inbox(job, rec.append, plane, None, ctl.watchdog, None, None, None,  # type: ignore[arg-type]
+                      lambda line: None, checkpoints=None, plain_script=False, straggler_policy=None)
     ctl.injector = SimpleNamespace(revert_due=lambda: None)  # type: ignore[assignment]
     return ctl, rec
 

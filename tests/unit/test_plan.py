@@ -113,12 +113,13 @@ def _rank(store: control.dist.Store, rank: int = 1) -> Job:
 def test_a_rank_refuses_a_malformed_sealed_plan_and_the_controller_records_it(sources: dict[str, Any],
                                                                                why: str) -> None:
     ctl, rec = _controller()
-    assert ctl.store is not None
+    store = ctl.plane.store
+    assert store is not None
     key = control.gen_plan_key(3)
     # Sealed with the job's token: authentic, but not a plan a rank can follow.
     bad = control.Sealer(TOKEN, "controller").seal(key, _plan(sources=sources))
-    ctl.store.set(key, bad)
-    job = _rank(ctl.store)
+    store.set(key, bad)
+    job = _rank(store)
     with pytest.raises(TimeoutError):
         control.newest_plan(job.store, 3, 0.3, job._opener, job._rejected, reader=job._plans)
     ctl.pump()
@@ -130,5 +131,5 @@ def test_a_rank_refuses_a_malformed_sealed_plan_and_the_controller_records_it(so
     good = GenerationPlan(gen=3, world_size=2, strategy=Strategy.PEER, restore_step=8,
                           sources={0: LocalSlot(node=0), 1: PeerReplica(address="10.0.0.2", port=41000,
                                                                         where=Where.REPLICA)})
-    control.publish_plan(ctl.store, 3, good, control.Sealer(TOKEN, "controller"))
+    control.publish_plan(store, 3, good, control.Sealer(TOKEN, "controller"))
     assert control.newest_plan(job.store, 3, 1.0, job._opener, job._rejected, reader=job._plans) == (3, good)
