@@ -29,7 +29,7 @@ def left_behind(record: RunStore) -> dict[str, Any]:
     links = [str(n) for n in sandbox.get("links") or []]
     if not namespaces and not links:
         return {}
-    from ffctl.launch.sandbox import SandboxError, list_namespaces
+    from ffctl.backends.netns import SandboxError, list_namespaces
 
     try:
         present = set(list_namespaces())
