@@ -23,6 +23,7 @@ class FaultFamily(str, Enum):
     GPU = "gpu"
     NETWORK = "network"
     STRAGGLER = "straggler"  # slow ranks: the job runs on, at the pace of its slowest rank
+    STATE = "state"  # what a rank's recovery will read: its snapshot slots
 
 
 class FaultKind(str, Enum):
@@ -46,11 +47,14 @@ class FaultKind(str, Enum):
     LINK_DOWN = "link-down"
     SLOW_RANK = "slow-rank"  # the rank's steps take `factor` times as long, for `duration`
     SLOW_NODE = "slow-node"  # slow-rank on every rank of a node
+    CORRUPT_SNAPSHOT = "corrupt-snapshot"  # flip a byte in each of the rank's snapshot slots
 
     @property
     def family(self) -> FaultFamily:
         if self.value.startswith("slow-"):
             return FaultFamily.STRAGGLER
+        if self is FaultKind.CORRUPT_SNAPSHOT:
+            return FaultFamily.STATE
         if self.value.startswith("gpu-"):
             return FaultFamily.GPU
         if self.value.startswith(("net-", "link-")):
@@ -61,7 +65,7 @@ class FaultKind(str, Enum):
 
     @property
     def targets_rank(self) -> bool:
-        return self.family in (FaultFamily.PROCESS, FaultFamily.GPU) or self is FaultKind.SLOW_RANK
+        return self.family in (FaultFamily.PROCESS, FaultFamily.GPU, FaultFamily.STATE) or self is FaultKind.SLOW_RANK
 
     @property
     def breaks_job(self) -> bool:

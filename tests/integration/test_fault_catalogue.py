@@ -247,6 +247,8 @@ def figures(rep: dict[str, Any]) -> str:
 COVERED: set[str] = set()  # kinds the tests below inject (checked against the whole table)
 # The stragglers are injected end to end, detected and billed in tests/e2e/test_stragglers.py.
 COVERED.update({"slow-rank", "slow-node"})
+# corrupt-snapshot, with a kill behind it, in tests/e2e/test_recovery.py (the fallback to another copy).
+COVERED.add("corrupt-snapshot")
 
 
 # --- process and GPU kinds --------------------------------------------------------------------
