@@ -109,6 +109,9 @@ class FaultMetrics:
     # rank, factor, onset_step, onset_t, detected_at, detected_after_steps, last_step, end_t,
     # steps, lost_s (the time the others waited for it, from the ranks' busy times).
     stragglers: list[dict[str, Any]] = field(default_factory=list)
+    # Copies the recovery read and refused before the one it restored (a corrupt snapshot, a
+    # copy gone missing): what each was and why, in the order they were refused.
+    rejected_copies: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -246,7 +249,15 @@ def _fault_metrics(inj: Event, events: list[Event], world_size: int, end_t: floa
     # A slowdown is detected when the straggler detector names a slow rank, unless a failure
     # (a replaced straggler) was detected first.
     noticed_t = detected.t if detected else (min(x["detected_at"] for x in slow) if slow else None)
-    decisions = [ev for ev in events if ev.kind is EventKind.RECOVERY_DECIDED and mentions(ev)]
+    # A recovery that refused the copy it was given (restore-failed) decides again, under a
+    # failure of its own that the fault explains: the fault's recovery is that whole chain, and
+    # its last decision is what was restored.
+    chain = [ev for ev in events if ev.kind is EventKind.FAILURE_DETECTED
+             and (mentions(ev) or fid in _ids(ev.get("explained_by")))]
+    failure_ids = {str(ev.get("failure_id")) for ev in chain if ev.get("failure_id") is not None}
+    decisions = [ev for ev in events if ev.kind is EventKind.RECOVERY_DECIDED
+                 and (mentions(ev) or failure_ids & set(_ids(ev.get("failure_ids"))))]
+    rejected = [_text(ev.get("detail")) for ev in chain if ev.get("cause") == "restore-failed"]
     gen_at_fault = _gen_at(inj, events)
     decision = decisions[-1] if decisions else None
     # m: the highest step completed when the fault hit. Steps the old generation still finished
@@ -356,6 +367,7 @@ def _fault_metrics(inj: Event, events: list[Event], world_size: int, end_t: floa
         cause=_text(detected.get("cause")) if detected is not None and detected.get("cause") is not None
         else (STRAGGLER if slow else None),
         stragglers=slow,
+        rejected_copies=rejected,
     )
 
 

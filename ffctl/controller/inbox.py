@@ -174,7 +174,9 @@ class Inbox:
         self.job.reports.add(Report.RESTORE_FAILED, msg.gen, (msg.rank,))
         # That copy is never offered again: the next decision picks another or disk.
         self.job.bad_sources.add((msg.rank, msg.step, msg.source))
-        self.job.fail(Failure("restore-failed", {msg.rank}, t=time.time(), detail=str(msg.reason)))
+        # The detail names the copy refused: the report lists each one under the fault.
+        self.job.fail(Failure("restore-failed", {msg.rank}, t=time.time(),
+                              detail=f"rank {msg.rank}'s {msg.source.value} copy of step {msg.step}: {msg.reason}"))
 
     def _on_ckpt(self, msg: messages.Ckpt) -> None:
         got = self.job.ckpt_reports.setdefault(msg.step, set())

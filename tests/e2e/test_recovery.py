@@ -13,7 +13,6 @@ from typing import Any
 import psutil
 import pytest
 
-from recovery.slots import DATA_OFFSET, HEADER
 from runs.events import EventKind
 from runs.store import iter_events
 from tests.helpers.launch import (
@@ -162,42 +161,30 @@ def test_second_fault_during_recovery(workdir: Path, baseline: list[list[float]]
 def test_corrupted_slot_is_detected_and_not_used(
     workdir: Path, baseline: list[list[float]], layout: tuple[str, str], fallback: str
 ) -> None:
-    """Rank 1 is stopped, both its local memory slots get a flipped byte, then it is killed: the
-    replacement finds the checksum wrong and says so; the next decision takes the ring
-    neighbour's replica (two nodes) or the disk checkpoint (one node, no neighbour)."""
-    run_id = rid("crc")
-    proc = start_launch(workdir, run_id, "--nnodes", layout[0], "--nproc-per-node", layout[1], "--steps", "60",
-                        "--seed", "3", "--ckpt-every", "10", "--spares", "1")
-    try:
-        wait_step(workdir / "runs", run_id, 24)
-        events = list((workdir / "runs" / run_id / "events.jsonl").read_text().splitlines())
-        pid = next(json.loads(line)["pids"]["1"] for line in events if '"ranks_spawned"' in line)
-        os.kill(pid, signal.SIGSTOP)
-        slots = sorted(Path("/dev/shm").glob(f"ffctl-{run_id}-*/ffctl-{run_id}-n0-r1-s*"))
-        assert len(slots) == 2, slots
-        for slot in slots:
-            with open(slot, "r+b") as fh:
-                # The last byte the checksum covers: a slot's file only grows, so its last byte
-                # may lie past a smaller snapshot's end.
-                _, _, _, meta_len, shard_len, _, _ = HEADER.unpack(fh.read(HEADER.size))
-                end = DATA_OFFSET + meta_len + shard_len
-                fh.seek(end - 1)
-                last = fh.read(1)
-                fh.seek(end - 1)
-                fh.write(bytes([last[0] ^ 0xFF]))
-        os.kill(pid, signal.SIGKILL)
-        proc.wait(timeout=400)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0
-    record = [json.loads(line) for line in (workdir / "runs" / run_id / "events.jsonl").read_text().splitlines()]
-    failed = [e for e in record if e["event"] == "failure_detected" and e["cause"] == "restore-failed"]
-    assert failed and "checksum" in failed[0]["detail"]
-    sources = [e["restore_source"] for e in record if e["event"] == "recovery_decided"]
+    """At step 24 rank 1 is stopped (so it writes no newer snapshot over them), both its local
+    memory slots get a flipped byte (`corrupt-snapshot`), then it is killed: the replacement
+    finds the checksum wrong and says so; the next decision takes the ring neighbour's replica
+    (two nodes) or the disk checkpoint (one node, no neighbour), and the losses stay the
+    fault-free run's."""
+    res = launch(workdir, rid("crc"), "--nnodes", layout[0], "--nproc-per-node", layout[1], "--steps", "60",
+                 "--seed", "3", "--ckpt-every", "10", "--spares", "1",
+                 "--inject", "hang-rank:rank=1,step=24,duration=60", "--inject", "corrupt-snapshot:rank=1,step=24",
+                 "--inject", "kill-rank:rank=1,step=24")
+    assert res.returncode == 0, res.stderr[-3000:]
+    injected = [ev.get("kind") for ev in res.events if ev.kind is EventKind.FAULT_INJECTED]
+    assert injected == ["hang-rank", "corrupt-snapshot", "kill-rank"]
+    failed = [ev for ev in res.events if ev.kind is EventKind.FAILURE_DETECTED and ev.get("cause") == "restore-failed"]
+    assert failed and all("local-memory copy of step" in str(ev.get("detail")) and "checksum" in str(ev.get("detail"))
+                          for ev in failed), [ev.get("detail") for ev in failed]
+    sources = [ev.get("restore_source") for ev in res.events if ev.kind is EventKind.RECOVERY_DECIDED]
     assert sources[0] == "local-memory" and sources[-1] == fallback
-    rep = json.loads((workdir / "runs" / run_id / "report.json").read_text())
-    assert rep["loss_by_step"] == baseline  # never silently wrong state
+    # The report bills the kill's recovery to the copy it restored, and names each copy refused.
+    kill = next(f for f in res.report["faults"] if f["kind"] == "kill-rank")
+    assert kill["recovered"] and kill["restore_source"] == fallback, kill
+    assert len(kill["rejected_copies"]) == len(failed) and "rank 1's local-memory copy" in kill["rejected_copies"][0]
+    assert "copies refused" in run_ffctl(workdir, "report", str(res.run_id), "--runs-dir",
+                                         str(workdir / "runs")).stdout
+    assert res.report["loss_by_step"] == baseline  # never silently wrong state
     assert_nothing_left(workdir)
 
 
