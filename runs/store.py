@@ -23,6 +23,7 @@ Two things the controller cannot write come from elsewhere when the record is re
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import math
 import os
@@ -85,6 +86,7 @@ class RunStore:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._lock = threading.Lock()
+        self._info_lock = threading.Lock()  # run.json's read-modify-write, within this process
         self._fd: int | None = None  # events.jsonl, opened for appending on the first event
         self._behind = _Backlog()  # events the disk has not taken yet (full, quota)
 
@@ -141,10 +143,12 @@ class RunStore:
         return self.token_path.read_text().strip()
 
     def write_json(self, name: str, obj: Any) -> None:
-        """Atomically replace `name` (write to a temp file, fsync, rename)."""
-        tmp = self.path / f".{name}.tmp"
+        """Atomically replace `name` (write to a temp file of this write's own, fsync, rename):
+        writers in two threads or processes never share a temp file, and the reader sees one
+        whole version or the other."""
+        fd, tmp = _exclusive_tmp(self.path, name)
         try:
-            with open(tmp, "w") as fh:
+            with os.fdopen(fd, "w") as fh:
                 json.dump(obj, fh, indent=2, sort_keys=False)
                 fh.write("\n")
                 fh.flush()
@@ -169,9 +173,18 @@ class RunStore:
             raise CorruptRecord(f"{path}: not JSON ({exc})") from None
 
     def update_run_info(self, **fields: Any) -> None:
-        info = self.read_json("run.json")
-        info.update(fields)
-        self.write_json("run.json", info)
+        """Set `fields` in run.json, keeping every other field: a read-modify-write under a lock
+        (a thread's and a lock file's, so the controller's threads and another ffctl process
+        writing the same run never lose each other's fields)."""
+        with self._info_lock:
+            fd = os.open(self.path / ".run.json.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                info = self.read_json("run.json")
+                info.update(fields)
+                self.write_json("run.json", info)
+            finally:
+                os.close(fd)  # releases the flock
 
     def append(self, kind: EventKind, /, t: float | None = None, sync: bool = True, **data: Any) -> Event:
         """Write one event as a line and fsync it (`sync=False`: written, and fsync'd with the
@@ -383,6 +396,16 @@ def _say(line: str) -> None:
         sys.stderr.flush()
     except (OSError, ValueError):
         pass  # no stderr to say it on: the record itself is what matters
+
+
+def _exclusive_tmp(directory: Path, name: str) -> tuple[int, Path]:
+    """A new temp file beside `name`, created by this call alone (O_EXCL, never through a link)."""
+    while True:
+        tmp = directory / f".{name}.{secrets.token_hex(6)}.tmp"
+        try:
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666), tmp
+        except FileExistsError:
+            continue
 
 
 def _open_regular(path: Path) -> BinaryIO:

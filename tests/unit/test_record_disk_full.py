@@ -141,4 +141,4 @@ def test_a_full_disk_leaves_no_half_written_json_file(tmp_path: Path, monkeypatc
     monkeypatch.setattr(store_mod.os, "fsync", refuse)
     with pytest.raises(OSError):
         st.write_json("report.json", {"a": 1})
-    assert not (st.path / "report.json").exists() and not (st.path / ".report.json.tmp").exists()
+    assert not (st.path / "report.json").exists() and not list(st.path.glob(".report.json*.tmp"))

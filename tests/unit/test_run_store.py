@@ -379,3 +379,34 @@ def test_an_event_appended_without_sync_is_written_at_once_and_fsynced_with_the_
     st.close()
     assert len(syncs) == 3  # closing fsyncs what the last unsynced event left
     assert len(list(iter_events(st.events_path))) == 4
+
+
+def _update_many(path: str, prefix: str, count: int) -> None:
+    store = RunStore(Path(path))
+    for i in range(count):
+        store.update_run_info(**{f"{prefix}{i}": i})
+
+
+def test_concurrent_updates_of_run_info_lose_no_field(tmp_path: Path) -> None:
+    """The controller's threads (its main loop, the Slurm node poller) and another ffctl process
+    each set fields of run.json: a read-modify-write without a lock drops the others' fields,
+    and two writers sharing one temp file write garbage."""
+    import subprocess
+    import sys
+    import threading
+
+    st = RunStore.create(tmp_path, "r1", {"run_id": "r1"})
+    threads = [threading.Thread(target=_update_many, args=(str(st.path), f"t{n}_", 40)) for n in range(4)]
+    root = str(Path(__file__).resolve().parents[2])
+    code = "import sys; from tests.unit.test_run_store import _update_many; _update_many(*sys.argv[1:3], 40)"
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(st.path), f"p{n}_"], cwd=root) for n in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    for proc in procs:
+        assert proc.wait(timeout=120) == 0
+    info = st.read_json("run.json")
+    expected = {f"{who}{n}_{i}" for who, k in (("t", 4), ("p", 2)) for n in range(k) for i in range(40)}
+    assert expected <= set(info) and info["run_id"] == "r1"
+    assert not list(st.path.glob(".run.json*.tmp"))  # every write's own temp file renamed or removed
