@@ -74,6 +74,12 @@ class EventKind(str, Enum):
     # rank, node, factor (median over the slowdown), onset_step, last_step, steps, onset_t, end_t,
     # lost_s (what the others waited for it: its busy time beyond theirs, summed), fault_ids
     STRAGGLER_ENDED = "straggler_ended"
+    # node, ranks, reason: from now on no other node holds a copy of these ranks' state (their
+    # node has no ring neighbour up, or a new one without a copy yet): a loss of the node loses it;
+    # said again, with the new list, when a recovery places more ranks on the node meanwhile
+    PROTECTION_LOST = "protection_lost"
+    # node, unprotected_s: the node's ring neighbour holds its ranks' copies again
+    PROTECTION_RESTORED = "protection_restored"
     # lost (count), kinds ({kind: count}), first_t, last_t, error: events dropped while the runs
     # disk was full and more waited in memory than it may hold; written where they would have been
     RECORD_LOST = "record_lost"

@@ -134,6 +134,9 @@ class RunMetrics:
     messages_rejected: int = 0
     # False for a plain script that reported no steps: steps_completed is then unknown, not 0.
     step_known: bool = True
+    # Seconds during which some rank's state had no copy on another node (`protection_lost` to
+    # `protection_restored`, or to the end): a loss of its node then would have lost it.
+    unprotected_s: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -746,4 +749,25 @@ def compute(run_id: str, events: list[Event], controller_alive: bool | None = No
         messages_rejected=sum(1 + int(ev.get("dropped_before", 0) or 0) + int(ev.get("unreported_before", 0) or 0)
                               for ev in events if ev.kind is EventKind.MESSAGE_REJECTED),
         step_known=bool(committed) or not plain_script,
+        unprotected_s=_unprotected_seconds(events, end_t),
     )
+
+
+def _unprotected_seconds(events: list[Event], end_t: float) -> float:
+    """The time some node's ranks had no copy on another node: the union of each node's windows
+    from `protection_lost` to its `protection_restored` (or the end of the run)."""
+    opened: dict[Any, float] = {}
+    windows: list[tuple[float, float]] = []
+    for ev in events:
+        node = ev.get("node")
+        if ev.kind is EventKind.PROTECTION_LOST and node not in opened:
+            opened[node] = ev.t
+        elif ev.kind is EventKind.PROTECTION_RESTORED and node in opened:
+            windows.append((opened.pop(node), ev.t))
+    windows += [(t, max(t, end_t)) for t in opened.values()]
+    total, reach = 0.0, -math.inf
+    for start, stop in sorted(windows):
+        if stop > reach:
+            total += stop - max(start, reach)
+            reach = stop
+    return total

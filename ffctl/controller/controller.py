@@ -32,6 +32,7 @@ from ffctl.controller.generations import Generations
 from ffctl.controller.inbox import Inbox
 from ffctl.controller.injector import Injector
 from ffctl.controller.plane import ControlPlane
+from ffctl.controller.protection import Protection
 from ffctl.controller.script import uses_recovery_library
 from ffctl.controller.state import JobState, Phase, Report
 from ffctl.controller.stragglers import StragglerDetector
@@ -74,8 +75,9 @@ class Controller:
         self.plane = ControlPlane(spec.address, record.token(), spec.world_size, spec.nnodes, self.record)
         # The run's private shared-memory directory, the same name on every host: drawn here, so
         # nobody can make it first; it reaches the agents only in their own configuration.
+        in_memory = spec.recovery in (Strategy.PEER, Strategy.RESTART_MEMORY) and spec.nnodes > 1
         self.fleet = Fleet(spec, self.job, nodes, self.plane, self.wait_for, record.run_id, record.path,
-                           shm.new_run_dir(record.run_id))
+                           shm.new_run_dir(record.run_id), Protection(self.job, self.record, in_memory))
         self.injector = Injector(self, self.job, transport_for or nodes.transport_for,
                                  scheduled=[s for s in spec.injects], chaos=spec.chaos, hang_min_s=spec.hang_min_s)
         self.stragglers = StragglerDetector(spec.world_size, spec.straggler_policy)

@@ -297,6 +297,7 @@ class RecoveryCoordinator:
                        restore_source=decision.restore_source, strategy=self.strategy, ranks=respawn,
                        placement={str(r): job.members[r] for r in respawn},
                        lost_both_copies=list(decision.lost_both_copies), failure_ids=list(self._handling))
+        cluster.wire_ring()  # the same ring; the record learns which ranks now sit on a node without a neighbour
         needed = sorted({job.members[r] for r in respawn} & lost_nodes)
         for n in sorted(lost_nodes):
             job.deferred_restarts.pop(n, None)

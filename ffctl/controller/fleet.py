@@ -18,6 +18,7 @@ from ffctl.backends.protocol import NodeBackend
 from ffctl.controller.cluster import FatalRun
 from ffctl.controller.decide import ring_holder
 from ffctl.controller.plane import ControlPlane
+from ffctl.controller.protection import Protection
 from ffctl.controller.state import JobState, NodeState
 from ffctl.spec import LaunchSpec
 from recovery import control, messages
@@ -31,7 +32,7 @@ WaitFor = Callable[..., bool]
 
 class Fleet:
     def __init__(self, spec: LaunchSpec, job: JobState, launcher: NodeBackend, plane: ControlPlane,
-                 wait_for: WaitFor, run_id: str, record_dir: Path, shm_dir: str) -> None:
+                 wait_for: WaitFor, run_id: str, record_dir: Path, shm_dir: str, protection: Protection) -> None:
         self.spec = spec
         self.job = job
         self.launcher = launcher
@@ -44,6 +45,7 @@ class Fleet:
         self.shm_dir = shm_dir
         self.clock_offsets: dict[int, float] = {}  # node -> its clock minus ours (seconds)
         self.wired: dict[int, tuple[int, tuple[str, int] | None]] = {}  # node -> (incarnation, neighbour) last sent
+        self.protection = protection
 
     def incarnation(self, node: int) -> int:
         st = self.job.nodes.get(node)
@@ -104,8 +106,10 @@ class Fleet:
 
     def wire_ring(self) -> None:
         live = sorted(n for n, st in self.job.nodes.items() if st.up)
+        holders: dict[int, int | None] = {}
         for n in live:
-            holder = ring_holder(n, live) if self.spec.recovery in (Strategy.PEER, Strategy.RESTART_MEMORY) else None
+            holder = holders[n] = (ring_holder(n, live) if self.spec.recovery in (Strategy.PEER, Strategy.RESTART_MEMORY)
+                                   else None)
             peer = self.job.nodes[holder].peer if holder is not None else None
             # Only to agents whose neighbour changed (or that are new): a node lost from a ring
             # of a thousand changes one agent's neighbour, not a thousand.
@@ -114,6 +118,7 @@ class Fleet:
                 continue
             self.wired[n] = wired
             self.send(n, messages.Neighbor(address=peer[0] if peer else None, port=peer[1] if peer else None))
+        self.protection.wired(holders)
 
     def agent_time(self, node: int, t: float) -> float:
         """A timestamp taken on `node`'s clock, on the controller's clock."""

@@ -192,6 +192,7 @@ class Inbox:
         # next event's covers it), else a thousand nodes cost a thousand fsyncs a second.
         self.record(EventKind.SNAPSHOT_TAKEN, t=time.time(), sync=False, step=msg.step, kind="memory",
                     node=msg.node, ranks=msg.ranks)
+        self.fleet.protection.replicated(msg.node)
 
     def _on_inventory(self, msg: messages.Inventory) -> None:
         self.job.inventories[(msg.node, msg.req)] = msg

@@ -117,6 +117,9 @@ def summary_fields(report: dict[str, Any]) -> list[tuple[str, str]]:
         ("lost s", _s(lost_s)),
         ("lost GPU-hours", _gpu_h(report.get("lost_gpu_hours_total"))),
         ("spare GPU-hours", _gpu_h(report.get("spare_gpu_hours"))),
+        # Shown only when it happened: each window is a protection_lost event in the record.
+        *([("unprotected s", f"{_s(report['unprotected_s'])} (state with no copy on another node)")]
+          if report.get("unprotected_s") else []),
         # Shown only when something was refused: each is a message_rejected event in the record.
         *([("rejected messages", f"{report['messages_rejected']} (message_rejected in events.jsonl)")]
           if report.get("messages_rejected") else []),

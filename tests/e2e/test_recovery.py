@@ -67,6 +67,13 @@ def test_peer_kill_rank_then_kill_node_is_bit_exact(workdir: Path, baseline: lis
     assert first[0] not in exits and first[0] == _pids(res.events)[0]
     assert crashes(res.events) == []  # every survivor and replacement also exits cleanly at the end
     assert any(e.kind is EventKind.SNAPSHOT_TAKEN and e.get("kind") == "memory" for e in res.events)
+    # With node 1 lost, node 0 holds every rank and no other node a copy of their state: that
+    # window is recorded from the loss on (until node 1's agent holds copies again, or the end).
+    lost = [e for e in res.events if e.kind is EventKind.PROTECTION_LOST]
+    node_lost = next(e for e in res.events if e.kind is EventKind.NODE_LOST)
+    assert lost and lost[0].get("node") == 0 and lost[0].t >= node_lost.t and lost[-1].get("ranks") == [0, 1, 2, 3]
+    assert 0 < rep["unprotected_s"] <= rep["wall_s"]
+    assert not any(e.kind is EventKind.PROTECTION_LOST and e.t < node_lost.t for e in res.events)
     assert_nothing_left(workdir)
     assert not shm_left(run_id)
 

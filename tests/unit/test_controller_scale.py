@@ -10,6 +10,7 @@ from typing import Any
 from ffctl.controller import watchdog as watchdog_mod
 from ffctl.controller.decide import Inventory, decide
 from ffctl.controller.fleet import Fleet
+from ffctl.controller.protection import Protection
 from ffctl.controller.state import JobState, NodeState
 from ffctl.controller.watchdog import Watchdog
 from recovery import messages
@@ -39,7 +40,9 @@ def _watchdog(nodes: int) -> tuple[Watchdog, list[int]]:
 
 def _fleet(nodes: int) -> tuple[Fleet, list[tuple[int, messages.Message]]]:
     spec = SimpleNamespace(recovery=Strategy.PEER)
-    fleet = Fleet(spec, _job(nodes), None, None, None, "r", None, "")  # type: ignore[arg-type]
+    job = _job(nodes)
+    fleet = Fleet(spec, job, None, None, None, "r", None, "",  # type: ignore[arg-type]
+                  Protection(job, lambda *a, **k: None, True))
     sent: list[tuple[int, messages.Message]] = []
     fleet.send = lambda node, msg: sent.append((node, msg))  # type: ignore[method-assign]
     return fleet, sent
