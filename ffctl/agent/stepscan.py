@@ -27,7 +27,7 @@ from typing import Any
 try:
     import re._parser as _sre  # the parser `re` itself uses (Python >= 3.11)
 except ImportError:  # pragma: no cover - older Pythons
-    import sre_parse as _sre  # type: ignore[no-redef]
+    import sre_parse as _sre
 
 # Longer lines are matched on their first MAX_LINE characters: a progress line is short, and the
 # time the expressions that pass `backtracking_hazard` can take grows with a power of the length.

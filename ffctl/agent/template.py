@@ -154,7 +154,7 @@ def _main_module(argv: tuple[str, ...]) -> tuple[types.ModuleType, types.CodeTyp
             spec = importlib.util.find_spec(name)
         if spec is None or spec.loader is None or not hasattr(spec.loader, "get_code"):
             raise ImportError(f"No module named {argv[1]}")
-        code = spec.loader.get_code(spec.name)  # type: ignore[union-attr]
+        code = spec.loader.get_code(spec.name)
         if code is None:
             raise ImportError(f"No code object available for {argv[1]}")
         main.__dict__.update(__file__=spec.origin, __cached__=spec.cached, __loader__=spec.loader,
@@ -222,8 +222,8 @@ def _become_worker(job: Assignment, agent: int) -> None:
     os.dup2(null, 0)
     os.dup2(null, 1)
     os.close(null)
-    sys.stdin = open(0, closefd=False)  # noqa: SIM115
-    sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115
+    sys.stdin = open(0, closefd=False)
+    sys.stdout = open(1, "w", closefd=False)
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCHLD, signal.SIGPIPE):
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)  # as CPython sets it at start-up
