@@ -35,7 +35,7 @@ from collections import OrderedDict
 from dataclasses import replace
 from typing import Callable
 
-from fault_injectors.plan import FaultPlan, HostCommand, run_commands
+from fault_injectors.plan import FaultPlan, HostCommand, Role, run_commands
 from fault_injectors.spec import FaultSpec
 from fault_injectors.transport import CommandResult, Transport
 
@@ -154,8 +154,9 @@ def deadman_command(
     for cmd in reverts:
         words += [("?" if cmd.allow_fail else "") + str(len(cmd.argv)), *cmd.argv]
     # Whole seconds: POSIX sleep takes no fractions. Rounded up, never early.
-    argv = ("sh", "-c", DEADMAN_SCRIPT, deadman_tag(run_id, fid), str(max(1, math.ceil(delay_s))), *words)
-    return HostCommand(first.node, first.host, argv, netns=first.netns)
+    tag = deadman_tag(run_id, fid)
+    argv = ("sh", "-c", DEADMAN_SCRIPT, tag, str(max(1, math.ceil(delay_s))), *words)
+    return HostCommand(first.node, first.host, argv, netns=first.netns, role=Role.DEADMAN, about=tag)
 
 
 def guard(
@@ -183,10 +184,8 @@ def guard(
 
 
 def tag_of(cmd: HostCommand) -> str | None:
-    """The owner tag of a switch command (its `$0`), None for any other command."""
-    if len(cmd.argv) > 3 and cmd.argv[:2] == ("sh", "-c") and cmd.argv[3].startswith(DEADMAN_PREFIX + ":"):
-        return cmd.argv[3]
-    return None
+    """The owner tag of a switch command, None for any other command."""
+    return cmd.about if cmd.role is Role.DEADMAN else None
 
 
 def signal_command(node: int, host: str, pat: str, signal: str) -> HostCommand:

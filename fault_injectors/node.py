@@ -7,7 +7,7 @@ the run and the fault, so that the launch's end and `ffctl inject revert --all` 
 """
 from __future__ import annotations
 
-from fault_injectors.plan import FaultPlan, HostCommand, Topology, pid_arg
+from fault_injectors.plan import FaultPlan, HostCommand, Role, Topology, pid_arg
 from fault_injectors.spec import FaultKind, FaultSpec
 from runs.shm import node_prefix
 
@@ -36,13 +36,13 @@ def resume_argv(host: str) -> tuple[str, ...]:
 
 def is_node_drain(cmd: HostCommand) -> bool:
     """Whether `cmd` drains a node in the scheduler (run where the scheduler's client is)."""
-    return cmd.argv[:2] == ("scontrol", "update") and "state=drain" in cmd.argv
+    return cmd.role is Role.NODE_DRAIN
 
 
 def is_node_kill(cmd: HostCommand) -> bool:
     """Whether `cmd` is a node kill's first command (its agent and workers SIGKILLed): a backend
     that kills nodes its own way (a Slurm step cancel) recognises it by this."""
-    return cmd.argv[:2] == ("kill", "-KILL") and cmd.allow_fail
+    return cmd.role is Role.NODE_KILL
 
 
 def plan(spec: FaultSpec, topo: Topology, ranks: tuple[int, ...], nodes: tuple[int, ...]) -> FaultPlan:
@@ -54,10 +54,12 @@ def plan(spec: FaultSpec, topo: Topology, ranks: tuple[int, ...], nodes: tuple[i
         pids = [pid_arg(place.agent_pid, f"node {n}'s agent")] + [
             pid_arg(r.pid, f"rank {r.rank}") for r in topo.ranks_of(n)]
         # The agent first: it must not see its workers die and report them as rank faults.
-        apply.append(HostCommand(n, place.host, ("kill", "-KILL", *pids), place.netns, allow_fail=True))
+        apply.append(HostCommand(n, place.host, ("kill", "-KILL", *pids), place.netns, allow_fail=True,
+                                 role=Role.NODE_KILL))
         if spec.option("drain") == "yes":
             # After the kill: the node's steps are gone, and the scheduler gives it no new work.
-            apply.append(HostCommand(n, place.host, drain_argv(place.host, drain_reason(topo.run_id, spec.fault_id or "f?"))))
+            apply.append(HostCommand(n, place.host, drain_argv(place.host, drain_reason(topo.run_id, spec.fault_id or "f?")),
+                                     role=Role.NODE_DRAIN))
         if spec.kind is FaultKind.REBOOT_NODE:
             apply.append(
                 HostCommand(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import shlex
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Callable
 
 from fault_injectors.spec import FaultSpec, FaultSpecError
@@ -73,6 +74,15 @@ class Topology:
         return tuple(r for r in self.ranks if r.node == node)
 
 
+class Role(str, Enum):
+    """The commands of a plan that something looks for."""
+
+    NODE_KILL = "node-kill"  # a node's agent and workers SIGKILLed (a Slurm step is cancelled instead)
+    NODE_DRAIN = "node-drain"  # the scheduler told to give the node no more work
+    IN_STEP = "in-step"  # a fault file for the step hook of rank `about`
+    DEADMAN = "deadman"  # a dead man's switch; `about` is its owner tag
+
+
 @dataclass(frozen=True)
 class HostCommand:
     node: int
@@ -80,6 +90,11 @@ class HostCommand:
     argv: tuple[str, ...]
     netns: str | None = None
     allow_fail: bool = False  # e.g. killing a process that already exited
+    # What the command is, for whoever looks for one in a plan (a backend that kills nodes its
+    # own way, the injector cleaning up, a switch's cancel): never guessed from its argv.
+    # `about` says which: the rank of an in-step command, the owner tag of a switch.
+    role: Role | None = field(default=None, compare=False)
+    about: str | None = field(default=None, compare=False)
 
     def __str__(self) -> str:
         prefix = f"ip netns exec {shlex.quote(self.netns)} " if self.netns else ""

@@ -6,7 +6,7 @@ step hook raises it.
 """
 from __future__ import annotations
 
-from fault_injectors.plan import FaultPlan, HostCommand, Topology, pid_arg
+from fault_injectors.plan import FaultPlan, HostCommand, Role, Topology, pid_arg
 from fault_injectors.spec import FaultKind, FaultSpec
 from runs.shm import fault_path
 
@@ -35,7 +35,7 @@ def in_step_command(topo: Topology, rank: int, what: str) -> HostCommand:
     # Positional parameters, not string pasting: nothing in the path or name reaches the shell.
     argv = ("sh", "-c", IN_STEP_SCRIPT, "sh", topo.fault_dir, what, in_step_fault_path(topo, rank),
             pid_arg(place.pid, f"rank {rank}"))
-    return HostCommand(node.node, node.host, argv, netns=node.netns)
+    return HostCommand(node.node, node.host, argv, netns=node.netns, role=Role.IN_STEP, about=str(rank))
 
 
 def plan(spec: FaultSpec, topo: Topology, ranks: tuple[int, ...], nodes: tuple[int, ...]) -> FaultPlan:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from fault_injectors import FaultSpec, FaultSpecError, PlanError, Transport, TransportError, deadman, network
-from fault_injectors.plan import FaultPlan, HostCommand
+from fault_injectors.plan import FaultPlan, HostCommand, Role
 from fault_injectors.schedule import parse_chaos
 from fault_injectors.process import in_step_fault_path
 from fault_injectors.spec import FaultFamily, FaultKind
@@ -237,7 +237,7 @@ class Injector:
                     or fault.spec.kind.family in (FaultFamily.GPU, FaultFamily.STRAGGLER)):
                 continue
             for rank in fault.plan.ranks:
-                cmd = next((c for c in fault.plan.apply if c.argv[-2:-1] == (in_step_fault_path(topo, rank),)), None)
+                cmd = next((c for c in fault.plan.apply if c.role is Role.IN_STEP and c.about == str(rank)), None)
                 if cmd is None:
                     continue
                 try:

@@ -536,3 +536,21 @@ def test_a_seeded_node_pick_is_among_the_nodes_that_are_up() -> None:
                                for n in t.nodes), t.ranks)
     picked = {resolve(parse_spec(f"kill-node:mode=one,seed={s}"), t)[1] for s in range(40)}
     assert picked == {(0,), (3,)}
+
+
+def test_commands_others_look_for_carry_their_role_never_guessed_from_argv() -> None:
+    from fault_injectors.deadman import tag_of
+    from fault_injectors.node import is_node_drain, is_node_kill
+    from fault_injectors.plan import HostCommand, Role
+
+    kill, drain = plan_of("kill-node:node=1,drain=yes").apply
+    assert (kill.role, drain.role) == (Role.NODE_KILL, Role.NODE_DRAIN) and is_node_kill(kill) and is_node_drain(drain)
+    # The same words without the role are someone else's command: not a node kill to cancel.
+    assert not is_node_kill(HostCommand(kill.node, kill.host, kill.argv, kill.netns, allow_fail=True))
+    assert not is_node_drain(HostCommand(drain.node, drain.host, drain.argv))
+    (crash,) = plan_of("crash-rank:rank=3").apply
+    assert crash.role is Role.IN_STEP and crash.about == "3"
+    plan = guard(plan_of("net-partition:node=1,duration=5"), "run1")
+    assert plan.deadman and all(c.role is Role.DEADMAN and tag_of(c) == c.about == "ffctl-deadman:run1:f1"
+                                for c in plan.deadman)
+    assert tag_of(plan.apply[0]) is None

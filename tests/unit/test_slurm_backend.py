@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from fault_injectors.plan import HostCommand
+from fault_injectors.plan import HostCommand, Role
 from ffctl.agent.config import AgentConfig
 from ffctl.errors import BadInput, NoRequeue
 from ffctl.backends.slurm import SlurmNodes
@@ -173,7 +173,7 @@ def test_kill_node_cancels_its_step_and_a_spare_node_takes_over(fakes: Path, tmp
     nodes = _nodes(tmp_path)
     steps = [nodes.start(_cfg(n, tmp_path)) for n in range(2)]
     assert _wait(lambda: (fakes / "pid-ffctl-r1-node1-1").exists())
-    kill = HostCommand(1, "n2", ("kill", "-KILL", "123", "456"), None, allow_fail=True)
+    kill = HostCommand(1, "n2", ("kill", "-KILL", "123", "456"), None, allow_fail=True, role=Role.NODE_KILL)
     transport = nodes.transport_for(kill)
     assert isinstance(transport, StepKill)
     result = transport.run(kill.argv, timeout=10.0)
@@ -294,7 +294,8 @@ def test_a_node_slurm_drains_is_a_node_fault_its_agent_leaves(fakes: Path, tmp_p
 
 def test_a_drain_of_ours_runs_here_is_not_news_and_is_resumed_at_the_end(fakes: Path, tmp_path: Path) -> None:
     nodes = _nodes(tmp_path)
-    drain = HostCommand(1, "n2", ("scontrol", "update", "nodename=n2", "state=drain", "reason=ffctl:r1:f1"))
+    drain = HostCommand(1, "n2", ("scontrol", "update", "nodename=n2", "state=drain", "reason=ffctl:r1:f1"),
+                        role=Role.NODE_DRAIN)
     transport = nodes.transport_for(drain)
     assert not isinstance(transport, SlurmTransport) and transport.run(drain.argv, timeout=10.0).ok
     record = _Record(tmp_path)
