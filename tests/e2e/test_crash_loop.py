@@ -10,7 +10,8 @@ import pytest
 from runs.events import EventKind
 from tests.helpers.launch import Result, assert_nothing_left, launch, rid, shm_left
 
-pytestmark = pytest.mark.slow
+# Whole jobs launched and trained, often several a test: minutes on a loaded 2-core host.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 FAIL_AT = 3
 

@@ -15,7 +15,8 @@ from tests.helpers.launch import (
     assert_nothing_left, crashes, ffctl_launch_script, launch, rid, shm_left, torchrun_script,
 )
 
-pytestmark = pytest.mark.slow
+# Whole jobs launched and trained, often several a test: minutes on a loaded 2-core host.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "ddp"
 LAYOUT = ["--nnodes", "2", "--nproc-per-node", "2", "--spares", "2"]

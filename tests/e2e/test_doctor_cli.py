@@ -21,6 +21,7 @@ from tests.helpers.multihost import (
 )
 from tests.helpers.sshd import checked_sshd_cluster
 
+# sshd hosts in network namespaces built, then doctor's checks over SSH against each.
 pytestmark = [pytest.mark.root, pytest.mark.timeout(300)]
 
 

@@ -19,6 +19,7 @@ import pytest
 
 from tests.helpers.launch import assert_nothing_left, rid, shm_left
 
+# A fresh virtual environment built and the wheel installed, then two jobs run from it.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 ROOT = Path(__file__).resolve().parents[2]

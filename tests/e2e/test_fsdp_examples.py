@@ -18,7 +18,8 @@ from tests.helpers.launch import (
     assert_nothing_left, crashes, launch, rid, run_ffctl, shm_left, torchrun_script,
 )
 
-pytestmark = pytest.mark.slow
+# Whole jobs launched and trained, often several a test: minutes on a loaded 2-core host.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples" / "fsdp"

@@ -15,7 +15,8 @@ from tests.helpers.launch import (
     wait_event, wait_step,
 )
 
-pytestmark = pytest.mark.slow
+# Whole jobs launched and trained, often several a test: minutes on a loaded 2-core host.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 @pytest.fixture(scope="module")

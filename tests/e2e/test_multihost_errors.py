@@ -25,6 +25,7 @@ from tests.helpers.multihost import (
 )
 from tests.helpers.sshd import checked_sshd_cluster, generate_ed25519
 
+# sshd hosts in network namespaces built; each case checks every host before it fails.
 pytestmark = [pytest.mark.root, pytest.mark.timeout(300)]
 
 # The hosts' python: FFCTL_TEST_PYTHON, set per host by its sshd, makes it a python that cannot

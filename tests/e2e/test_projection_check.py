@@ -10,7 +10,8 @@ import pytest
 
 from tests.helpers.launch import assert_nothing_left, launch, rid, run_ffctl
 
-pytestmark = pytest.mark.slow
+# Whole jobs launched and trained, often several a test: minutes on a loaded 2-core host.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 JOB = ("--nnodes", "2", "--nproc-per-node", "1", "--steps", "400", "--spares", "1", "--seed", "5")
 # Three kill-rank faults 2 s apart, the first a few seconds after training starts (seed 6).

@@ -19,7 +19,8 @@ from runs.events import EventKind
 from runs.store import iter_events
 from tests.helpers.launch import assert_nothing_left, ffctl_launch_script, torchrun_script
 
-pytestmark = pytest.mark.slow
+# Whole jobs launched and trained, often several a test: minutes on a loaded 2-core host.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 # The DDP tutorial series' trainer: a snapshot file written by rank 0 every epoch, loaded at
 # start when present; KILL_EPOCH makes rank 1 SIGKILL itself after that epoch, first attempt only.

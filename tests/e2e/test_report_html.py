@@ -17,6 +17,7 @@ import pytest
 
 from tests.helpers.launch import assert_nothing_left, launch, rid, run_ffctl, shm_left
 
+# A job with two faults run, then its page rendered by a headless Chromium.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

@@ -16,7 +16,8 @@ import pytest
 from runs.events import EventKind
 from tests.helpers.launch import assert_nothing_left, launch, rid, shm_left
 
-pytestmark = pytest.mark.slow
+# Whole jobs launched and trained, often several a test: minutes on a loaded 2-core host.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 STEPS = 30
 CKPT_EVERY = 5

@@ -23,7 +23,8 @@ STEPS = 40
 KILL_STEP = 8
 
 _reason = skip_reason()
-pytestmark = [pytest.mark.slurm, pytest.mark.skipif(_reason is not None, reason=_reason or "")]
+# A private Slurm cluster started, jobs submitted through it and trained: minutes each.
+pytestmark = [pytest.mark.slurm, pytest.mark.timeout(600), pytest.mark.skipif(_reason is not None, reason=_reason or "")]
 
 
 @pytest.fixture()

@@ -15,7 +15,8 @@ from tests.helpers.launch import (
     TIMEOUT, assert_nothing_left, ffctl_launch_script, launch, launcher_env, rid, shm_left, torchrun_script,
 )
 
-pytestmark = pytest.mark.slow
+# Whole jobs launched and trained, often several a test: minutes on a loaded 2-core host.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 # env:// rendezvous, one allreduce, and the torchrun variables a script may read.
 ALLREDUCE = '''

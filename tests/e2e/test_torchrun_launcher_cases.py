@@ -14,7 +14,8 @@ import pytest
 
 from tests.helpers.launch import TIMEOUT, assert_nothing_left, ffctl_argv, launcher_env, rid
 
-pytestmark = pytest.mark.slow
+# Whole jobs launched and trained, often several a test: minutes on a loaded 2-core host.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 TOUCH = textwrap.dedent("""
     import argparse, os, sys

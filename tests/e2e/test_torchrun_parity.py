@@ -13,7 +13,8 @@ import pytest
 from runs.events import EventKind
 from tests.helpers.launch import assert_nothing_left, launch, rid
 
-pytestmark = pytest.mark.slow
+# Whole jobs launched and trained, often several a test: minutes on a loaded 2-core host.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 LINGER = textwrap.dedent("""
     import os, time

@@ -24,7 +24,8 @@ from tests.helpers.launch import (
     assert_nothing_left, launch, rid, run_ffctl, start_launch, wait_event, wait_step,
 )
 
-pytestmark = pytest.mark.slow
+# Whole jobs launched and trained, often several a test: minutes on a loaded 2-core host.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def _last(events_path: Path, kind: EventKind, **match: object) -> Event:

@@ -31,7 +31,8 @@ from tests.helpers.launch import (
 )
 from runs.store import iter_events
 
-pytestmark = pytest.mark.slow
+# Whole jobs launched and trained, often several a test: minutes on a loaded 2-core host.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 # More than the test ever waits for: the test stops the job (Ctrl-C) once the attack is over and
 # training has gone on past it, so a slow host cannot end the job under the attacker's feet.

@@ -5,10 +5,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from ffctl.sim.bench import run_control_plane
 from runs import shm
 from runs.events import EventKind
 from runs.store import iter_events
+
+# Simulated agents of 8 and 32 nodes started, and a node of each recovered.
+pytestmark = pytest.mark.timeout(300)
 
 HEARTBEAT_TIMEOUT_S = 1.0  # the launch default the bench runs with
 

@@ -27,6 +27,7 @@ from tests.conftest import needs_root
 from tests.helpers.launch import processes_in, rid, run_ffctl, shm_left, start_launch, wait_event
 from tests.helpers.netns import deadman_pids, ffctl_chains, sh, wait_for
 
+# A sandboxed job partitioned, its controller killed, then the dead man's switch's grace waited out.
 pytestmark = [pytest.mark.timeout(420), pytest.mark.slow]
 
 DURATION_S = 6.0

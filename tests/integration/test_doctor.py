@@ -20,6 +20,7 @@ from tests.conftest import ROOT, needs_root
 from tests.helpers.sshd import SSHCluster, checked_sshd_cluster, empty_known_hosts
 from tests.helpers.sshd import no_ssh_agent  # noqa: F401 - autouse fixture
 
+# sshd hosts in network namespaces built, then checked over SSH.
 pytestmark = [pytest.mark.root, pytest.mark.timeout(180)]
 
 # The interpreter running the tests has torch; the checkout on PYTHONPATH makes ffctl

@@ -45,6 +45,7 @@ from runs.store import iter_events
 from tests.conftest import is_root, needs_root
 from tests.helpers.launch import stop_at_end
 
+# Two-node jobs that each take several faults of the catalogue in turn.
 pytestmark = pytest.mark.timeout(420)
 
 CPU_ONLY = not __import__("torch").cuda.is_available()

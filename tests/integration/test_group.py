@@ -77,6 +77,7 @@ def _spawn(rank: int, port: int, replacement: bool) -> subprocess.Popen[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)  # real ranks in processes over gloo, a peer lost and a generation rebuilt
 def test_abort_close_and_the_next_generation() -> None:
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                            timeout=datetime.timedelta(seconds=120))

@@ -30,6 +30,7 @@ from tests.helpers.multihost import (
 )
 from tests.helpers.sshd import checked_sshd_cluster
 
+# Jobs across sshd hosts in network namespaces: hosts checked, agents started over SSH, a host lost.
 pytestmark = [pytest.mark.root, pytest.mark.slow, pytest.mark.timeout(900)]
 
 STEPS = 30

@@ -49,6 +49,7 @@ from tests.helpers.netns import (
     wait_for,
 )
 
+# A three-node sandbox built per test, faults applied and reverted, the switches' grace waited out.
 pytestmark = pytest.mark.timeout(300)
 
 PORT = 7301

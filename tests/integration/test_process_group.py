@@ -117,6 +117,7 @@ def _lost(proc: subprocess.Popen[str], mode: str, timeout: float = 120.0) -> Non
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)  # real ranks in processes over gloo, a peer lost and a generation rebuilt
 @pytest.mark.parametrize("mode", ["killed", "stopped"])
 def test_a_survivor_blocked_in_an_fsdp_reduce_scatter_unblocks_when_its_peer_is_lost(mode: str) -> None:
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)

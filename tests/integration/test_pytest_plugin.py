@@ -18,7 +18,8 @@ from runs.events import EventKind
 from runs.store import iter_events
 from tests.helpers.launch import shm_left
 
-pytestmark = pytest.mark.slow
+# Whole jobs launched and trained, often several a test: minutes on a loaded 2-core host.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def test_the_plugin_is_registered(pytestconfig: pytest.Config) -> None:

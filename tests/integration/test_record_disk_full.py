@@ -20,7 +20,8 @@ from runs.events import EventKind
 from runs.store import iter_events
 from tests.helpers.launch import assert_nothing_left, rid, start_launch, stop_at_end, wait_event, wait_step
 
-pytestmark = pytest.mark.slow
+# Whole jobs launched and trained, often several a test: minutes on a loaded 2-core host.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def _fill(path: Path) -> None:

@@ -16,6 +16,7 @@ from ffctl.backends.netns import NetnsSandbox, SandboxError, cleanup_stale, list
 from tests.conftest import needs_root
 from tests.helpers.netns import clean_sandbox, connect, leftovers, sh, tcp_server, topology
 
+# Namespaces, veths and a bridge built and torn down, a job run inside them.
 pytestmark = pytest.mark.timeout(300)
 
 PORT = 7351

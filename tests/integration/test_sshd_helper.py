@@ -17,7 +17,8 @@ import pytest
 
 from tests.helpers.sshd import checked_sshd_cluster, leftovers, skip_reason, sweep_abandoned
 
-pytestmark = pytest.mark.root
+# A private sshd cluster in network namespaces is built and swept.
+pytestmark = [pytest.mark.root, pytest.mark.timeout(300)]
 
 BUILDER = """
 import time

@@ -10,8 +10,12 @@ import textwrap
 from pathlib import Path
 
 import psutil
+import pytest
 
 from tests.helpers.netns import wait_for
+
+# A real worker template (torch imported) forks workers in each test.
+pytestmark = pytest.mark.timeout(300)
 
 # Plays the agent: makes itself the subreaper, starts the template, forks workers through it and
 # reports what it saw as one JSON line. A separate process, so the test runner itself never

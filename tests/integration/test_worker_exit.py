@@ -9,6 +9,11 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
+# A plain DDP script run to its end 30 times in a row, each a torch import and a gloo group.
+pytestmark = pytest.mark.timeout(900)
+
 # Plays the agent: starts the template, forks every run's ranks through it, waits for each with a
 # deadline, and kills what outlives it. One JSON line per run.
 DRIVER = textwrap.dedent("""

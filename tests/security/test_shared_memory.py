@@ -33,7 +33,8 @@ from tests.helpers.launch import processes_in, run_ffctl, start_launch, stop_at_
 NOBODY = 65534
 RANKS, NODES = 4, 2
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root: the attacker is uid nobody, set with setuid")
+# Jobs launched while another user plants files in shared memory.
+pytestmark = [pytest.mark.skipif(os.geteuid() != 0, reason="needs root: the attacker is uid nobody, set with setuid"), pytest.mark.timeout(600)]
 
 
 def as_nobody(action: Callable[[], object]) -> object:

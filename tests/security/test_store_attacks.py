@@ -33,7 +33,8 @@ from tests.helpers.launch import (
 )
 from tests.integration.test_attacker import _client, _controller_port
 
-pytestmark = pytest.mark.slow
+# Whole jobs launched and trained, often several a test: minutes on a loaded 2-core host.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 # More than the test ever waits for: it stops the job (Ctrl-C) once the attacks are over and the
 # job has trained on past them, then runs the fault-free job to the same step.
