@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from fault_injectors import gpu, network, node, process, state, straggler
+from fault_injectors import corruption, gpu, network, node, process, straggler
 from fault_injectors.plan import FaultPlan, PlanError, Topology, run_commands
 from fault_injectors.spec import FaultFamily, FaultSpec, FaultSpecError
 from fault_injectors.targets import resolve
@@ -18,7 +18,7 @@ PLANNERS: dict[FaultFamily, Planner] = {
     FaultFamily.GPU: gpu.plan,
     FaultFamily.NETWORK: network.plan,
     FaultFamily.STRAGGLER: straggler.plan,
-    FaultFamily.STATE: state.plan,
+    FaultFamily.STATE: corruption.plan,
 }
 
 

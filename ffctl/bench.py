@@ -315,7 +315,7 @@ def control_plane(runs_dir: Path, nodes: tuple[int, ...] = CONTROL_PLANE_NODES) 
     """The recovery's control plane against cluster size: a real controller and N simulated
     nodes (`ffctl.sim`), one lost; its phases per N, and the whole (from the loss to every rank
     restored) at the largest N / at the smallest."""
-    from ffctl.sim.bench import run_control_plane
+    from ffctl.sim.control_plane import run_control_plane
 
     rows = run_control_plane(list(nodes), runs_dir)
     result = BenchResult("control-plane", details={"sizes": rows})

@@ -11,23 +11,24 @@ except ImportError:  # pragma: no cover - older typer uses click itself
     from click import exceptions as click_exc  # type: ignore[no-redef]
 
 from ffctl import __version__
-from ffctl.cli import agent_cmd, bench, doctor, inject, launch, project, report, scenario
+from ffctl.cli import (cmd_agent, cmd_bench, cmd_doctor, cmd_inject, cmd_launch, cmd_project, cmd_report,
+                       cmd_scenario)
 from ffctl.errors import EXIT_BAD_INPUT, EXIT_INFRA, EXIT_NO_REQUEUE, BadInput, InfraError, NoRequeue
 
 app = typer.Typer(
     name="ffctl", add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
     help="Chaos testing and one-step recovery for distributed PyTorch training.",
 )
-launch.register(app)
-inject.register(app)
-report.register(app)
-project.register(app)
-agent_cmd.register(app)
+cmd_launch.register(app)
+cmd_inject.register(app)
+cmd_report.register(app)
+cmd_project.register(app)
+cmd_agent.register(app)
 # Every command is registered unconditionally: a command that failed to import (a missing
 # dependency) must fail loudly, not vanish from `ffctl --help`.
-doctor.register(app)
-scenario.register(app)
-bench.register(app)
+cmd_doctor.register(app)
+cmd_scenario.register(app)
+cmd_bench.register(app)
 
 
 @app.callback(invoke_without_command=True)

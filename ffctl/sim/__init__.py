@@ -4,6 +4,6 @@
 speaking the real, sealed control protocol (`recovery.control`, `recovery.messages`) to a real
 controller over its real store, with simulated ranks that report steps and snapshots and do no
 torch work. `ffctl.sim.nodes` is the node backend that hands the controller's agent starts to that
-process, and `ffctl.sim.bench` runs `ffctl bench --only control-plane`: a real controller, a
+process, and `ffctl.sim.control_plane` runs `ffctl bench --only control-plane`: a real controller, a
 simulated node lost, the recovery's control-plane phases measured per cluster size.
 """

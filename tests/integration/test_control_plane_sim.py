@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ffctl.sim.bench import run_control_plane
+from ffctl.sim.control_plane import run_control_plane
 from runs import shm
 from runs.events import EventKind
 from runs.store import iter_events

@@ -289,7 +289,7 @@ def test_dry_run_prints_the_runs_in_order_and_starts_none(monkeypatch: pytest.Mo
 
 def test_control_plane_is_the_largest_size_over_the_smallest_and_a_size_that_failed_is_a_miss(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from ffctl.sim import bench as sim_bench
+    from ffctl.sim import control_plane as sim_bench
 
     def row(n: int, total: float | None) -> dict[str, Any]:
         if total is None:

@@ -201,7 +201,7 @@ def test_few_loose_modules_in_ffctl() -> None:
 def test_the_checker_sees_imports_of_every_kind(tmp_path: Path) -> None:
     # The checks above are only as good as the import finder: it must see imports inside
     # functions and under TYPE_CHECKING, and resolve `from pkg import module`.
-    assert "ffctl.agent.agent" in GRAPH["ffctl.cli.agent_cmd"]  # imported inside a function
+    assert "ffctl.agent.agent" in GRAPH["ffctl.cli.cmd_agent"]  # imported inside a function
     assert any(_owner(m) == "recovery" for m in GRAPH["ffctl.agent.agent"])
 
 

@@ -11,7 +11,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from ffctl.cli.report import check_outputs, run_report
+from ffctl.cli.cmd_report import check_outputs, run_report
 from ffctl.errors import BadInput
 from ffctl.render import html as html_page
 from ffctl.render import make_console
