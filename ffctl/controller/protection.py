@@ -33,8 +33,16 @@ class Protection:
         if not self.enabled:
             return
         now = time.time()
+        # Only nodes without a holder matter to a new window (one pass over the ranks, not one
+        # per node: a ring of a thousand nodes is rewired on every loss).
+        alone = {node for node, holder in holders.items() if holder is None}
+        on: dict[int, list[int]] = {}
+        if alone:
+            for r, n in sorted(self.job.members.items()):
+                if n in alone:
+                    on.setdefault(n, []).append(r)
         for node, holder in sorted(holders.items()):
-            ranks = sorted(r for r, n in self.job.members.items() if n == node)
+            ranks = on.get(node, [])
             if holder is None and ranks and self.ranks.get(node) != ranks:
                 # Recorded when the window opens, and again when a recovery places more ranks on
                 # the node while it lasts (the lost node's ranks, moved here).
