@@ -268,8 +268,12 @@ def execute(plan: LaunchPlan, view: Callable[[dict[str, Any]], None]) -> tuple[R
     _check_requeue(plan.spec)
     backend: LaunchBackend = BACKENDS[backend_name(plan.spec)](plan.spec, plan.run_id)
     previous = signal.getsignal(signal.SIGTERM)
+    previous_int = signal.getsignal(signal.SIGINT)
     # SIGTERM unwinds like Ctrl-C from here on, so what the backend built goes in either case.
+    # SIGINT is set too (as torchrun's agent does): a launch started as a background job of a
+    # script inherits SIGINT ignored, and `kill -INT` must still stop it.
     signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)
     record: RunStore | None = None
     try:
         spec = replace(plan.spec, address=backend.prepare())
@@ -283,12 +287,12 @@ def execute(plan: LaunchPlan, view: Callable[[dict[str, Any]], None]) -> tuple[R
         return status, record
     finally:
         # A second Ctrl-C or SIGTERM must not cut the clean-up short.
-        sigint = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         try:
             backend.release(record)
         finally:
-            signal.signal(signal.SIGINT, sigint)
+            signal.signal(signal.SIGINT, previous_int)
             signal.signal(signal.SIGTERM, previous)
 
 

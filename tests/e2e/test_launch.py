@@ -124,7 +124,12 @@ def test_unknown_run_id(workdir: Path) -> None:
 
 def test_ctrl_c_leaves_a_complete_interrupted_record(workdir: Path) -> None:
     run_id = rid("intr")
-    proc = start_launch(workdir, run_id, "--steps", "100000", "--spares", "1")
+    # Started as a script's background job is: with SIGINT ignored, which a child inherits.
+    # `kill -INT` must stop it all the same (torchrun's agent sets its own handler too).
+    proc = subprocess.Popen(ffctl_argv("launch", "--run-id", run_id, "--runs-dir", str(workdir / "runs"),
+                                       "--steps", "100000", "--spares", "1"),
+                            cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     with stop_at_end(proc, timeout=60) as stopped:
         wait_step(workdir / "runs", run_id, 5)
     assert stopped.code == 130
