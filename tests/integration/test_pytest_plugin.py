@@ -82,7 +82,10 @@ def test_jobs_are_torn_down_when_a_test_fails_or_pytest_is_interrupted(tmp_path:
     base = tmp_path / "basetemp"
     out = (tmp_path / "inner.log").open("w")
     inner = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--basetemp", str(base),
-                              "-o", "timeout=0", "test_inner.py"], cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT)
+                              "-o", "timeout=0", "test_inner.py"], cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT,
+                             # A user's pytest at a terminal: Ctrl-C interrupts it, whatever the
+                             # disposition this runner inherited (a background job's is ignore).
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 240
         while not (tmp_path / "ready").exists():
