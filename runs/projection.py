@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -588,9 +589,7 @@ def check_run(singles: Sequence[RunMeasure], run: RunMeasure) -> dict[str, Any]:
     lost_measured = sum(f.lost_s for f in run.faults)
     ettr_predicted = max(0.0, 1.0 - statistics.fmean(predicted) / mtbf)
     ettr_measured = max(0.0, 1.0 - lost_measured / run.wall_s)
-    kinds: dict[str, int] = {}
-    for f in run.faults:
-        kinds[f.kind] = kinds.get(f.kind, 0) + 1
+    kinds = dict(Counter(f.kind for f in run.faults))
     return {
         "run": run.run_id, "strategy": run.strategy, "from_runs": [m.run_id for m in same],
         "wall_s": run.wall_s, "faults": len(run.faults), "faults_by_kind": kinds, "mtbf_s": mtbf,
