@@ -80,6 +80,21 @@ def validate_run_id(run_id: object) -> str:
     return run_id
 
 
+GITIGNORE = "# Created by ffctl: run records (events, logs, the job token) stay out of version control.\n*\n"
+
+
+def _ignore_in_version_control(runs_dir: Path) -> None:
+    """Write `.gitignore` (everything) into a runs dir ffctl has just created in, often, the
+    user's project, so its records and token never show as untracked files (as pytest and mypy
+    do for their caches). A dir the user made is theirs: nothing is written into it."""
+    try:
+        fd = os.open(runs_dir / ".gitignore", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    except OSError:
+        return  # already there (theirs, or a race): it stands; the record does not depend on it
+    with os.fdopen(fd, "w") as fh:
+        fh.write(GITIGNORE)
+
+
 class RunStore:
     """One run's directory. Create with `create`, open an existing one with `open_run`."""
 
@@ -124,7 +139,10 @@ class RunStore:
         cls.check_writable(runs_dir)
         path = runs_dir / run_id
         try:
+            fresh = not runs_dir.exists()
             runs_dir.mkdir(parents=True, exist_ok=True)
+            if fresh:
+                _ignore_in_version_control(runs_dir)
             path.mkdir()
         except FileExistsError:
             raise RunStoreError(f"run id {run_id!r} already exists in {str(runs_dir)!r}") from None

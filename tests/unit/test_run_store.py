@@ -410,3 +410,18 @@ def test_concurrent_updates_of_run_info_lose_no_field(tmp_path: Path) -> None:
     expected = {f"{who}{n}_{i}" for who, k in (("t", 4), ("p", 2)) for n in range(k) for i in range(40)}
     assert expected <= set(info) and info["run_id"] == "r1"
     assert not list(st.path.glob(".run.json*.tmp"))  # every write's own temp file renamed or removed
+
+
+def test_a_runs_dir_ffctl_creates_ignores_itself_in_version_control(tmp_path: Path) -> None:
+    # A user's project is a git checkout: its ffctl-runs/ (records, the job token) must not
+    # show as untracked files. A runs dir the user made keeps what the user put there.
+    runs_dir = tmp_path / "project" / "ffctl-runs"
+    RunStore.create(runs_dir, "r1", INFO)
+    assert (runs_dir / ".gitignore").read_text().splitlines()[-1] == "*"
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    RunStore.create(theirs, "r1", INFO)
+    assert not (theirs / ".gitignore").exists()
+    (theirs / ".gitignore").write_text("keep\n")
+    RunStore.create(theirs, "r2", INFO)
+    assert (theirs / ".gitignore").read_text() == "keep\n"
