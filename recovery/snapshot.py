@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import io
 import pickle
+import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -97,19 +98,18 @@ class _ShardRef:
 
 
 def _dtensor_type() -> type[DTensor] | None:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # a torch without distributed tensors holds none
-        return None
-    return DTensor
-
-
-_DTENSOR = _dtensor_type()
+    """torch's DTensor class, if anything in this process has loaded distributed tensors. Not
+    imported here: `torch.distributed.tensor` costs half a second of CPU (it brings sympy), in
+    every process that imports this module (the CLI, each agent and worker template), and
+    until some code has imported it no tensor can be a DTensor."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None) if module is not None else None
 
 
 def _flatten(obj: Any, out: list[torch.Tensor]) -> Any:
     if isinstance(obj, torch.Tensor):
-        if _DTENSOR is not None and isinstance(obj, _DTENSOR):
+        dtensor = _dtensor_type()
+        if dtensor is not None and isinstance(obj, dtensor):
             # Its local tensor only: anything that looks at the DTensor as a whole (a reshape,
             # a view as bytes) would be a collective.
             out.append(obj.to_local())

@@ -1,0 +1,43 @@
+"""What the short-lived processes import: the CLI and every agent start on each launch (and the
+CLI on each `ffctl report`), so what they load beyond torch is start-up time of every job."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_cli_and_the_agent_do_not_load_distributed_tensors() -> None:
+    # torch.distributed.tensor brings sympy: half a second of CPU per process. Only a worker
+    # that shards its model needs it (and the worker template loads it for its forks).
+    code = ("import sys; import ffctl.cli.app, ffctl.agent.agent; "
+            "print(sorted(m for m in ('torch.distributed.tensor', 'sympy') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_a_dtensor_is_still_snapshotted_as_its_local_shard() -> None:
+    # Loaded lazily, the DTensor class must still be recognised once the user's code has loaded it.
+    code = """
+import os, torch, torch.distributed as dist
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
+store = dist.HashStore()
+dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+from recovery.snapshot import _dtensor_type
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.device_mesh import init_device_mesh
+assert _dtensor_type() is DTensor
+mesh = init_device_mesh("cpu", (1,))
+t = distribute_tensor(torch.arange(4.0), mesh)
+from recovery.snapshot import _flatten
+out = []
+ref = _flatten({"w": t}, out)
+print(type(ref["w"]).__name__, out[0].tolist())
+dist.destroy_process_group()
+"""
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=90)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-5:] == ["_ShardRef", "[0.0,", "1.0,", "2.0,", "3.0]"]
