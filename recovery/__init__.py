@@ -16,8 +16,28 @@ import warnings
 warnings.filterwarnings("ignore", message=r"Failed to initialize NumPy: No module named 'numpy'",
                         category=UserWarning)
 
+from typing import TYPE_CHECKING, Any
+
 from recovery.errors import PeerFailure, RecoveryError
-from recovery.job import Job, StepContext
-from recovery.steps import report_step
+
+if TYPE_CHECKING:
+    from recovery.job import Job, StepContext
+    from recovery.steps import report_step
 
 __all__ = ["Job", "PeerFailure", "RecoveryError", "StepContext", "report_step"]
+
+
+def __getattr__(name: str) -> Any:
+    # These load torch (a second and a half of CPU). The launcher imports this package for its
+    # plain parts (`recovery.jobenv`, `recovery.messages`) in processes that never touch torch
+    # (`ffctl report`, `ffctl --help`, a bad command line), and must not pay for it; a script's
+    # `from recovery import Job` loads it here, on first use.
+    if name in ("Job", "StepContext"):
+        from recovery import job
+
+        return getattr(job, name)
+    if name == "report_step":
+        from recovery import steps
+
+        return steps.report_step
+    raise AttributeError(f"module 'recovery' has no attribute {name!r}")

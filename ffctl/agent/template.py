@@ -97,7 +97,7 @@ def warm_up() -> None:
     # Distributed tensors (what `fully_shard` makes): half a second that a forked FSDP worker,
     # a replacement above all, would otherwise pay at its first step. The library itself loads
     # them only when used, so the CLI and the agents never do.
-    import torch.distributed.tensor  # noqa: F401
+    import torch.distributed.tensor
 
     p = torch.zeros(1, requires_grad=True)
     opt = torch.optim.AdamW([p], lr=1e-3, foreach=False)

@@ -10,7 +10,6 @@ import typer
 from fault_injectors import FaultSpecError
 from fault_injectors.spec import MAX_DURATION_S, parse_injection, parse_kind
 from fault_injectors.targets import check_in_job
-from ffctl.controller import client as inject_client
 from ffctl.render import make_console
 from ffctl.errors import EXIT_INFRA, EXIT_OK, BadInput
 from ffctl.render.report import render_plan
@@ -77,6 +76,10 @@ def register(app: typer.Typer) -> None:
                 check_in_job(spec, shape[0] * shape[1], shape[0])
             except FaultSpecError as exc:
                 raise BadInput(f"inject {kind} into run {run}: {exc}") from None
+        # Here, not at the top: it talks to the job's store, which loads torch, and every other
+        # command (`ffctl report`, `--help`) would pay for it.
+        from ffctl.controller import client as inject_client
+
         try:
             reply = inject_client.request(record, spec_text, dry_run)
         except RunStoreError as exc:  # its events are garbage: no status to go by

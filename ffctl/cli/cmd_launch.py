@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 
@@ -13,13 +13,15 @@ from fault_injectors.spec import parse_injection
 from ffctl.render import make_console
 from ffctl.errors import EXIT_EXPECTATION, EXIT_INTERRUPTED, EXIT_NO_REQUEUE, EXIT_OK, BadInput
 from ffctl.launch.echo import RankEcho, parse_ranks_filter
-from ffctl.launch.plan import LaunchPlan, execute, plan_launch
 from ffctl.launch.torchrun import TorchrunArgError, resolve
 from ffctl.spec import LaunchSpec
 from ffctl.render.live import LiveView
 from ffctl.render.report import render_plan, render_report, root_cause_lines
 from runs.events import EventKind, RunStatus, finish_reason
 from runs.metrics import compute
+
+if TYPE_CHECKING:
+    from ffctl.launch.plan import LaunchPlan
 
 
 def _gpus() -> int:
@@ -142,6 +144,10 @@ def register(app: typer.Typer) -> None:
             backend=backend if backend != "netns" else None, keep_freed_memory=keep_freed_memory, role=tr.role, torchrun=tr.recorded,
             step_regex=step_regex, straggler=straggler,
         )
+        # Here, not at the top: the launch loads torch (the controller hosts the job's store),
+        # and every other command (`ffctl report`, `--help`) would pay for it.
+        from ffctl.launch.plan import execute, plan_launch
+
         plan = plan_launch(spec)
         console = make_console()
         if dry_run:

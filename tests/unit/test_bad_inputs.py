@@ -217,7 +217,7 @@ def test_valid_input_next_to_the_bad_is_accepted(runs: Path, tmp_path: Path) -> 
                     '[expect]\nrestore_source = "peer-memory"\nmin_goodput = 0.5\n')
     code, printed = run_cli(["run", str(path), "--dry-run"], runs, tmp_path)
     assert code == 0, printed
-    assert snapshot(runs) == {RUN, f"{RUN}/logs", f"{RUN}/token", f"{RUN}/run.json"}
+    assert snapshot(runs) == {".gitignore", RUN, f"{RUN}/logs", f"{RUN}/token", f"{RUN}/run.json"}
 
 
 @pytest.mark.parametrize(("argv", "needle"), [

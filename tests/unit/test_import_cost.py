@@ -19,6 +19,20 @@ def test_the_cli_and_the_agent_do_not_load_distributed_tensors() -> None:
     assert out.stdout.strip() == "[]"
 
 
+def test_commands_that_train_nothing_do_not_load_torch() -> None:
+    # `ffctl report`, `project`, `--help` and a launch refused for its command line read files
+    # and print: torch is a second and a half of CPU they have no use for.
+    code = ("import sys; from ffctl.cli.app import main; import recovery; "
+            "from recovery import jobenv, messages, PeerFailure; print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
+    # ...while what a training script imports is all there.
+    code = "import recovery; print(recovery.Job.__name__, recovery.StepContext.__name__, recovery.report_step.__name__)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.stdout.split() == ["Job", "StepContext", "report_step"], out.stderr
+
+
 def test_a_dtensor_is_still_snapshotted_as_its_local_shard() -> None:
     # Loaded lazily, the DTensor class must still be recognised once the user's code has loaded it.
     code = """

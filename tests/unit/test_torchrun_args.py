@@ -145,16 +145,16 @@ def test_bad_values_name_the_option(given: dict[str, str], flag: str) -> None:
 def _spec(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *argv: str, env: dict[str, str] | None = None
           ) -> tuple[int, str, LaunchSpec | None]:
     """Run `ffctl launch --dry-run ARGV` in-process and capture the spec it planned."""
-    import ffctl.cli.cmd_launch as cli
+    import ffctl.launch.plan as launch_plan  # the command imports it when it runs
 
     seen: list[LaunchSpec] = []
-    real = cli.plan_launch
+    real = launch_plan.plan_launch
 
     def spy(spec: LaunchSpec):  # type: ignore[no-untyped-def]
         seen.append(spec)
         return real(spec)
 
-    monkeypatch.setattr(cli, "plan_launch", spy)
+    monkeypatch.setattr(launch_plan, "plan_launch", spy)
     monkeypatch.chdir(tmp_path)
     for key in [k for k in __import__("os").environ if k.startswith("PET_")]:
         monkeypatch.delenv(key)
