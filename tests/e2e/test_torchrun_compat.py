@@ -145,9 +145,10 @@ def test_allreduce_prints_what_torchrun_prints(workdir: Path, layout: str) -> No
     assert _ffctl(workdir, argv) == expected
 
 
-@pytest.mark.parametrize("layout", sorted(ARGVS))
-def test_ddp_job_prints_what_torchrun_prints(workdir: Path, layout: str) -> None:
-    argv = [*ARGVS[layout], "ddp.py"]
+def test_ddp_job_prints_what_torchrun_prints(workdir: Path) -> None:
+    # One layout: what the layout changes (the environment each rank gets) is what the allreduce
+    # script prints under all three; this one checks a DDP model trains as under torchrun.
+    argv = [*ARGVS["nnodes"], "ddp.py"]
     expected = _torchrun(workdir, argv)
     assert len(expected) == 2, expected
     assert _ffctl(workdir, argv) == expected
