@@ -107,9 +107,13 @@ class Agent:
         signal.signal(signal.SIGINT, lambda *_: self.stopping.set())
         self.reporter.report(messages.AgentUp, pid=os.getpid(), host=socket.gethostname(), time=time.time(),
                              peer_address=self.snapshots.peer.address, peer_port=self.snapshots.peer.port)
+        # The first beat before anything that can take a while (the snapshot server, spares,
+        # the first commands): until it comes the controller can only guess we are starting.
+        self.heartbeat.beat()
+        last_beat = time.monotonic()
         self.snapshots.start()
         self.spares.top_up()
-        last_beat, last_ok = 0.0, time.monotonic()
+        last_ok = time.monotonic()
         try:
             while not self.stopping.is_set():
                 try:

@@ -124,7 +124,7 @@ class Inbox:
         self.record(EventKind.AGENT_STARTED, t=now, node=st.node, host=msg.host, pid=st.pid,
                     clock_offset_s=offset, clock_offset_source="ntp" if measured is not None else "receipt",
                     agent_up_at=self.fleet.agent_time(st.node, float(msg.time)))
-        st.hb_seen = time.monotonic()
+        st.hb_seen, st.hb_first = time.monotonic(), False
         if self.job.phase != "starting":
             self.fleet.wire_ring()  # a node came back: it holds replicas again
 

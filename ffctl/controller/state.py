@@ -91,6 +91,7 @@ class NodeState:
     hb_raw: bytes | None = None  # the heartbeat key's value as last read
     hb_read_at: float = 0.0  # when it was last read (monotonic)
     hb_seen: float = field(default_factory=time.monotonic)  # the last genuine, newer beat
+    hb_first: bool = False  # its current agent has beaten at least once
     spares: int = -1  # warm (torch imported) spares
     spares_total: int = 0  # including those still warming up
     template: bool = False  # its worker template is warm: it starts a replacement in milliseconds

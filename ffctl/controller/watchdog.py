@@ -56,7 +56,7 @@ class Watchdog:
                 self.record(EventKind.NODE_LOST, node=n, reason="agent-exit")
                 self.job.fail(Failure(Cause.NODE_LOST, nodes={n}, since_what="agent-exit"))
                 continue
-            if now - st.hb_seen > self.heartbeat_limit():
+            if now - st.hb_seen > self.heartbeat_limit(st):
                 st.up = False
                 self.record(EventKind.NODE_LOST, node=n, reason="heartbeat")
                 # It began with the silence: the last genuine beat is the failure's onset.
@@ -109,14 +109,19 @@ class Watchdog:
             raise ValueError(f"heartbeat of agent incarnation {msg.incarnation}, node {msg.node} "
                              f"runs {st.incarnation}")
         if msg.incarnation == st.incarnation and st.up:
-            st.hb_seen = time.monotonic()
+            st.hb_seen, st.hb_first = time.monotonic(), True
         # (An older incarnation's beat is what the node's previous agent left in its key: no news.)
 
-    def heartbeat_limit(self) -> float:
+    def heartbeat_limit(self, st: NodeState) -> float:
         # While the job starts, every host imports torch in several processes at once and an
         # agent can be starved of CPU for more than a second; a node lost then costs nothing to
-        # wait for, so allow a longer silence until the first step is committed.
-        if self.job.gen == 0 and not self.job.progress.started(0):
+        # wait for, so allow a longer silence until the first step is committed. So for an agent
+        # started again (a node back after a kill or a reboot) until its first beat: it starts
+        # on a host busy with the recovery (every rank restoring, a template importing torch),
+        # and taking it for lost a second after it said it was up (seen in a chaos run, again
+        # and again) fails a recovery over a node that is fine. One that dies meanwhile is seen
+        # at once by its exit; one that hangs, by the longer limit.
+        if (self.job.gen == 0 and not self.job.progress.started(0)) or not st.hb_first:
             return max(self.heartbeat_timeout, STARTUP_HEARTBEAT_S)
         return self.heartbeat_timeout
 

@@ -4,6 +4,7 @@ where a neighbour changed; the survivors' answers waited for as long as they kee
 decision's replicas gathered once. Each piece is built with only what these use."""
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -137,3 +138,24 @@ def test_answers_are_waited_for_while_they_keep_coming_and_a_silent_rank_is_give
     coord.cluster = cluster2
     coord._await_answers(set(range(8)), lambda: set(cluster2.got), 1.5)
     assert len(waits2) == 1  # all answered in the first window: no more waiting
+
+
+def test_an_agent_started_again_has_the_start_up_limit_until_its_first_beat() -> None:
+    # A node back after a kill starts its agent on a host busy with the recovery: taken for lost
+    # a second after it said it was up, it failed the recovery over a node that was fine.
+    dog, _ = _watchdog(2)
+    job = dog.job
+    job.gen = 3
+    st = job.nodes[1]
+    st.incarnation, st.hb_first = 1, False  # what the inbox sets when the agent says it is up
+    assert dog.heartbeat_limit(st) == watchdog_mod.STARTUP_HEARTBEAT_S
+    lost: list[Any] = []
+    job.fail = lost.append  # type: ignore[method-assign]
+    st.hb_seen = time.monotonic() - 2.0  # silent for twice the 1 s limit, not yet beaten
+    dog.check_nodes()
+    assert st.up and not lost
+    dog.heartbeat(messages.Heartbeat(node=1, incarnation=1, beat=1))
+    assert st.hb_first and dog.heartbeat_limit(st) == 1.0
+    st.hb_seen = time.monotonic() - 2.0  # beaten once, then silent past the limit: lost
+    dog.check_nodes()
+    assert not st.up and [f.nodes for f in lost] == [{1}]
