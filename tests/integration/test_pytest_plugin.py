@@ -101,7 +101,7 @@ def test_jobs_are_torn_down_when_a_test_fails_or_pytest_is_interrupted(tmp_path:
         out.close()
     log = (tmp_path / "inner.log").read_text()
     assert "failed on purpose" in log and "KeyboardInterrupt" in log, log
-    runs = sorted(base.glob("ffctl-jobs[0-9]*/runs/*"))  # (not the -current link)
+    runs = sorted(p for p in base.glob("ffctl-jobs[0-9]*/runs/*") if p.is_dir())  # (not the -current link, nor .gitignore)
     assert len(runs) == 2, runs
     for run in runs:
         finished = [ev for ev in iter_events(run / "events.jsonl") if ev.kind is EventKind.RUN_FINISHED]

@@ -116,6 +116,12 @@ def test_a_stranger_on_the_store_port_neither_stops_freezes_nor_fools_the_job(tm
             reached = max(int(e.get("step")) for e in iter_events(run_dir / "events.jsonl")
                           if e.kind is EventKind.STEP)
             wait_step(runs, run_id, reached + 10, timeout=120)
+            # The guard reads the pointer every so often and finds it either written back or
+            # deleted, whichever the attacker's last flip left: go on until it has seen both
+            # (after the recovery, the written-back pointer is an old one).
+            for why in ("overwritten", "deleted"):
+                wait_event(run_dir / "events.jsonl", lambda ev, why=why: ev.kind is EventKind.MESSAGE_REJECTED  # type: ignore[misc]
+                           and ev.get("queue") == control.GEN_KEY and why in str(ev.get("reason")), timeout=60)
         finally:
             loop.stop()
         assert loop.rounds > 50 and not loop.errors, (loop.rounds, loop.errors)
