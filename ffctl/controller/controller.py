@@ -99,7 +99,8 @@ class Controller:
             strategy = Strategy.RESTART_MEMORY
         self.coordinator = RecoveryCoordinator(self, self.job, strategy, self.max_restarts,
                                                crash_loop_guard=not self.plain_script,
-                                               script_restores_itself=self.plain_script)
+                                               script_restores_itself=self.plain_script,
+                                               start_over_before_checkpoint=spec.ckpt_every > 0)
         self.job.progress.every_rank_reports = not self.plain_script
 
     # -- record & view ------------------------------------------------------------------------

@@ -108,7 +108,8 @@ class RecoveryOutcome:
 
 class RecoveryCoordinator:
     def __init__(self, cluster: Cluster, job: JobState, strategy: str, max_restarts: int,
-                 crash_loop_guard: bool = True, script_restores_itself: bool = False) -> None:
+                 crash_loop_guard: bool = True, script_restores_itself: bool = False,
+                 start_over_before_checkpoint: bool = False) -> None:
         self.cluster = cluster
         self.job = job
         self.strategy = Strategy(strategy)
@@ -118,6 +119,12 @@ class RecoveryCoordinator:
         # An unchanged script restores itself from its own checkpoint (or starts over), as under
         # torchrun: ffctl restarts the group and restores nothing, whatever steps it reported.
         self.script_restores_itself = script_restores_itself
+        # A job that keeps disk checkpoints (--ckpt-every) and loses every copy of a rank's state
+        # before its first complete one starts over from step 0, its initial state, as it would
+        # from a checkpoint (a chaos run lost a node 2 steps in, before step 20's checkpoint,
+        # and stopped). Without disk checkpoints losing every copy stops the job: starting over
+        # silently is not what a job that chose memory copies alone asked for.
+        self.start_over_before_checkpoint = start_over_before_checkpoint
         # Inventory requests are numbered for the whole run: a late answer to an earlier
         # recovery's request must not pass for an answer to this one.
         self._req = 0
@@ -264,8 +271,13 @@ class RecoveryCoordinator:
             decision: Decision | None = Decision.fresh(new_gen, len(job.members), self.strategy, RestoreSource.SCRIPT)
         else:
             decision = self._decide(new_gen, lost, lost_nodes)
-        if decision is None and job.progress.committed_step == 0:
-            # Nothing was trained yet: starting over from step 0 loses nothing.
+        if decision is None and (job.progress.committed_step == 0 or self.start_over_before_checkpoint):
+            # Nothing was trained yet: starting over from step 0 loses nothing. (With disk
+            # checkpoints, none complete yet: step 0 is the newest state there is.)
+            if job.progress.committed_step > 0:
+                cluster.announce(f"no copy of the state of rank(s) {sorted(lost)} survives and no disk checkpoint is "
+                                 f"complete yet: every rank starts over from step 0 "
+                                 f"({job.progress.committed_step} steps lost)")
             decision = Decision.fresh(new_gen, len(job.members), self.strategy)
             self._kill(set(job.members) - lost)
             lost = set(job.members)

@@ -153,6 +153,23 @@ class FakeCluster:
         return [(n, list(m.ranks)) for n, m in self.sent if isinstance(m, messages.Kill)]
 
 
+def test_both_copies_lost_before_the_first_disk_checkpoint_starts_over_from_step_0() -> None:
+    # A job that keeps disk checkpoints has step 0 as its newest state until the first one is
+    # complete: it starts over from there, loudly, rather than stopping.
+    job = _job()
+    cluster = _cluster(job)
+    cluster.held[0] = (cluster.held[0][0], {})
+    job.nodes[1].up = False
+    job.fail(Failure(Cause.NODE_LOST, nodes={1}))
+    coordinator = RecoveryCoordinator(cluster, job, Strategy.PEER, 3, start_over_before_checkpoint=True)
+    outcome = coordinator.recover()
+    assert outcome.restore_source is RestoreSource.NONE and outcome.restore_step == 0
+    assert outcome.ranks == (0, 1, 2, 3)  # the survivors' newer state goes too: one step for all
+    assert ("no copy of the state of rank(s) [2, 3] survives and no disk checkpoint is complete yet: every rank "
+            "starts over from step 0 (8 steps lost)") in cluster.notices
+    assert not cluster.recorded(EventKind.RECOVERY_FAILED)
+
+
 def _job(steps: int = 8, spares: int = 0) -> JobState:
     """Two nodes of two ranks, every rank at `steps`; each agent holds its ranks' two newest steps
     and replicas of its ring neighbour's."""
