@@ -9,14 +9,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def _python(code: str, timeout: float = 60) -> str:
+    """What a fresh interpreter in the source tree prints running `code` (which must succeed)."""
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout
+
+
 def test_the_cli_and_the_agent_do_not_load_distributed_tensors() -> None:
     # torch.distributed.tensor brings sympy: half a second of CPU per process. Only a worker
     # that shards its model needs it (and the worker template loads it for its forks).
     code = ("import sys; import ffctl.cli.app, ffctl.agent.agent; "
             "print(sorted(m for m in ('torch.distributed.tensor', 'sympy') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "[]"
+    assert _python(code).strip() == "[]"
 
 
 def test_commands_that_train_nothing_do_not_load_torch() -> None:
@@ -24,13 +29,10 @@ def test_commands_that_train_nothing_do_not_load_torch() -> None:
     # and print: torch is a second and a half of CPU they have no use for.
     code = ("import sys; from ffctl.cli.app import main; import recovery; "
             "from recovery import jobenv, messages, PeerFailure; print('torch' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "False"
+    assert _python(code).strip() == "False"
     # ...while what a training script imports is all there.
     code = "import recovery; print(recovery.Job.__name__, recovery.StepContext.__name__, recovery.report_step.__name__)"
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert out.stdout.split() == ["Job", "StepContext", "report_step"], out.stderr
+    assert _python(code).split() == ["Job", "StepContext", "report_step"]
 
 
 def test_a_dtensor_is_still_snapshotted_as_its_local_shard() -> None:
@@ -52,6 +54,4 @@ ref = _flatten({"w": t}, out)
 print(type(ref["w"]).__name__, out[0].tolist())
 dist.destroy_process_group()
 """
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=90)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split()[-5:] == ["_ShardRef", "[0.0,", "1.0,", "2.0,", "3.0]"]
+    assert _python(code, timeout=90).split()[-5:] == ["_ShardRef", "[0.0,", "1.0,", "2.0,", "3.0]"]
