@@ -97,13 +97,20 @@ class _ShardRef:
         return (_ShardRef, (self.index, self.placements, self.shape, self.stride))
 
 
+_DTENSOR: type[DTensor] | None = None
+
+
 def _dtensor_type() -> type[DTensor] | None:
     """torch's DTensor class, if anything in this process has loaded distributed tensors. Not
     imported here: `torch.distributed.tensor` costs half a second of CPU (it brings sympy), in
     every process that imports this module (the CLI, each agent and worker template), and
-    until some code has imported it no tensor can be a DTensor."""
-    module = sys.modules.get("torch.distributed.tensor")
-    return getattr(module, "DTensor", None) if module is not None else None
+    until some code has imported it no tensor can be a DTensor. Kept once found: this is asked
+    for every tensor of every snapshot."""
+    global _DTENSOR
+    if _DTENSOR is None:
+        module = sys.modules.get("torch.distributed.tensor")
+        _DTENSOR = getattr(module, "DTensor", None) if module is not None else None
+    return _DTENSOR
 
 
 def _flatten(obj: Any, out: list[torch.Tensor]) -> Any:
