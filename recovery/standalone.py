@@ -10,10 +10,18 @@ where a GPU is), builds DDP over that group as DDP's default hook would reduce, 
 from the same `Batches` iterator (so the data order is the one the script sees under ffctl), and
 runs the step function for the given steps. Registered state is kept only to be consistent
 with the ffctl path: nothing snapshots it.
+
+A group `PlainJob` created is also closed by it, at interpreter exit: every rank meets at a
+barrier (bounded, so a rank whose peer died still exits) and then destroys the group. Left to
+the interpreter's own teardown, gloo aborts a rank now and then after its last output
+("terminate called without an active exception", SIGABRT, about one run in four of a two-rank
+job on a loaded host), and torchrun reports that as a failed job.
 """
 from __future__ import annotations
 
+import atexit
 import os
+from datetime import timedelta
 from typing import Any, Callable, Iterable
 
 import torch
@@ -23,6 +31,27 @@ from recovery.ddp import Batches, register_rest, register_schedule_and_data
 from recovery.context import StepContext
 from recovery.jobenv import JobEnv, Strategy
 from recovery.snapshot import StateEntry, state_entry
+
+
+# How long a rank waits at exit for the others before closing its group anyway: long enough for
+# a slow rank's last step on a loaded host, short enough that a rank whose peer died exits.
+EXIT_BARRIER_S = 30.0
+
+
+def _close_world() -> None:
+    """Close the default group this module created: a barrier first, so no rank tears gloo down
+    while another still talks to it, then `destroy_process_group`."""
+    if not dist.is_initialized():
+        return  # the script closed it itself
+    try:
+        if dist.get_world_size() > 1:
+            dist.barrier(async_op=True).wait(timeout=timedelta(seconds=EXIT_BARRIER_S))
+    except Exception:  # a peer gone or the wait over: close this rank's side all the same
+        pass
+    try:
+        dist.destroy_process_group()
+    except Exception:
+        pass
 
 
 def under_ffctl(environ: dict[str, str] | None = None) -> bool:
@@ -84,6 +113,7 @@ class PlainJob:
                 dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
             else:  # `python SCRIPT` alone: a group of one, so DDP and the collectives still work
                 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+            atexit.register(_close_world)
         return dist.group.WORLD
 
     def ddp_group(self) -> Any:

@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from runs.events import EventKind
 from tests.helpers.launch import (
-    assert_nothing_left, crashes, ffctl_launch_script, launch, rid, shm_left, torchrun_script,
+    TIMEOUT, TORCH_EXIT_ABORT, assert_nothing_left, crashes, ffctl_launch_script, launch, launcher_env, rid,
+    shm_left, torchrun_script,
 )
 
 # Whole jobs launched and trained, often several a test: minutes on a loaded 2-core host.
@@ -83,22 +86,31 @@ print(f"STOPPED after {job.last_committed}", flush=True)
 """
 
 
-@pytest.mark.parametrize("launcher", ["ffctl", "torchrun"])
-def test_the_library_stops_early_on_every_rank_at_the_same_step(workdir: Path, launcher: str) -> None:
+def test_the_library_stops_early_on_every_rank_at_the_same_step(workdir: Path) -> None:
     script = workdir / "stops_early.py"
     script.write_text(STOPS_EARLY)
     argv = ["--nnodes", "1", "--nproc-per-node", "2", str(script), "3"]  # loss 10 - step <= 3: step 7
-    if launcher == "torchrun":
-        proc = torchrun_script(workdir, argv, lambda out: out.count("STOPPED") == 2)
-        out = proc.stdout
-    else:
-        proc, run_id = ffctl_launch_script(workdir, "stops", argv, lambda out: out.count("STOPPED") == 2)
-        out = proc.stdout
-        rep = json.loads((workdir / "runs" / run_id / "report.json").read_text())
-        assert rep["status"] == "completed" and rep["steps_completed"] == 7
+    proc, run_id = ffctl_launch_script(workdir, "stops", argv, lambda out: out.count("STOPPED") == 2)
+    rep = json.loads((workdir / "runs" / run_id / "report.json").read_text())
+    assert rep["status"] == "completed" and rep["steps_completed"] == 7
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    # Two ranks writing one pipe (torchrun's workers share its stdout) may interleave on a line.
-    assert re.findall(r"STOPPED after \d+", out) == ["STOPPED after 7"] * 2
+    # Two ranks writing one pipe may interleave on a line.
+    assert re.findall(r"STOPPED after \d+", proc.stdout) == ["STOPPED after 7"] * 2
+
+
+def test_under_torchrun_the_library_stops_early_and_every_run_ends_cleanly(workdir: Path) -> None:
+    # No retry on torch's abort at exit here: the library closes the group it opened (a barrier,
+    # then destroy_process_group), and without that about one run in four aborted a rank after
+    # its last line. Six runs in a row: the old code passed all six about one time in six.
+    script = workdir / "stops_early.py"
+    script.write_text(STOPS_EARLY)
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2", str(script), "3"]
+    for attempt in range(6):
+        proc = subprocess.run(argv, cwd=workdir, capture_output=True, text=True, timeout=TIMEOUT, env=launcher_env())
+        assert proc.returncode == 0, f"run {attempt + 1}: " + proc.stdout[-2000:] + proc.stderr[-3000:]
+        assert TORCH_EXIT_ABORT not in proc.stderr
+        # torchrun's workers share its stdout: two lines may interleave.
+        assert re.findall(r"STOPPED after \d+", proc.stdout) == ["STOPPED after 7"] * 2
 
 
 def test_with_ffctl_survives_a_rank_and_a_node_bit_for_bit(workdir: Path) -> None:

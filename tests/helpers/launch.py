@@ -161,7 +161,7 @@ def launcher_env() -> dict[str, str]:
 
 
 def _retrying_exit_abort(argv: Callable[[], list[str]], whole: Callable[[str], bool],
-                         cwd: Path, attempts: int = 3) -> subprocess.CompletedProcess[str]:
+                         cwd: Path, attempts: int = 5) -> subprocess.CompletedProcess[str]:
     """Run `argv()` again while a run failed only by torch's abort at exit, its stdout `whole`."""
     for _ in range(attempts):
         proc = subprocess.run(argv(), cwd=cwd, capture_output=True, text=True, timeout=TIMEOUT, env=launcher_env())
