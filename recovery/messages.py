@@ -508,7 +508,8 @@ class Spawned(Message):
 
 @_report(Kind.RANK_EXITED)
 class RankExited(Message):
-    """A rank's process ended; `expected` when it was told to; a failed one's log tail."""
+    """A rank's process ended; `expected` when it was told to; a failed one's last lines of
+    stdout (`log_tail`) and of stderr (`err_tail`)."""
 
     node: int = _field(_node)
     rank: int = _field(_rank)
@@ -518,6 +519,7 @@ class RankExited(Message):
     expected: bool | None = _optional(_bool)
     host: str | None = _optional(_str)
     log_tail: list[str] | None = _optional(_lines)
+    err_tail: list[str] | None = _optional(_lines)
     # The message of the error file torch's `@record` wrote (TORCHELASTIC_ERROR_FILE), if any.
     error: str | None = _optional(_str)
 

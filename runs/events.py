@@ -37,7 +37,7 @@ class EventKind(str, Enum):
     FAULT_INJECTED = "fault_injected"  # fault_id, kind, target, ranks, nodes, at_step, emulated, breaks_job
     FAULT_REVERTED = "fault_reverted"  # fault_id; by, trigger, ok, exit when a dead man's switch did it
     FAULT_FAILED = "fault_failed"  # fault_id, error (the fault could not be applied)
-    RANK_EXITED = "rank_exited"  # node, rank, pid, exitcode, gen; log_tail (a failed rank's last log lines)
+    RANK_EXITED = "rank_exited"  # node, rank, pid, exitcode, gen; log_tail, err_tail (a failed rank's last lines of stdout, of stderr)
     NODE_LOST = "node_lost"  # node, reason
     # node (None: a spare node), host, state, reason, by ("scheduler"): the scheduler took a
     # node's host out during the run (Slurm: DOWN, DRAIN, FAIL), as ffctl saw it

@@ -36,7 +36,7 @@ def main() -> int:
         return 0  # released unassigned
     job = Assignment.from_json(json.loads(line))
     os.environ.update(job.env)
-    return run_as_main(Assignment(dict(os.environ), job.argv, job.log, job.cwd, job.token))
+    return run_as_main(Assignment(dict(os.environ), job.argv, job.log, job.cwd, job.token, job.err))
 
 
 if __name__ == "__main__":

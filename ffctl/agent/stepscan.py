@@ -22,7 +22,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 try:
     import re._parser as _sre  # the parser `re` itself uses (Python >= 3.11)
@@ -179,32 +179,35 @@ def parse_line(pattern: re.Pattern[str], line: str) -> SeenStep | None:
 
 
 class StepScanner:
-    """Follows one worker's log from `offset` (its size when the worker started)."""
+    """Follows one worker's logs (its stdout's, and its stderr's, where `logging` writes by
+    default), each from its offset (its size when the worker started)."""
 
-    def __init__(self, pattern: re.Pattern[str], log: Path, offset: int) -> None:
+    def __init__(self, pattern: re.Pattern[str], logs: Sequence[tuple[Path, int]]) -> None:
         self.pattern = pattern
-        self.log = log
-        self.offset = offset
-        self._partial = b""
+        self.logs = list(logs)
+        self.offsets = [offset for _, offset in self.logs]
+        self._partial = [b""] * len(self.logs)
         self.last_step = -1
 
     def poll(self) -> list[SeenStep]:
-        """The new steps in lines completed since the last poll, in order."""
-        try:
-            with open(self.log, "rb") as fh:
-                fh.seek(self.offset)
-                data = fh.read(READ_LIMIT)
-        except OSError:
-            return []
-        if not data:
-            return []
-        self.offset += len(data)
-        lines = (self._partial + data).split(b"\n")
-        self._partial = lines.pop()[-MAX_LINE:]  # an unfinished line waits for its end
-        seen = []
-        for raw in lines:
-            found = parse_line(self.pattern, raw.decode("utf-8", errors="replace"))
-            if found is not None and found.step > self.last_step:
-                self.last_step = found.step
-                seen.append(found)
+        """The new steps in lines completed since the last poll, in order (a step seen in one
+        stream is not seen again in the other)."""
+        seen: list[SeenStep] = []
+        for i, (log, _) in enumerate(self.logs):
+            try:
+                with open(log, "rb") as fh:
+                    fh.seek(self.offsets[i])
+                    data = fh.read(READ_LIMIT)
+            except OSError:
+                continue
+            if not data:
+                continue
+            self.offsets[i] += len(data)
+            lines = (self._partial[i] + data).split(b"\n")
+            self._partial[i] = lines.pop()[-MAX_LINE:]  # an unfinished line waits for its end
+            for raw in lines:
+                found = parse_line(self.pattern, raw.decode("utf-8", errors="replace"))
+                if found is not None and found.step > self.last_step:
+                    self.last_step = found.step
+                    seen.append(found)
         return seen

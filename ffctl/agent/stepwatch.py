@@ -26,10 +26,11 @@ class StepWatch:
         self.scanners: dict[int, tuple[int, StepScanner, float]] = {}  # rank -> (gen, scanner, last step at)
         self._scanned_at = 0.0
 
-    def watch(self, rank: int, gen: int, log: Path) -> None:
-        """Read the rank's steps from what its log gets from now on (the worker appends to it)."""
-        offset = log.stat().st_size if log.exists() else 0
-        self.scanners[rank] = (gen, StepScanner(self.pattern, log, offset), time.monotonic())
+    def watch(self, rank: int, gen: int, *logs: Path) -> None:
+        """Read the rank's steps from what its logs (stdout's, stderr's) get from now on (the
+        worker appends to them)."""
+        offsets = [(log, log.stat().st_size if log.exists() else 0) for log in logs]
+        self.scanners[rank] = (gen, StepScanner(self.pattern, offsets), time.monotonic())
 
     def poll(self) -> None:
         """Report the steps the workers printed since the last look."""

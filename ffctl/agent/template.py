@@ -115,6 +115,9 @@ class Assignment:
     cwd: str = ""
     # The job token: handed to the recovery library in the worker, never put in its environment.
     token: str = ""
+    # Where its stderr goes, kept apart from its stdout as torchrun keeps a rank's stdout.log and
+    # stderr.log; empty: with its stdout in `log`.
+    err: str = ""
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> Assignment:
@@ -128,7 +131,8 @@ class Assignment:
         token = raw.get("token") or ""
         if not isinstance(token, str):
             raise ValueError("token must be a string")
-        return cls(env, tuple(argv), str(raw.get("log") or ""), str(raw.get("cwd") or ""), token)
+        return cls(env, tuple(argv), str(raw.get("log") or ""), str(raw.get("cwd") or ""), token,
+                   str(raw.get("err") or ""))
 
 
 def _unbuffered_stdio() -> None:
@@ -180,8 +184,8 @@ _mains: list[types.ModuleType] = []
 
 
 def run_assignment(job: Assignment) -> None:
-    """Run the worker's program in this process as a fresh interpreter would run it: output to
-    its log, unbuffered, its own working directory, `sys.argv`, `sys.path[0]` and a real
+    """Run the worker's program in this process as a fresh interpreter would run it: stdout to
+    its log and stderr to its own (or to the log), unbuffered, its own working directory, `sys.argv`, `sys.path[0]` and a real
     `__main__` module. Returns or raises as the program does (SystemExit included).
 
     The program's globals live in `sys.modules["__main__"]` until the interpreter exits, as
@@ -195,6 +199,10 @@ def run_assignment(job: Assignment) -> None:
     if job.log:
         fd = os.open(job.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+    if job.err:
+        fd = os.open(job.err, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         os.dup2(fd, 2)
         os.close(fd)
     if job.cwd:
@@ -470,7 +478,7 @@ class Template:
         assert self.proc is not None and self.proc.stdin is not None and self.proc.stdout is not None
         self._req += 1
         request = {"id": self._req, "env": job.env, "argv": list(job.argv), "log": job.log, "cwd": job.cwd,
-                   "token": job.token}
+                   "token": job.token, "err": job.err}
         try:
             self.proc.stdin.write((json.dumps(request) + "\n").encode())
             self.proc.stdin.flush()

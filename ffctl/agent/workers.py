@@ -139,6 +139,7 @@ class WorkerSupervisor:
                         "FFCTL_SHM_DIR": self.cfg.shm_dir, "FFCTL_FAULT_DIR": self.cfg.shm_dir},
                 "argv": list(self.cfg.worker_argv),
                 "log": os.path.abspath(Path(self.cfg.log_dir) / f"{rank}.log"),
+                "err": os.path.abspath(Path(self.cfg.log_dir) / f"{rank}.err"),
                 "cwd": self.cfg.cwd,
                 # The token goes to the rank here, over a private pipe (the spare's stdin or FIFO,
                 # or the template's), never through the store, and the worker hands it to the
@@ -147,7 +148,7 @@ class WorkerSupervisor:
             }
             if self.steps is not None:
                 # The worker appends to its log: its steps are what it writes from here on.
-                self.steps.watch(rank, gen, Path(assignment["log"]))
+                self.steps.watch(rank, gen, Path(assignment["log"]), Path(assignment["err"]))
             proc, how[str(rank)] = self._start(assignment)
             took[str(rank)] = round(time.monotonic() - t0, 6)
             with self.lock:
@@ -170,7 +171,7 @@ class WorkerSupervisor:
             if self.template is not None and self.template.is_ready():
                 env = {**self.base_env(), **assignment["env"]}
                 job = Assignment(env, tuple(assignment["argv"]), assignment["log"], assignment["cwd"],
-                                 assignment["token"])
+                                 assignment["token"], assignment["err"])
                 try:
                     return self.template.fork(job), "template"
                 except TemplateError as exc:
@@ -201,10 +202,13 @@ class WorkerSupervisor:
                 del self.workers[rank]
                 # The end of its log says why it failed; read here, so it reaches the controller
                 # from any host. Exits asked for (a kill, the end of the run) need none.
-                tail = self.log_tail(rank) if w.report_tail or not (w.expected_exit or code == 0) else []
+                wanted = w.report_tail or not (w.expected_exit or code == 0)
+                tail = self.log_tail(rank) if wanted else []
+                err_tail = self.log_tail(rank, "err") if wanted else []
                 error = None if w.expected_exit or code == 0 else read_error_file(self.error_file(rank, w.gen))
                 self.report(messages.RankExited, rank=rank, gen=w.gen, pid=w.proc.pid, exitcode=code,
                             expected=w.expected_exit, host=socket.gethostname(), log_tail=tail,
+                            **({"err_tail": err_tail} if err_tail else {}),
                             **({"error": error} if error else {}))
 
     def error_file(self, rank: int, gen: int) -> Path:
@@ -214,10 +218,11 @@ class WorkerSupervisor:
         # still writes it where it is looked for.
         return Path(os.path.abspath(self.cfg.log_dir)) / f"{rank}.gen{gen}.error.json"
 
-    def log_tail(self, rank: int, lines: int = LOG_TAIL_LINES) -> list[str]:
-        """The last `lines` lines of the rank's log (all of its generations write to it)."""
+    def log_tail(self, rank: int, stream: str = "log", lines: int = LOG_TAIL_LINES) -> list[str]:
+        """The last `lines` lines of the rank's stdout log (`stream` "log") or its stderr log
+        ("err"); all of its generations write to them."""
         try:
-            with open(Path(self.cfg.log_dir) / f"{rank}.log", "rb") as fh:
+            with open(Path(self.cfg.log_dir) / f"{rank}.{stream}", "rb") as fh:
                 fh.seek(0, os.SEEK_END)
                 fh.seek(max(0, fh.tell() - LOG_TAIL_BYTES))
                 data = fh.read(LOG_TAIL_BYTES)

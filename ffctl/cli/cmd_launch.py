@@ -32,15 +32,17 @@ def _gpus() -> int:
 
 
 def _echo(plan: LaunchPlan, console: Any) -> AbstractContextManager[object]:
-    """A user script's output on the console as it comes, `[rank N]: line` (torchrun's
-    `--local-ranks-filter` picks the local ranks shown). The built-in workload's is in its logs
+    """A user script's output on the console as it comes, `[rank N]: line`, its stderr's lines on
+    stderr (torchrun's `--local-ranks-filter` picks the local ranks shown). The built-in workload's is in its logs
     only, and so is that of ranks on hosts over SSH, whose logs stay there."""
     spec = plan.spec
     if not spec.script or spec.hostfile is not None:
         return nullcontext()
+    err_console = make_console(stderr=True)
     write = lambda line: console.print(line, markup=False, highlight=False, soft_wrap=True)  # noqa: E731
+    write_err = lambda line: err_console.print(line, markup=False, highlight=False, soft_wrap=True)  # noqa: E731
     return RankEcho(spec.runs_dir / plan.run_id / "logs", write, spec.nproc_per_node,
-                    parse_ranks_filter(dict(spec.torchrun).get("local_ranks_filter", "")))
+                    parse_ranks_filter(dict(spec.torchrun).get("local_ranks_filter", "")), write_err)
 
 
 def register(app: typer.Typer) -> None:

@@ -56,6 +56,19 @@ def error_line(tail: list[str]) -> str:
     return ""
 
 
+def error_and_tail(out: list[str], err: list[str]) -> tuple[str, list[str]]:
+    """What names a dead rank's error, and the lines shown with it, from the ends of its stdout
+    (`out`) and stderr (`err`): a Python traceback's exception line wherever one is (stderr
+    first, where Python writes it), else the last line of stderr (an abort's message, a signal's
+    shell notice), else the last line of stdout."""
+    for lines in (err, out):
+        if any(line.startswith("Traceback (most recent call last)") for line in lines):
+            return error_line(lines), lines
+    if any(line.strip() for line in err):
+        return error_line(err), [*out[-5:], *err]
+    return error_line(out), out
+
+
 @dataclass
 class RankFailure:
     """What is known of one rank's failure: from its `error` message (an exception in the step,

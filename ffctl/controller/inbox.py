@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 from ffctl.controller.barrier import ExitBarrier
 from ffctl.controller.cluster import Record
-from ffctl.controller.failures import Cause, Failure, RankFailure, error_line
+from ffctl.controller.failures import Cause, Failure, RankFailure, error_and_tail
 from ffctl.controller.fleet import Fleet
 from ffctl.controller.injector import Injector
 from ffctl.controller.plane import ControlPlane
@@ -218,9 +218,10 @@ class Inbox:
     def _on_rank_exited(self, msg: messages.RankExited) -> None:
         now = time.time()
         rank, pid, code = msg.rank, msg.pid, msg.exitcode
-        tail = _lines(msg.log_tail)
+        tail, err_tail = _lines(msg.log_tail), _lines(msg.err_tail)
         self.record(EventKind.RANK_EXITED, t=now, node=msg.node, rank=rank, pid=pid, exitcode=code,
                     gen=msg.gen, expected=bool(msg.expected), **({"log_tail": tail} if tail else {}),
+                    **({"err_tail": err_tail} if err_tail else {}),
                     **({"error_file": msg.error} if msg.error else {}))
         self.barrier.exited(rank, tail, bool(msg.expected))
         if self.job.pids.get(rank) != pid:
@@ -238,11 +239,12 @@ class Inbox:
         rf = self.job.rank_failed.get(rank)
         if rf is not None and rf.pid == pid and rf.exitcode is None:
             rf.exitcode = code  # the end of the exception it reported: keep its traceback
-            rf.tail = rf.tail or tail
+            rf.tail = rf.tail or error_and_tail(tail, err_tail)[1]
         else:
             host = msg.host if msg.host is not None else self.fleet.host(node)
+            error, shown = error_and_tail(tail, err_tail)
             rf = RankFailure(rank, node, host[:255], now, step=self._failing_step(rank), pid=pid,
-                             exitcode=code, error=(msg.error or error_line(tail))[:500], tail=tail)
+                             exitcode=code, error=(msg.error or error)[:500], tail=shown)
             self.job.rank_failed[rank] = rf
         self.job.fail(Failure("process-exit", {rank}, t=now, detail=f"exit code {code}", rank_failures={rank: rf}))
 

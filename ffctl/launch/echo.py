@@ -1,8 +1,9 @@
 """The ranks' console output, as torchrun shows it: each line of a rank's log, prefixed `[rank N]:`.
 
-Every rank writes its output to its own log in the run record (`logs/<node>/<rank>.log`, kept
-per rank); while the job runs, `RankEcho` follows those logs and hands each complete new line to
-the console, optionally only for the local ranks torchrun's `--local-ranks-filter` names. Logs the
+Every rank writes its output to its own logs in the run record (stdout to
+`logs/<node>/<rank>.log`, stderr to `logs/<node>/<rank>.err`, as torchrun keeps a rank's
+`stdout.log` and `stderr.log`); while the job runs, `RankEcho` follows those logs and hands each
+complete new line to the console, a stdout line to stdout and a stderr line to stderr, optionally only for the local ranks torchrun's `--local-ranks-filter` names. Logs the
 record does not hold (ranks on hosts reached over SSH keep theirs there) are not followed.
 """
 from __future__ import annotations
@@ -30,12 +31,15 @@ def parse_ranks_filter(raw: str) -> frozenset[int] | None:
 
 
 class RankEcho:
-    """Follow `<logs>/<node>/<rank>.log` and write each new line as `[rank N]: line`."""
+    """Follow `<logs>/<node>/<rank>.log` and `.err` and write each new line as `[rank N]: line`
+    (a stderr line through `write_err`, when given)."""
 
     def __init__(self, logs: Path, write: Callable[[str], None], nproc_per_node: int,
-                 local_ranks: Collection[int] | None = None) -> None:
+                 local_ranks: Collection[int] | None = None,
+                 write_err: Callable[[str], None] | None = None) -> None:
         self.logs = logs
         self.write = write
+        self.write_err = write if write_err is None else write_err
         self.nproc_per_node = nproc_per_node
         self.local_ranks = None if local_ranks is None else frozenset(local_ranks)
         self._offsets: dict[Path, int] = {}
@@ -67,7 +71,7 @@ class RankEcho:
         `final`, a last line without its newline)."""
         if not self.logs.is_dir():
             return
-        for path in sorted(self.logs.glob("*/*.log")):
+        for path in sorted([*self.logs.glob("*/*.log"), *self.logs.glob("*/*.err")]):
             if not path.stem.isdigit() or not self._shown(int(path.stem)):
                 continue
             start = self._offsets.get(path, 0)
@@ -85,6 +89,7 @@ class RankEcho:
                 lines.append(rest)
             elif rest:
                 self._partial[path] = rest
+            write = self.write_err if path.suffix == ".err" else self.write
             for line in lines:
                 text = line.decode("utf-8", errors="replace").rstrip("\r")[:MAX_LINE]
-                self.write(f"[rank {path.stem}]: {text}")
+                write(f"[rank {path.stem}]: {text}")

@@ -117,7 +117,8 @@ def _launch(venv: Path, workdir: Path, run_id: str, *args: str) -> tuple[subproc
     assert report == json.loads((workdir / "runs" / run_id / "report.json").read_text())
     # Neither the controller nor any agent or rank met a missing numpy.
     texts = [proc.stdout, proc.stderr, shown.stderr]
-    texts += [log.read_text(errors="replace") for log in (workdir / "runs" / run_id / "logs").rglob("*.log")]
+    logs = workdir / "runs" / run_id / "logs"
+    texts += [log.read_text(errors="replace") for log in [*logs.rglob("*.log"), *logs.rglob("*.err")]]
     assert len(texts) > 3, "no rank logs were written"
     for text in texts:
         assert "numpy" not in text.lower(), text[-2000:]

@@ -73,6 +73,9 @@ ARGPARSE = textwrap.dedent("""
     parser.add_argument("--lr", type=float, default=0.1)
     args = parser.parse_args()
     os.write(1, f"OUT local_rank={args.local_rank} rank={os.environ['RANK']} lr={args.lr}\\n".encode())
+    import logging
+    logging.basicConfig(format="%(message)s", level=logging.INFO)  # logging writes to stderr
+    logging.info("LOG rank=%s", os.environ["RANK"])
 """)
 
 PACKAGE_MODULE = textwrap.dedent("""
@@ -191,10 +194,17 @@ def test_a_rank_killed_mid_run_resumes_from_the_scripts_snapshot_and_its_last_li
 
 def test_local_rank_from_argparse_defaults(tmp_path: Path) -> None:
     _write(tmp_path, {"train.py": ARGPARSE})
-    tr, ff, _ = _both(tmp_path, ["--nproc-per-node", "2", "train.py", "--lr", "0.5"], whole_lines=2)
+    tr, ff, run_id = _both(tmp_path, ["--nproc-per-node", "2", "train.py", "--lr", "0.5"], whole_lines=2)
     assert tr.returncode == ff.returncode == 0, ff.stderr[-2000:]
     assert _out(ff.stdout, True) == _out(tr.stdout, False) == [
         "OUT local_rank=0 rank=0 lr=0.5", "OUT local_rank=1 rank=1 lr=0.5"]
+    # A rank's stderr is its stderr, as under torchrun: on the console's stderr, in its own log.
+    for rank in (0, 1):
+        assert f"LOG rank={rank}" in tr.stderr and f"LOG rank={rank}" not in tr.stdout
+        assert f"[rank {rank}]: LOG rank={rank}" in ff.stderr and f"LOG rank={rank}" not in ff.stdout
+        logs = tmp_path / "ffctl" / "runs" / run_id / "logs" / "0"
+        assert (logs / f"{rank}.err").read_text() == f"LOG rank={rank}\n"
+        assert "LOG" not in (logs / f"{rank}.log").read_text()
 
 
 def test_a_module_of_a_package_run_with_dash_m(tmp_path: Path) -> None:

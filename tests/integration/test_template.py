@@ -36,7 +36,8 @@ DRIVER = textwrap.dedent("""
         env = {k: v for k, v in os.environ.items()}
         env["RANK"] = "3"
         t0 = time.monotonic()
-        w = t.fork(Assignment(env, tuple(argv), str(tmp / f"w{len(out['workers'])}.log"), str(tmp)))
+        n = len(out["workers"])
+        w = t.fork(Assignment(env, tuple(argv), str(tmp / f"w{n}.log"), str(tmp), err=str(tmp / f"w{n}.err")))
         forked = time.monotonic() - t0
         if argv[-1] == "hold":
             print(json.dumps({"holding": w.pid}), flush=True)
@@ -85,8 +86,10 @@ def test_a_forked_worker_runs_its_script_as_a_fresh_interpreter_would(tmp_path: 
     assert seen["template_only"] is None  # ...and nothing of the template's
     assert seen["torch"] and seen["threads"] == 1
     assert seen["cwd"] == str(tmp_path)
-    log = (tmp_path / "w1.log").read_text()
-    assert "RuntimeError: boom from the worker" in log and "Traceback" in log
+    # Its stderr in its own log, apart from its stdout, as torchrun keeps them.
+    err = (tmp_path / "w1.err").read_text()
+    assert "RuntimeError: boom from the worker" in err and "Traceback" in err
+    assert "Traceback" not in (tmp_path / "w1.log").read_text()
 
 
 def test_a_module_runs_as_main(tmp_path: Path) -> None:

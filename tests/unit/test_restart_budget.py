@@ -125,3 +125,18 @@ def test_plain_scripts_are_told_from_library_scripts(tmp_path) -> None:  # type:
     assert uses_recovery_library(()) and uses_recovery_library(("-m", "ffctl.workload.train"))
     assert not uses_recovery_library((str(plain),))
     assert uses_recovery_library((str(lib), "--steps", "3"))
+
+
+def test_the_error_of_a_dead_rank_is_read_from_its_stderr_first_then_its_stdout() -> None:
+    from ffctl.controller.failures import error_and_tail
+
+    out = ["step 1", "step 2"]
+    trace = ["Traceback (most recent call last):", '  File "t.py", line 3', "ValueError: bad batch", "Warning at exit"]
+    assert error_and_tail(out, trace) == ("ValueError: bad batch", trace)
+    # A script that prints its traceback to stdout itself.
+    assert error_and_tail([*out, *trace[:3]], ["UserWarning: x"])[0] == "ValueError: bad batch"
+    # No traceback: an abort's message on stderr names it, shown after the last lines of stdout.
+    assert error_and_tail(out, ["terminate called without an active exception"]) == (
+        "terminate called without an active exception", [*out, "terminate called without an active exception"])
+    # Nothing on stderr: the last line printed (a SIGKILLed rank's).
+    assert error_and_tail(out, []) == ("step 2", out)

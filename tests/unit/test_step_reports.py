@@ -79,7 +79,7 @@ def test_a_step_without_a_loss_decodes() -> None:
 def test_step_lines_are_read_as_the_log_grows(tmp_path: Path) -> None:
     log = tmp_path / "0.log"
     log.write_bytes(b"step 99 loss 1.0\n")  # an earlier worker's output: not this one's
-    scanner = StepScanner(compile_step_regex(REGEX), log, log.stat().st_size)
+    scanner = StepScanner(compile_step_regex(REGEX), [(log, log.stat().st_size)])
     with open(log, "ab") as fh:
         fh.write(b"hello\nstep 1 loss 2.5\nstep 2 loss na")
         fh.flush()
@@ -89,6 +89,21 @@ def test_step_lines_are_read_as_the_log_grows(tmp_path: Path) -> None:
     seen = scanner.poll()
     assert [s.step for s in seen] == [2, 3] and str(seen[0].loss) == "nan" and seen[1].loss == float("inf")
     assert scanner.poll() == []
+
+
+def test_steps_are_read_from_stdout_and_stderr_alike_and_each_counts_once(tmp_path: Path) -> None:
+    # `logging` writes to stderr by default: a script's step lines may be there.
+    out, err = tmp_path / "0.log", tmp_path / "0.err"
+    out.write_bytes(b"")
+    err.write_bytes(b"step 50 loss 1\n")  # an earlier generation's
+    scanner = StepScanner(compile_step_regex(REGEX), [(out, 0), (err, err.stat().st_size)])
+    with open(out, "ab") as o, open(err, "ab") as e:
+        e.write(b"step 1 loss 2.0\nstep 2 loss 1.5\n")
+        e.flush()
+        assert [s.step for s in scanner.poll()] == [1, 2]
+        o.write(b"step 2 loss 1.5\nstep 3 loss 1.0\n")  # step 2 again, in the other stream
+        o.flush()
+        assert [(s.step, s.loss) for s in scanner.poll()] == [(3, 1.0)]
 
 
 def test_a_step_group_may_be_the_first_group_and_the_loss_may_be_missing() -> None:

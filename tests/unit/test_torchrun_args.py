@@ -259,6 +259,21 @@ def test_error_file_as_torchs_record_writes_it(tmp_path: Path, monkeypatch: pyte
     assert read_error_file(tmp_path / "plain.json") == "OOM on device 0"
 
 
+def test_a_ranks_stderr_is_echoed_to_stderr_and_its_stdout_to_stdout(tmp_path: Path) -> None:
+    from ffctl.launch.echo import RankEcho
+
+    logs = tmp_path / "logs"
+    (logs / "0").mkdir(parents=True)
+    out: list[str] = []
+    err: list[str] = []
+    echo = RankEcho(logs, out.append, nproc_per_node=2, write_err=err.append)
+    (logs / "0" / "1.log").write_bytes(b"step 1\n")
+    (logs / "0" / "1.err").write_bytes(b"Traceback (most recent call last):\nValueError: x\n")
+    echo.poll()
+    assert out == ["[rank 1]: step 1"]
+    assert err == ["[rank 1]: Traceback (most recent call last):", "[rank 1]: ValueError: x"]
+
+
 def test_rank_output_is_echoed_with_its_rank(tmp_path: Path) -> None:
     from ffctl.launch.echo import RankEcho, parse_ranks_filter
 
