@@ -161,6 +161,16 @@ class LaunchSpec:
     step_regex: str | None = None
     # --straggler: wait (default) or replace:factor=F (`parse_straggler`)
     straggler: str = "wait"
+    # --verify-restore: a memory recovery restores one snapshot further back than it could and
+    # trains the steps in between again; every rank's loss of each must equal, bit for bit, what
+    # it reported before the fault, or the job stops (state the script does not register).
+    verify_restore: bool = False
+
+    @property
+    def snapshot_slots(self) -> int:
+        """Memory snapshot slots per rank: a third under --verify-restore, so that the ranks a
+        fault left one step ahead still hold the step before the lost rank's newest."""
+        return 3 if self.verify_restore else 2
 
     @property
     def straggler_policy(self) -> StragglerPolicy:

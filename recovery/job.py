@@ -84,7 +84,7 @@ class Job:
         self._plans = control.Reader(self._opener, self._rejected)
         self._send_lock = threading.Lock()  # step reports also go out from the snapshot thread
         self.group: Generation | None = None
-        self.writer = (SlotWriter(env.shm_dir, env.run_id, env.node, env.rank, env.token)
+        self.writer = (SlotWriter(env.shm_dir, env.run_id, env.node, env.rank, env.token, env.slots)
                        if env.memory_snapshots else None)
         self.faults = InStepFaults(env.fault_dir, env.run_id, env.rank)
         self.last_committed = 0
@@ -446,7 +446,7 @@ class Job:
             except ChannelError:
                 return None
         if isinstance(source, LocalSlot):
-            return read_slot(slot_path(self.env.shm_dir, self.env.run_id, source.node, self.env.rank, step % 2))
+            return read_slot(slot_path(self.env.shm_dir, self.env.run_id, source.node, self.env.rank, step % self.env.slots))
         assert isinstance(source, Fresh), source  # the plan's decoder admits no other kind
         return None
 

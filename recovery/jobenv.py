@@ -70,6 +70,9 @@ class JobEnv:
     shm_dir: str = ""
     ckpt_dir: str = ""
     ckpt_every: int = 0
+    # Memory snapshot slots per rank, used in turn (`step % slots`): 2, the newest two steps; 3
+    # under --verify-restore, so a recovery can go one step further back and replay.
+    slots: int = 2
     replicate: bool = False  # wait for the ring neighbour's copy before the next update
     token: str = ""
     pg_timeout: float = 60.0

@@ -152,8 +152,9 @@ class PeerStore:
 
     def __init__(self, address: str, token: str, local_slot: Callable[[int, int], Path],
                  max_slot_bytes: int | None = None, max_total_bytes: int | None = None,
-                 on_refused: Callable[[str, int], None] | None = None) -> None:
+                 on_refused: Callable[[str, int], None] | None = None, slots: int = 2) -> None:
         self.token = token
+        self.slots = slots  # per rank, used in turn (`step % slots`), as the ranks' SlotWriter
         self.on_refused = on_refused
         self.reports = Throttle(self.REPORTS_PER_S)
         self._memory = _physical_memory()
@@ -215,7 +216,7 @@ class PeerStore:
         """Read a streamed slot into this (rank, slot)'s buffer, pending until the sender commits."""
         rank, step, length = int(header["rank"]), int(header["step"]), int(header["len"])
         meta_len, crc = int(header["meta_len"]), int(header["crc"])
-        key = (rank, step % 2)
+        key = (rank, step % self.slots)
         if rank < 0 or step < 0 or not 0 <= meta_len <= length:
             self._refuse(f"put of rank {rank} step {step}: bad header (len {length}, meta_len {meta_len})")
         cap = self.slot_cap()
@@ -281,7 +282,7 @@ class PeerStore:
         """The second phase of a put: keep the pending copy ("commit") or forget it ("drop")."""
         rank, step = int(header["rank"]), int(header["step"])
         with self.lock:
-            pending = self._pending.pop((rank, step % 2), None)
+            pending = self._pending.pop((rank, step % self.slots), None)
         if pending is None or pending.step != step:
             return {"ok": False, "error": f"no pending copy of rank {rank} step {step}"}
         if header["op"] != "commit":
@@ -295,12 +296,12 @@ class PeerStore:
             return {"ok": False, "error": why}
         with self.lock:
             # Kept only if no newer put of this slot began meanwhile (it reuses the buffer).
-            if (rank, step % 2) not in self._pending and (rank, step % 2) not in self._receiving:
-                self.replicas[(rank, step % 2)] = pending
+            if (rank, step % self.slots) not in self._pending and (rank, step % self.slots) not in self._receiving:
+                self.replicas[(rank, step % self.slots)] = pending
         return {"ok": True}
 
     def find(self, rank: int, step: int, where: str) -> SlotContent | None:
-        slot = step % 2
+        slot = step % self.slots
         if where == "local":
             content = read_slot(self.local_slot(rank, slot))
         else:

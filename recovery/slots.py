@@ -1,5 +1,5 @@
-"""Shared-memory snapshot slots: two per rank (`step % 2`), files in the run's private directory
-in /dev/shm (`runs.shm`), owned by the node agent.
+"""Shared-memory snapshot slots: two per rank (`step % 2`; three under `--verify-restore`, `step %
+3`), files in the run's private directory in /dev/shm (`runs.shm`), owned by the node agent.
 
 A slot is a file mapped by the rank that writes it and by the agent that streams and serves it.
 A crash of the rank loses nothing already committed. Layout: a 4 KiB header, then the pickled
@@ -32,6 +32,7 @@ HEADER = struct.Struct("<4sIqQQIQ")  # magic, state, step, meta_len, shard_len, 
 ACK = struct.Struct("<q")  # replicated step, written by the agent only
 ACK_OFFSET = 64
 DATA_OFFSET = 4096
+MAX_SLOTS = 9  # slot files are named s0..s9 (`runs.shm`)
 EMPTY, WRITING, VALID = 0, 1, 2
 
 
@@ -160,12 +161,15 @@ class SlotWriter:
     waits for it and must be called before the optimizer mutates the captured tensors.
     """
 
-    def __init__(self, shm_dir: str, run_id: str, node: int, rank: int, token: str = "") -> None:
+    def __init__(self, shm_dir: str, run_id: str, node: int, rank: int, token: str = "", slots: int = 2) -> None:
+        if not 2 <= slots <= MAX_SLOTS:
+            raise ValueError(f"slots {slots!r}: 2 to {MAX_SLOTS}")
         # Only ever the run's private directory, which this node's agent made before any rank.
         shm.check_private_dir(shm_dir)
-        self.paths = [slot_path(shm_dir, run_id, node, rank, s) for s in (0, 1)]
+        self.slots = slots
+        self.paths = [slot_path(shm_dir, run_id, node, rank, s) for s in range(slots)]
         self._bell = Ringer(run_id, node, token)  # tells the agent to stream now, so it need not poll
-        self._maps: list[tuple[int, mmap.mmap] | None] = [None, None]
+        self._maps: list[tuple[int, mmap.mmap] | None] = [None] * slots
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._seq = 0
@@ -210,7 +214,7 @@ class SlotWriter:
     def begin(self, cap: Capture, then: Callable[[], None] | None = None) -> None:
         """Copy `cap` in the background, then call `then` (on the copying thread)."""
         self.fence()
-        mm = self._map(cap.step % 2, DATA_OFFSET + len(cap.meta) + cap.shard_len)
+        mm = self._map(cap.step % self.slots, DATA_OFFSET + len(cap.meta) + cap.shard_len)
 
         def run() -> None:
             try:
@@ -234,7 +238,7 @@ class SlotWriter:
     def replicated_step(self, step: int) -> int:
         # Read from our own mapping: the fence polls this, and a file open per poll costs a
         # rank real CPU on a busy host.
-        mapped = self._maps[step % 2]
+        mapped = self._maps[step % self.slots]
         if mapped is None:
             return -1
         (rep,) = ACK.unpack_from(mapped[1], ACK_OFFSET)
@@ -245,5 +249,5 @@ class SlotWriter:
         for entry in self._maps:
             if entry is not None:
                 entry[1].close()
-        self._maps = [None, None]
+        self._maps = [None] * self.slots
         self._bell.close()

@@ -54,11 +54,19 @@ class EventKind(str, Enum):
     # a fault of kind `detected`)
     FAILURE_DETECTED = "failure_detected"
     # fault_ids, gen, restore_step, restore_source, strategy; failure_ids (every failure this
-    # recovery handles, those that cut an earlier attempt short included)
+    # recovery handles, those that cut an earlier attempt short included); verify_until (with
+    # --verify-restore: the newest step it could have restored, trained again to check)
     RECOVERY_DECIDED = "recovery_decided"
     RANKS_SPAWNED = "ranks_spawned"  # gen, ranks
     RENDEZVOUS_DONE = "rendezvous_done"  # gen
     RESTORE_DONE = "restore_done"  # gen, step, source
+    # gen, restore_step, until, verified (every rank's loss of every step trained again equal to
+    # its loss before the fault), unchecked (ranks whose earlier loss never arrived): the check
+    # of a --verify-restore recovery, once every rank has trained up to `until` again
+    RESTORE_VERIFIED = "restore_verified"
+    # gen, step, rank, node, restore_step, loss_before, loss_after: a step trained again after a
+    # --verify-restore recovery gave the rank another loss than before the fault; the job stops
+    RESTORE_DIVERGED = "restore_diverged"
     RECOVERY_FAILED = "recovery_failed"  # fault_ids, reason, root_cause, restarts, max_restarts, failure_ids
     RUN_FINISHED = "run_finished"  # status, steps_completed, reason; root_cause when it failed
     # gen, ranks (still running), finished (exited 0), waited_s, timeout_s: some ranks finished

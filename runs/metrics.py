@@ -98,6 +98,8 @@ class FaultMetrics:
     # ("step"); lost_s is then that restart time, a lower bound (its replay is unseen).
     step_known: bool = True
     recovery_until: str = "step"
+    # --verify-restore: "verified", "diverged" or "unchecked" (`_restore_check`); None: not checked.
+    restore_check: str | None = None
     # What `injected_at` is: "injection" for a fault ffctl injected; for a failure no injected
     # fault explains (kind DETECTED) the onset its record gives ("reported", "agent-exit",
     # "last-heartbeat", "last-progress"; "detection" in a record that predates onsets).
@@ -344,6 +346,7 @@ def _fault_metrics(inj: Event, events: list[Event], world_size: int, end_t: floa
                          and ev.get("gen") == decision.get("gen") and ev.t >= decision.t)
     started_by = spawned.get("started_by") if spawned is not None else None
     return FaultMetrics(
+        restore_check=_restore_check(events, decision),
         fault_id=fid,
         kind=_text(inj.get("kind")),
         target=_text(inj.get("target")),
@@ -372,6 +375,20 @@ def _fault_metrics(inj: Event, events: list[Event], world_size: int, end_t: floa
         stragglers=slow,
         rejected_copies=rejected,
     )
+
+
+def _restore_check(events: list[Event], decision: Event | None) -> str | None:
+    """How a --verify-restore recovery's replay came out: "verified" (every rank's loss of every
+    step trained again as before the fault), "diverged" (one differed: the job stopped),
+    "unchecked" (a rank had no earlier loss to compare, or the check never ended); None: not
+    checked (no --verify-restore, or nothing to replay)."""
+    if decision is None or not decision.get("verify_until"):
+        return None
+    gen = decision.get("gen")
+    if any(ev.kind is EventKind.RESTORE_DIVERGED and ev.get("gen") == gen for ev in events):
+        return "diverged"
+    done = _first(events, lambda ev: ev.kind is EventKind.RESTORE_VERIFIED and ev.get("gen") == gen)
+    return "verified" if done is not None and done.get("verified") is True else "unchecked"
 
 
 def _stragglers(events: list[Event], mentions: Callable[[Event], bool]) -> list[dict[str, Any]]:

@@ -36,7 +36,7 @@ SHM_ROOT = "/dev/shm"  # where each run's private directory is made on a host
 _KEY_HEX = 32  # 128 random bits: nobody can make the run's directory name before the run does
 _RUN_DIR = re.compile(r"ffctl-([A-Za-z0-9][A-Za-z0-9._-]{0,127})-([0-9a-f]{%d})" % _KEY_HEX)
 _OPEN = os.O_NOFOLLOW | os.O_CLOEXEC
-_SLOT_TAIL = re.compile(r"r([0-9]{1,9})-s([01])")
+_SLOT_TAIL = re.compile(r"r([0-9]{1,9})-s([0-9])")  # s0, s1 (and s2 under --verify-restore)
 _FAULT_TAIL = re.compile(r"r([0-9]{1,9})")
 
 

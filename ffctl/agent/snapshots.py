@@ -49,7 +49,8 @@ class NodeSnapshots:
                 reporter.report(messages.AgentFailed, reason=str(exc))
                 raise
         self.wipe()
-        self.peer = PeerStore(cfg.address, cfg.token, self.slot, on_refused=reporter.peer_refused).start()
+        self.peer = PeerStore(cfg.address, cfg.token, self.slot, on_refused=reporter.peer_refused,
+                              slots=cfg.snapshot_slots).start()
         self.replicator = Replicator(cfg.run_id, cfg.node, cfg.token, self.slot_files, reporter.report_kind)
 
     def slot(self, rank: int, index: int) -> Path:

@@ -100,8 +100,10 @@ class Controller:
         self.coordinator = RecoveryCoordinator(self, self.job, strategy, self.max_restarts,
                                                crash_loop_guard=not self.plain_script,
                                                script_restores_itself=self.plain_script,
-                                               start_over_before_checkpoint=spec.ckpt_every > 0)
+                                               start_over_before_checkpoint=spec.ckpt_every > 0,
+                                               verify_restore=spec.verify_restore and not self.plain_script)
         self.job.progress.every_rank_reports = not self.plain_script
+        self.job.progress.verify = spec.verify_restore and not self.plain_script
 
     # -- record & view ------------------------------------------------------------------------
     def record(self, kind: EventKind, /, t: float | None = None, **data: Any) -> None:
@@ -242,7 +244,10 @@ class Controller:
                     steps=spec.steps, seed=spec.seed, model=spec.model,
                     script=list(spec.script), spares=spec.spares, ckpt_every=spec.ckpt_every,
                     max_restarts=self.max_restarts, plain_script=self.plain_script,
-                    role=spec.role, torchrun=dict(spec.torchrun))
+                    role=spec.role, torchrun=dict(spec.torchrun), verify_restore=spec.verify_restore)
+        if spec.verify_restore and self.plain_script:
+            self.announce("--verify-restore: the script does not use the recovery library; it restores itself "
+                          "after a restart, and nothing is replayed or checked")
         for n in range(spec.nnodes):
             self.start_agent(n)
         self.wait_agents(list(range(spec.nnodes)))
@@ -298,6 +303,8 @@ class Controller:
         world = set(self.job.members)
         while True:
             self.pump()
+            if self.inbox.restore_check.diverged is not None:  # a --verify-restore replay differed
+                raise FatalRun(*self.inbox.restore_check.diverged)
             self.watchdog.check_hang()
             self.injector.tick(time.time() - self.started)  # (a step trigger waits for every rank)
             if self.job.pending is not None:

@@ -109,7 +109,7 @@ class RecoveryOutcome:
 class RecoveryCoordinator:
     def __init__(self, cluster: Cluster, job: JobState, strategy: str, max_restarts: int,
                  crash_loop_guard: bool = True, script_restores_itself: bool = False,
-                 start_over_before_checkpoint: bool = False) -> None:
+                 start_over_before_checkpoint: bool = False, verify_restore: bool = False) -> None:
         self.cluster = cluster
         self.job = job
         self.strategy = Strategy(strategy)
@@ -125,6 +125,8 @@ class RecoveryCoordinator:
         # and stopped). Without disk checkpoints losing every copy stops the job: starting over
         # silently is not what a job that chose memory copies alone asked for.
         self.start_over_before_checkpoint = start_over_before_checkpoint
+        # --verify-restore: restore one snapshot further back and check the replayed steps.
+        self.verify_restore = verify_restore
         # Inventory requests are numbered for the whole run: a late answer to an earlier
         # recovery's request must not pass for an answer to this one.
         self._req = 0
@@ -308,7 +310,8 @@ class RecoveryCoordinator:
         cluster.record(EventKind.RECOVERY_DECIDED, fault_ids=ids, gen=new_gen, restore_step=restore_step,
                        restore_source=decision.restore_source, strategy=self.strategy, ranks=respawn,
                        placement={str(r): job.members[r] for r in respawn},
-                       lost_both_copies=list(decision.lost_both_copies), failure_ids=list(self._handling))
+                       lost_both_copies=list(decision.lost_both_copies), failure_ids=list(self._handling),
+                       **({"verify_until": decision.verify_until} if decision.verify_until else {}))
         cluster.wire_ring()  # the same ring; the record learns which ranks now sit on a node without a neighbour
         needed = sorted({job.members[r] for r in respawn} & lost_nodes)
         for n in sorted(lost_nodes):
@@ -398,7 +401,7 @@ class RecoveryCoordinator:
             )
         # Nodes that restarted hold nothing from before; count them as lost for the decision.
         return decide(self.strategy, job.members, lost, lost_nodes, invs, sorted(job.nodes), job.disk_step,
-                      frozenset(job.bad_sources), gen=gen)
+                      frozenset(job.bad_sources), gen=gen, replay=self.verify_restore)
 
 
 def place(job: JobState, ranks: list[int], lost_nodes: set[int], spare_nodes: int, has_gpu: bool) -> None:

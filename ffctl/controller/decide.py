@@ -8,6 +8,14 @@ slots, so s is never more than one step behind them. When no step is held everyw
 complete disk checkpoint is used; when there is none either, there is no decision (never
 silently wrong state).
 
+With `replay` (`--verify-restore`, three slots a rank), the plan restores the oldest step held
+everywhere instead of the newest, s, when they differ: the steps after it up to s (one or two)
+are trained again, and each rank's loss of each is checked against the one it reported before
+the fault (`verify_until` is s). Two steps back when they are held: a rank killed between
+writing its snapshot of s and reporting s has no loss of s to compare, but has one of s - 1.
+State that a restore cannot bring back (a prefetched batch the script never registered) then
+shows as a different loss, before training goes on.
+
 The decision is the next generation's typed plan (`recovery.plan.GenerationPlan`), published to
 the ranks as it is, plus what only the controller needs to know about it.
 """
@@ -41,6 +49,9 @@ class Decision:
     plan: GenerationPlan
     restore_source: RestoreSource
     lost_both_copies: tuple[int, ...] = ()
+    # The newest step held everywhere, when the plan restores an older one to train the steps up
+    # to it again and compare their losses (`replay`); 0: nothing to check.
+    verify_until: int = 0
 
     @property
     def restore_step(self) -> int:
@@ -87,9 +98,10 @@ def decide(
     exclude: frozenset[tuple[int, int, str]] = frozenset(),
     *,
     gen: int,
+    replay: bool = False,
 ) -> Decision | None:
     """Generation `gen`'s plan. `exclude` holds (rank, step, source kind) copies a rank found
-    corrupt: never offered again."""
+    corrupt: never offered again. `replay`: restore the oldest common step, to verify."""
     world = sorted(members)
     if strategy == Strategy.RESTART_DISK:
         if disk_step is None:
@@ -121,8 +133,10 @@ def decide(
     lost_both = tuple(sorted(r for r in lost_ranks if not options.get(r)))
     if not common:
         return _disk(gen, strategy, world, disk_step, lost_both)
-    step = max(common)
+    step = newest = max(common)
+    if replay:
+        step = min(common)
     sources = {r: options[r][step] for r in world}
     peer = any(isinstance(sources[r], PeerReplica) for r in lost_ranks)
     label = RestoreSource.PEER_MEMORY if peer else RestoreSource.LOCAL_MEMORY
-    return Decision(_plan(gen, strategy, world, step, sources), label)
+    return Decision(_plan(gen, strategy, world, step, sources), label, verify_until=newest if step < newest else 0)

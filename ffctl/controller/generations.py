@@ -52,7 +52,7 @@ class Generations:
             rank=rank, world_size=spec.world_size, local_rank=local.index(rank),
             local_world_size=len(local), node=node, run_id=self.run_id,
             store_host=spec.address, store_port=self.plane.port, gen=gen, strategy=spec.recovery,
-            ckpt_dir=self.ckpt_dir(), ckpt_every=spec.ckpt_every,
+            ckpt_dir=self.ckpt_dir(), ckpt_every=spec.ckpt_every, slots=spec.snapshot_slots,
             replicate=memory and spec.nnodes > 1, pg_timeout=spec.pg_timeout,
             role=spec.role, max_restarts=self.max_restarts,
             master_port=self.plane.rendezvous_port(gen) if self.plain_script else 0,
@@ -81,7 +81,7 @@ class Generations:
     def open(self, gen: int, decision: Decision | None, respawn: list[int]) -> None:
         plan = decision.plan if decision else GenerationPlan.fresh(gen, self.spec.world_size, self.spec.recovery)
         self.job.gen = gen
-        self.job.progress.open(gen, plan.restore_step)
+        self.job.progress.open(gen, plan.restore_step, decision.verify_until if decision else 0)
         self.plane.publish(gen, plan)
         self.spawn(gen, respawn)
 

@@ -21,6 +21,7 @@ from ffctl.controller.fleet import Fleet
 from ffctl.controller.injector import Injector
 from ffctl.controller.plane import ControlPlane
 from ffctl.controller.progress import StepReport
+from ffctl.controller.restorecheck import RestoreCheck
 from ffctl.controller.state import JobState, Report
 from ffctl.controller.stragglers import Finding, Replace, StragglerDetector, Straggling
 from ffctl.controller.watchdog import Watchdog
@@ -53,6 +54,7 @@ class Inbox:
         self.plain_script = plain_script
         self.straggler_policy = straggler_policy
         self.training_api: str | None = None  # what the ranks' library says (`training` message)
+        self.restore_check = RestoreCheck(job, record, announce, lambda node: self.fleet.host(node))
 
     def handle(self, raw: dict[str, Any]) -> None:
         # Every field is checked before any is used: a sealed message from one of our own
@@ -82,9 +84,12 @@ class Inbox:
         rep = StepReport(msg.gen, msg.step, msg.rank, None if msg.loss is None else float(msg.loss), float(msg.dt))
         if rep.gen == self.job.gen:
             self.job.last_progress = time.monotonic()
+        replay = self.job.progress.check_replay(rep)
         if self.job.progress.report(rep):
             self.record(EventKind.STEP, t=time.time(), step=rep.step, loss=rep.loss,
                         step_time_s=rep.dt, gen=rep.gen, rank=rep.rank)
+        if replay is not None:
+            self.restore_check.replayed(replay)
         for finding in self.stragglers.report(msg.gen, msg.step, msg.rank, float(msg.dt),
                                               None if msg.wait is None else float(msg.wait), time.time()):
             self.straggler(finding)

@@ -109,6 +109,7 @@ LAUNCH_SCHEMA: dict[str, Field] = {
     "script": Field("words"),
     "step_regex": Field("text"),
     "straggler": Field("text"),  # --straggler: wait, or replace[:factor=F][,steps=N]
+    "verify_restore": Field("bool"),  # --verify-restore
     "torchrun": Field("table"),
 }
 FAULTS_SCHEMA: dict[str, Field] = {

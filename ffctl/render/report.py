@@ -89,6 +89,7 @@ def fault_fields(f: dict[str, Any]) -> list[tuple[str, str]]:
         ("lost steps", _lost_steps(f)),
         ("lost GPU-h", _gpu_h(f.get("lost_gpu_hours"))),
         ("restore source", f.get("restore_source") or "-"),
+        ("restore check", f.get("restore_check") or "-"),
         ("copies refused", "; ".join(f.get("rejected_copies") or []) or "-"),
         ("started by", started_text(f)),
         ("emulated", "yes" if f.get("emulated") else "no"),
