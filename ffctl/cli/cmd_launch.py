@@ -39,10 +39,15 @@ def _echo(plan: LaunchPlan, console: Any) -> AbstractContextManager[object]:
     if not spec.script or spec.hostfile is not None:
         return nullcontext()
     err_console = make_console(stderr=True)
+    torchrun = dict(spec.torchrun)
+    # torchrun's -t/--tee prefixes each teed line `[<role><local rank>]:`; ffctl echoes every
+    # line, so with a tee asked for its lines carry that prefix, and `[rank N]:` otherwise.
+    teed = torchrun.get("tee", "0").strip() not in ("", "0")
     write = lambda line: console.print(line, markup=False, highlight=False, soft_wrap=True)  # noqa: E731
     write_err = lambda line: err_console.print(line, markup=False, highlight=False, soft_wrap=True)  # noqa: E731
     return RankEcho(spec.runs_dir / plan.run_id / "logs", write, spec.nproc_per_node,
-                    parse_ranks_filter(dict(spec.torchrun).get("local_ranks_filter", "")), write_err)
+                    parse_ranks_filter(torchrun.get("local_ranks_filter", "")), write_err,
+                    role=spec.role if teed else None)
 
 
 def register(app: typer.Typer) -> None:

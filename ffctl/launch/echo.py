@@ -36,9 +36,12 @@ class RankEcho:
 
     def __init__(self, logs: Path, write: Callable[[str], None], nproc_per_node: int,
                  local_ranks: Collection[int] | None = None,
-                 write_err: Callable[[str], None] | None = None) -> None:
+                 write_err: Callable[[str], None] | None = None, role: str | None = None) -> None:
         self.logs = logs
         self.write = write
+        # torchrun's `--tee` prefix, `[<role><local rank>]:` (`[default0]:`), when the user asked
+        # for torchrun's tee; else `[rank <global rank>]:`, which stays unambiguous across nodes.
+        self.role = role
         self.write_err = write if write_err is None else write_err
         self.nproc_per_node = nproc_per_node
         self.local_ranks = None if local_ranks is None else frozenset(local_ranks)
@@ -62,6 +65,11 @@ class RankEcho:
                 self.poll()
             except OSError:
                 pass  # the record being created or removed: try again next time
+
+    def _prefix(self, rank: int) -> str:
+        if self.role is not None:
+            return f"[{self.role}{rank % self.nproc_per_node}]:"  # torchrun's, no space after it
+        return f"[rank {rank}]: "
 
     def _shown(self, rank: int) -> bool:
         return self.local_ranks is None or rank % self.nproc_per_node in self.local_ranks
@@ -92,4 +100,4 @@ class RankEcho:
             write = self.write_err if path.suffix == ".err" else self.write
             for line in lines:
                 text = line.decode("utf-8", errors="replace").rstrip("\r")[:MAX_LINE]
-                write(f"[rank {path.stem}]: {text}")
+                write(f"{self._prefix(int(path.stem))}{text}")

@@ -207,6 +207,20 @@ def test_local_rank_from_argparse_defaults(tmp_path: Path) -> None:
         assert "LOG" not in (logs / f"{rank}.log").read_text()
 
 
+def test_with_torchruns_tee_the_lines_carry_torchruns_prefix(tmp_path: Path) -> None:
+    _write(tmp_path, {"train.py": ARGPARSE})
+    tee = lambda text: sorted(line for line in text.splitlines() if line.startswith("[default"))  # noqa: E731
+    src = tmp_path / "src"
+    tr = torchrun_script(src, ["--nproc-per-node", "2", "--tee", "3", "train.py"], lambda out: len(tee(out)) == 2)
+    ff, _ = ffctl_launch_script(src, "tee", ["--nproc-per-node", "2", "--tee", "3", "train.py"],
+                                lambda out: len(tee(out)) == 2)
+    assert tr.returncode == ff.returncode == 0, ff.stderr[-2000:]
+    assert tee(ff.stdout) == tee(tr.stdout) == [
+        "[default0]:OUT local_rank=0 rank=0 lr=0.1", "[default1]:OUT local_rank=1 rank=1 lr=0.1"]
+    assert tee(ff.stderr) == tee(tr.stderr) == ["[default0]:LOG rank=0", "[default1]:LOG rank=1"]
+    assert_nothing_left(src)
+
+
 def test_a_module_of_a_package_run_with_dash_m(tmp_path: Path) -> None:
     _write(tmp_path, {"pkg/__init__.py": "", "pkg/helper.py": "VALUE = 42\n", "pkg/train.py": PACKAGE_MODULE})
     tr, ff, _ = _both(tmp_path, ["--nproc-per-node", "2", "-m", "pkg.train", "x", "--y"], whole_lines=2)

@@ -274,6 +274,18 @@ def test_a_ranks_stderr_is_echoed_to_stderr_and_its_stdout_to_stdout(tmp_path: P
     assert err == ["[rank 1]: Traceback (most recent call last):", "[rank 1]: ValueError: x"]
 
 
+def test_with_torchruns_tee_lines_carry_torchruns_prefix(tmp_path: Path) -> None:
+    from ffctl.launch.echo import RankEcho
+
+    logs = tmp_path / "logs"
+    (logs / "1").mkdir(parents=True)
+    seen: list[str] = []
+    echo = RankEcho(logs, seen.append, nproc_per_node=2, role="trainer")
+    (logs / "1" / "3.log").write_bytes(b"hello\n")
+    echo.poll()
+    assert seen == ["[trainer1]:hello"]  # torchrun --tee 3: [<role><local rank>]:line
+
+
 def test_rank_output_is_echoed_with_its_rank(tmp_path: Path) -> None:
     from ffctl.launch.echo import RankEcho, parse_ranks_filter
 
