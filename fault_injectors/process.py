@@ -2,7 +2,9 @@
 
 crash-rank (and the emulated GPU faults) act inside the rank's training step: the plan drops the
 fault's name in a file in the run's private shared-memory directory and sends SIGUSR1; the rank's
-step hook raises it.
+step hook raises it. A kill-rank with `phase=` goes the same way (`kill-at:<phase>:<step>`): the
+rank arms it and SIGKILLs itself when it reaches that phase of that step, which no signal sent
+from outside can aim at (a step's collective lasts milliseconds).
 """
 from __future__ import annotations
 
@@ -42,6 +44,11 @@ def plan(spec: FaultSpec, topo: Topology, ranks: tuple[int, ...], nodes: tuple[i
     if spec.kind is FaultKind.CRASH_RANK:
         what = spec.option("signal", "exception") or "exception"
         return FaultPlan(spec, ranks, nodes, apply=tuple(in_step_command(topo, r, f"crash-rank:{what}") for r in ranks))
+    phase = spec.option("phase")
+    if spec.kind is FaultKind.KILL_RANK and phase:
+        step = spec.trigger.step or 0  # ad hoc: the next time the rank is in that phase
+        return FaultPlan(spec, ranks, nodes, apply=tuple(in_step_command(topo, r, f"kill-at:{phase}:{step}")
+                                                         for r in ranks))
     sig = SIGNALS[spec.kind]
     apply: list[HostCommand] = []
     revert: list[HostCommand] = []

@@ -12,6 +12,8 @@ import re
 from dataclasses import dataclass
 from enum import Enum
 
+from runs.events import StepPhase
+
 
 class FaultSpecError(ValueError):
     """A fault spec, target or trigger that cannot be used; the message names the bad value."""
@@ -162,7 +164,7 @@ MAX_SLOW_FACTOR = 100.0  # a rank 100 times slower has stopped in all but name: 
 _TARGET_KEYS = ("rank", "node", "host", "mode")
 _TRIGGER_KEYS = ("step", "t")
 _KEYS = {*_TARGET_KEYS, *_TRIGGER_KEYS, "duration", "seed"}
-_OPTION_KEYS = {"rate", "delay", "loss", "port", "ports", "action", "mb", "signal", "peer", "factor", "drain"}
+_OPTION_KEYS = {"rate", "delay", "loss", "port", "ports", "action", "mb", "signal", "peer", "factor", "drain", "phase"}
 _BREAKS_JOB = frozenset({FaultKind.KILL_RANK, FaultKind.TERM_RANK, FaultKind.CRASH_RANK, FaultKind.KILL_NODE,
                          FaultKind.REBOOT_NODE, FaultKind.GPU_ERROR, FaultKind.GPU_HANG, FaultKind.GPU_XID})
 _NETWORK = frozenset(k for k in FaultKind if k.family is FaultFamily.NETWORK)
@@ -171,6 +173,8 @@ REVERTIBLE = frozenset({FaultKind.HANG_RANK, *_NETWORK, *_SLOW})  # the kinds a 
 # The kind-specific options each kind reads; any other is refused rather than ignored.
 KIND_OPTIONS: dict[FaultKind, tuple[str, ...]] = {
     FaultKind.CRASH_RANK: ("signal",),
+    # phase=: the rank is SIGKILLed by itself in that phase of the step (`recovery.faults`).
+    FaultKind.KILL_RANK: ("phase",),
     FaultKind.KILL_NODE: ("drain",),  # drain=yes: the Slurm node is drained too (--backend slurm)
     FaultKind.GPU_OOM: ("mb",),
     FaultKind.NET_PARTITION: ("action", "peer"),
@@ -187,6 +191,13 @@ REQUIRED_OPTIONS: dict[FaultKind, tuple[str, ...]] = {FaultKind.NET_BANDWIDTH: (
                                                        FaultKind.SLOW_RANK: ("factor",),
                                                        FaultKind.SLOW_NODE: ("factor",)}
 CRASH_SIGNALS = ("exception", "segv")
+# Where in its step a kill-rank with phase= lands: the step's start (forward), the backward pass
+# (DDP's root module), the step's first collective (its peers are in it), the optimizer update,
+# the snapshot of the step (its collectives done: peers may commit it).
+PHASES = tuple(p.value for p in StepPhase)
+# A fault at phase= reaches the rank this many committed steps before its step, so it is armed
+# when the step begins.
+PHASE_LEAD_STEPS = 2
 ACTIONS = ("drop", "reject")
 
 
@@ -299,6 +310,9 @@ def check_option(kind: FaultKind, key: str, value: str) -> None:
     elif key == "signal":
         if value not in CRASH_SIGNALS:
             raise FaultSpecError(f"{bad} is not one of {', '.join(CRASH_SIGNALS)}")
+    elif key == "phase":
+        if value not in PHASES:
+            raise FaultSpecError(f"{bad} is not one of {', '.join(PHASES)}")
 
 
 def slow_factor(spec: FaultSpec) -> float:
@@ -363,6 +377,8 @@ def parse_spec(text: str) -> FaultSpec:
         check_option(kind, key, value)
     if "port" in fields and "ports" in fields:
         raise FaultSpecError(f"fault spec {_q(text, 80)} has both port= and ports=; pick one")
+    if "phase" in fields and "t" in fields:
+        raise FaultSpecError(f"phase={_q(fields['phase'])} goes with step= (the step it lands in), not t=")
     trigger = Trigger(
         step=_int("step", fields["step"], MAX_STEP) if "step" in fields else None,
         t=_seconds("t", fields["t"], MAX_T_S) if "t" in fields else None,

@@ -8,6 +8,11 @@ act on the device; elsewhere they are emulated and say so.
 A straggler (`slow:<factor>:<seconds>`, from slow-rank and slow-node) makes every step slower
 instead: `check()` sleeps (factor - 1) times the rank's step time as it was before the slowdown,
 until the seconds are over or `slow:off` arrives (`fault_injectors.straggler` says why a sleep).
+
+A kill at a phase (`kill-at:<phase>:<step>`, from kill-rank with phase=) arms the rank instead:
+the job calls `at(phase, step)` where each phase of its step happens, and the first call for the
+armed phase in the armed step or later says where it landed (`on_land`) and SIGKILLs the rank
+there, as a kill from outside would, but in that very phase.
 """
 from __future__ import annotations
 
@@ -17,10 +22,11 @@ import statistics
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
+from runs.events import StepPhase
 from runs.shm import UnsafeShm, fault_path, read_small
 
 
@@ -48,6 +54,9 @@ class InStepFaults:
         self.slow_factor: float | None = None
         self._slow_base: float | None = None
         self._slow_until = 0.0
+        # A kill armed for (phase, first step), and who hears where it landed before it fires.
+        self.armed: tuple[StepPhase, int] | None = None
+        self.on_land: Callable[[StepPhase, int], None] | None = None
 
     def install(self) -> None:
         signal.signal(signal.SIGUSR1, self._on_signal)
@@ -95,10 +104,29 @@ class InStepFaults:
             return
         self.fire(what)
 
+    def at(self, phase: StepPhase, step: int) -> None:
+        """The rank is in `phase` of `step`: a kill armed for it fires here."""
+        armed = self.armed
+        if armed is None or armed[0] is not phase or step < armed[1]:
+            return
+        self.armed = None
+        if self.on_land is not None:
+            try:
+                self.on_land(phase, step)
+            except Exception:  # the controller may be unreachable: the kill still lands
+                pass
+        os.kill(os.getpid(), signal.SIGKILL)
+
     def fire(self, what: str) -> None:
         kind, _, arg = what.partition(":")
         if kind == "slow":
             self._set_slow(arg)
+            return
+        if kind == "kill-at":
+            phase, _, step = arg.partition(":")
+            if phase not in StepPhase._value2member_map_ or not (step.isascii() and step.isdigit()):
+                raise RuntimeError(f"unknown in-step fault {what!r}")
+            self.armed = (StepPhase(phase), int(step))
             return
         cuda = torch.cuda.is_available()
         if kind == "crash-rank":

@@ -38,7 +38,7 @@ from recovery.plan import Disk, Fresh, GenerationPlan, LocalSlot, PeerReplica, S
 from recovery.slots import SlotContent, SlotWriter, read_slot, slot_path
 from recovery.restore import KEPT, Prepared, Unusable, agree, prepare, restore
 from recovery.snapshot import Capture, StateEntry, capture, state_entry
-from runs.events import RestoreHow
+from runs.events import RestoreHow, StepPhase
 
 if TYPE_CHECKING:
     from recovery.standalone import PlainJob
@@ -180,7 +180,17 @@ class Job:
         built with `process_group=job.ddp_group()`), its optimizer, LR scheduler and `DataLoader`.
         Returns an endless iterator over the loader's batches whose position is restored with the
         rest (None without a loader). Call before the first forward."""
+        self._phase_hooks(model.module, optimizer)
         return ddp.attach(self, model, optimizer, scheduler, loader)
+
+    def _phase_hooks(self, module: torch.nn.Module | None, optimizer: torch.optim.Optimizer) -> None:
+        """Where a kill-rank with phase=backward or phase=optimizer lands: the backward pass
+        (the module's last parameter gets its gradient, about the first backward computes) and
+        the optimizer's update."""
+        params = [p for p in module.parameters() if p.requires_grad] if module is not None else []
+        if params:
+            params[-1].register_post_accumulate_grad_hook(lambda _: self.faults.at(StepPhase.BACKWARD, self._step))
+        optimizer.register_step_pre_hook(lambda *_: self.faults.at(StepPhase.OPTIMIZER, self._step))
 
     # -- torch FSDP2 / HSDP (recovery/fsdp.py) -------------------------------------------------
     def device_mesh(self, device_type: str, mesh_shape: tuple[int, ...], *,
@@ -199,6 +209,7 @@ class Job:
         endless iterator over the loader's batches whose position is restored with the rest
         (None without a loader). Call before the first forward."""
         self.api = "fsdp"
+        self._phase_hooks(None, optimizer)  # FSDP's backward: its first collective (phase=collective)
         return fsdp.attach(self, model, optimizer, scheduler, loader)
 
     # -- collectives --------------------------------------------------------------------------
@@ -222,6 +233,7 @@ class Job:
     def _collective(self, run: Callable[[], T], inplace: torch.Tensor | None) -> T:
         """Run a collective of the current step (`_collective_once`), counting the time it
         blocks: a rank's busy time is its step time less that, what the straggler detector reads."""
+        self.faults.at(StepPhase.COLLECTIVE, self._step)
         begun = time.perf_counter()
         try:
             return self._collective_once(run, inplace)
@@ -311,6 +323,8 @@ class Job:
         over the ranks): true ends the job after that step, on every rank at the same step (the
         answers are agreed on in one small allreduce per step, part of the step)."""
         self.faults.install()
+        self.faults.on_land = self._fault_landed
+        process_group.on_collective(lambda: self.faults.at(StepPhase.COLLECTIVE, self._step))
         self._send(messages.Training, gen=self.env.gen, api=self.api)
         try:
             gen, plan = control.newest_plan(self.store, self.env.gen, PLAN_TIMEOUT, self._opener,
@@ -471,6 +485,7 @@ class Job:
             t0 = time.perf_counter()
             try:
                 self.faults.check()
+                self.faults.at(StepPhase.FORWARD, step)
                 loss = float(step_fn(StepContext(step, self)))
                 failed = process_group.failure()
                 if failed is not None:
@@ -513,10 +528,14 @@ class Job:
         except Exception:  # the controller may be gone; the exit still tells the agent
             pass
 
+    def _fault_landed(self, phase: StepPhase, step: int) -> None:
+        self._send(messages.FaultLanded, gen=self.group.gen if self.group else self.env.gen, step=step, phase=phase.value)
+
     def _commit(self, step: int, loss: float, t0: float) -> None:
         """Commit `step` (begun at `t0`): capture its snapshot and report it once durable. The
         step's time includes the capture, so what per-step snapshots cost a step shows in it;
         a periodic disk checkpoint is written after that, outside it."""
+        self.faults.at(StepPhase.SNAPSHOT, step)
         self.last_committed = step
         self._waited += process_group.take_waited()  # FSDP's own collectives, on ffctl's groups
         gen = self.group.gen if self.group else 0

@@ -24,7 +24,7 @@ import math
 from enum import Enum
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, NamedTuple, TypeVar
 
-from runs.events import RestoreHow, RestoreSource
+from runs.events import RestoreHow, RestoreSource, StepPhase
 
 if TYPE_CHECKING:
     from typing import dataclass_transform
@@ -69,6 +69,8 @@ class Kind(str, Enum):
     # An agent's sign of life: written to its own key (`hb/<node>`), and sent on `ctl/q` too
     # while someone else writes over that key.
     HEARTBEAT = "heartbeat"
+    # An armed in-step fault fired (a kill-rank with phase=): where, just before the rank dies.
+    FAULT_LANDED = "fault_landed"
 
 
 class CommandKind(str, Enum):
@@ -235,6 +237,10 @@ def _restore_how(v: Any, _: Limits | None) -> bool:
     return isinstance(v, str) and v in RestoreHow._value2member_map_
 
 
+def _phase(v: Any, _: Limits | None) -> bool:
+    return isinstance(v, str) and v in StepPhase._value2member_map_
+
+
 _WANT: dict[Check, str] = {
     _int: "an integer", _nat: "an integer >= 0", _num: "a number", _seconds: "a finite number of seconds >= 0",
     _time: "a timestamp", _grace: f"seconds from 0 to {MAX_GRACE_S:g}", _str: "a string",
@@ -245,6 +251,7 @@ _WANT: dict[Check, str] = {
     _rank_specs: '[{"rank": rank, "env": {string: string}}]', _api: " or ".join(APIS),
     _restore_source: " or ".join(s.value for s in RestoreSource),
     _restore_how: " or ".join(h.value for h in RestoreHow),
+    _phase: " or ".join(p.value for p in StepPhase),
 }
 
 
@@ -445,6 +452,18 @@ class StepError(Message):
     step: int | None = _optional(_int)
     error: str | None = _optional(_str)
     traceback: list[str] | None = _optional(_lines)
+
+
+@_report(Kind.FAULT_LANDED)
+class FaultLanded(Message):
+    """The rank is about to kill itself: the in-step fault it was armed with (kill-rank with
+    phase=) met its phase in this step."""
+
+    rank: int = _field(_rank)
+    node: int = _field(_node)
+    gen: int = _field(_nat)
+    step: int = _field(_nat)
+    phase: str = _field(_phase)
 
 
 @_report(Kind.CKPT)

@@ -56,6 +56,7 @@ class _Binding:
         self.failed: PeerFailure | None = None  # the failure seen in `gen`, if any
         self.waited = 0.0  # seconds spent blocked in collectives since `take_waited`
         self.lock = threading.Lock()
+        self.on_issue: Callable[[], None] | None = None  # called as each collective is issued
 
     def fail(self, exc: PeerFailure) -> None:
         with self.lock:
@@ -71,6 +72,12 @@ def bind(gen: Generation | None) -> None:
     The groups of the previous generation are the `Generation`'s to destroy."""
     with _BINDING.lock:
         _BINDING.gen, _BINDING.failed = gen, None
+
+
+def on_collective(hook: Callable[[], None] | None) -> None:
+    """Call `hook` as each collective of torch's modules is issued (where a kill-rank with
+    phase=collective lands in an FSDP step)."""
+    _BINDING.on_issue = hook
 
 
 def failure() -> PeerFailure | None:
@@ -195,6 +202,9 @@ class ResilientGroup(dist.ProcessGroup):
         return self._inner[1]
 
     def _issue(self, what: str, call: Callable[[dist.ProcessGroup], Any]) -> dist._Work:
+        hook = _BINDING.on_issue
+        if hook is not None:
+            hook()
         with _BINDING.lock:
             gen, failed = _BINDING.gen, _BINDING.failed
         if gen is None:

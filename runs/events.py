@@ -26,6 +26,18 @@ class Label(str, Enum):
     __hash__ = str.__hash__
 
 
+class StepPhase(Label):
+    """Where in its step a rank is, as a kill-rank with `phase=` aims at it: the step's start
+    (forward), the backward pass, the step's first collective, the optimizer update, the step's
+    snapshot."""
+
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    COLLECTIVE = "collective"
+    OPTIMIZER = "optimizer"
+    SNAPSHOT = "snapshot"
+
+
 class EventKind(str, Enum):
     """What happened. The fields each kind carries are listed beside it."""
 
@@ -37,6 +49,9 @@ class EventKind(str, Enum):
     FAULT_INJECTED = "fault_injected"  # fault_id, kind, target, ranks, nodes, at_step, emulated, breaks_job
     FAULT_REVERTED = "fault_reverted"  # fault_id; by, trigger, ok, exit when a dead man's switch did it
     FAULT_FAILED = "fault_failed"  # fault_id, error (the fault could not be applied)
+    # rank, node, gen, step, phase: an armed in-step fault (kill-rank with phase=) fired there,
+    # as the rank said just before it killed itself
+    FAULT_LANDED = "fault_landed"
     RANK_EXITED = "rank_exited"  # node, rank, pid, exitcode, gen; log_tail, err_tail (a failed rank's last lines of stdout, of stderr)
     NODE_LOST = "node_lost"  # node, reason
     # node (None: a spare node), host, state, reason, by ("scheduler"): the scheduler took a

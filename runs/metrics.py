@@ -100,6 +100,8 @@ class FaultMetrics:
     recovery_until: str = "step"
     # --verify-restore: "verified", "diverged" or "unchecked" (`_restore_check`); None: not checked.
     restore_check: str | None = None
+    # Where a kill-rank with phase= landed, as the rank said: {"step": S, "phase": P}.
+    landed: dict[str, Any] | None = None
     # What `injected_at` is: "injection" for a fault ffctl injected; for a failure no injected
     # fault explains (kind DETECTED) the onset its record gives ("reported", "agent-exit",
     # "last-heartbeat", "last-progress"; "detection" in a record that predates onsets).
@@ -345,8 +347,11 @@ def _fault_metrics(inj: Event, events: list[Event], world_size: int, end_t: floa
         spawned = _first(events, lambda ev: ev.kind is EventKind.RANKS_SPAWNED
                          and ev.get("gen") == decision.get("gen") and ev.t >= decision.t)
     started_by = spawned.get("started_by") if spawned is not None else None
+    ranks = inj.get("ranks") if isinstance(inj.get("ranks"), list) else []
+    landed = _first(events, lambda ev: ev.kind is EventKind.FAULT_LANDED and ev.t >= ti and ev.get("rank") in ranks)
     return FaultMetrics(
         restore_check=_restore_check(events, decision),
+        landed={"step": landed.get("step"), "phase": landed.get("phase")} if landed is not None else None,
         fault_id=fid,
         kind=_text(inj.get("kind")),
         target=_text(inj.get("target")),

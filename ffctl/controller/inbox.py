@@ -214,6 +214,9 @@ class Inbox:
                             **({"reported_by_rank": msg.rank} if msg.rank is not None else {}),
                             **({"unreported_before": msg.unreported} if msg.unreported else {}))
 
+    def _on_fault_landed(self, msg: messages.FaultLanded) -> None:
+        self.record(EventKind.FAULT_LANDED, rank=msg.rank, node=msg.node, gen=msg.gen, step=msg.step, phase=msg.phase)
+
     def _on_training(self, msg: messages.Training) -> None:
         self.training_api = msg.api
 
@@ -292,6 +295,7 @@ class Inbox:
         messages.Kind.REJECTED: _on_refusal,
         messages.Kind.TRAINING: _on_training,
         messages.Kind.HEARTBEAT: _on_heartbeat,
+        messages.Kind.FAULT_LANDED: _on_fault_landed,
     }
 
     def _ever_announced(self, rank: int) -> bool:

@@ -20,7 +20,7 @@ from fault_injectors import FaultSpec, FaultSpecError, PlanError, Transport, Tra
 from fault_injectors.plan import FaultPlan, HostCommand, Role
 from fault_injectors.schedule import parse_chaos
 from fault_injectors.process import in_step_fault_path
-from fault_injectors.spec import FaultFamily, FaultKind
+from fault_injectors.spec import PHASE_LEAD_STEPS, FaultFamily, FaultKind
 from ffctl.controller.cluster import FaultCluster
 from ffctl.controller.faultplan import chaos_faults, plan_fault
 from ffctl.controller.state import JobState
@@ -38,7 +38,9 @@ SURVIVE_MARGIN_S = 2.0
 
 def _due(spec: FaultSpec, committed_step: int, elapsed: float) -> bool:
     trig = spec.trigger
-    return (trig.step is not None and committed_step >= trig.step) or (
+    # A kill at a phase lands in step `trig.step` itself: the rank arms it ahead of that step.
+    lead = PHASE_LEAD_STEPS if spec.option("phase") else 0
+    return (trig.step is not None and committed_step >= trig.step - lead) or (
         trig.t is not None and elapsed >= trig.t) or (trig.step is None and trig.t is None)
 
 

@@ -90,6 +90,7 @@ def fault_fields(f: dict[str, Any]) -> list[tuple[str, str]]:
         ("lost GPU-h", _gpu_h(f.get("lost_gpu_hours"))),
         ("restore source", f.get("restore_source") or "-"),
         ("restore check", f.get("restore_check") or "-"),
+        ("landed", f"step {f['landed']['step']}, {f['landed']['phase']}" if f.get("landed") else "-"),
         ("copies refused", "; ".join(f.get("rejected_copies") or []) or "-"),
         ("started by", started_text(f)),
         ("emulated", "yes" if f.get("emulated") else "no"),

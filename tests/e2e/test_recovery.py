@@ -79,6 +79,30 @@ def test_peer_kill_rank_then_kill_node_is_bit_exact(workdir: Path, baseline: lis
     assert not shm_left(run_id)
 
 
+PHASE_FAULTS = [(8, "forward"), (18, "backward"), (28, "collective"), (38, "optimizer"), (48, "snapshot")]
+
+
+def test_a_rank_killed_in_each_phase_of_its_step_recovers_bit_exact(workdir: Path, baseline: list[list[float]]) -> None:
+    # The rank kills itself in that phase of that step (phase=): inside the step's first
+    # collective its peers are blocked in it, in the snapshot its peers may commit the step.
+    faults = [f"kill-rank:rank=1,step={step},phase={phase}" for step, phase in PHASE_FAULTS]
+    res = launch(workdir, rid("phase"), "--steps", "60", "--seed", "3", "--spares", "1",
+                 *[a for f in faults for a in ("--inject", f)])
+    assert res.returncode == 0, res.stderr[-3000:]
+    rep = res.report
+    assert rep["loss_by_step"] == baseline  # every step, bit for bit
+    landed = [(e.get("rank"), e.get("step"), e.get("phase")) for e in res.events if e.kind is EventKind.FAULT_LANDED]
+    # In its phase of its step (the next one when the job outran the fault's arrival).
+    assert [(rank, phase) for rank, _, phase in landed] == [(1, phase) for _, phase in PHASE_FAULTS], landed
+    assert all(step in (want, want + 1) for (_, step, _), (want, _) in zip(landed, PHASE_FAULTS)), landed
+    assert [f["landed"]["phase"] for f in rep["faults"]] == [phase for _, phase in PHASE_FAULTS]
+    for f in rep["faults"]:
+        assert f["recovered"] and f["lost_steps"] <= 1, f
+    killed = [e for e in res.events if e.kind is EventKind.RANK_EXITED and not e.get("expected")]
+    assert [e.get("exitcode") for e in killed] == [-9] * len(PHASE_FAULTS)
+    assert crashes(res.events) == []
+
+
 def test_survivors_go_on_with_the_step_they_were_in(workdir: Path, baseline: list[list[float]]) -> None:
     # crash-rank raises at the start of rank 1's next step, so the survivors are blocked in that
     # step's first collective, with its gradients computed: they keep their state and repeat only
