@@ -387,13 +387,16 @@ def _restore_check(events: list[Event], decision: Event | None) -> str | None:
     step trained again as before the fault), "diverged" (one differed: the job stopped),
     "unchecked" (a rank had no earlier loss to compare, or the check never ended); None: not
     checked (no --verify-restore, or nothing to replay)."""
-    if decision is None or not decision.get("verify_until"):
+    if decision is None:
         return None
     gen = decision.get("gen")
     if any(ev.kind is EventKind.RESTORE_DIVERGED and ev.get("gen") == gen for ev in events):
         return "diverged"
+    # (A disk restore, or a fresh start, trains reported steps again too: checked the same way.)
     done = _first(events, lambda ev: ev.kind is EventKind.RESTORE_VERIFIED and ev.get("gen") == gen)
-    return "verified" if done is not None and done.get("verified") is True else "unchecked"
+    if done is not None:
+        return "verified" if done.get("verified") is True else "unchecked"
+    return "unchecked" if decision.get("verify_until") else None
 
 
 def _stragglers(events: list[Event], mentions: Callable[[Event], bool]) -> list[dict[str, Any]]:
