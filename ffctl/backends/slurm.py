@@ -36,6 +36,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
+from fault_injectors.deadman import DEADMAN_PREFIX, RECORD_NAME, safe_id
 from fault_injectors.node import DRAIN_REASON_PREFIX, is_node_drain, is_node_kill, resume_argv
 from fault_injectors.plan import HostCommand
 from fault_injectors.revert import SHM_SWEEP
@@ -100,6 +101,31 @@ class _Slot:
     step: SlurmStep | None = None
 
 
+# A drained node's dead man's switch, on the batch host beside the launch: it waits while the
+# launch ($1, its pid) lives; once the launch is gone without resuming the node (SIGKILLed,
+# killed for memory) it resumes node $2 if its reason still begins with the fault's mark ($3:
+# nobody drained it again since for a reason of their own), and appends its line to the record
+# ($4), as `fault_injectors.deadman`'s switches do. SIGTERM: the launch resumed the node itself;
+# SIGUSR1: resume now (`ffctl inject revert --all`). $0 is the owner tag those find it by.
+DRAIN_SWITCH = r"""trap '' HUP INT
+p= f=
+trap '[ -z "$p" ] || kill "$p" 2>/dev/null; exit 0' TERM
+trap 'f=1; [ -z "$p" ] || kill "$p" 2>/dev/null' USR1
+while [ -z "$f" ] && kill -0 "$1" 2>/dev/null; do sleep 1 & p=$!; wait "$p"; p=; done
+trap '' TERM USR1
+rc=0
+case $(sinfo --noheader --nodes="$2" --format=%E 2>/dev/null) in
+  "$3"*) scontrol update nodename="$2" state=resume >/dev/null 2>&1 </dev/null || rc=$? ;;
+esac
+t=$(date +%s.%N 2>/dev/null); case $t in ''|*[!0-9.]*|.*|*.) t=$(date +%s 2>/dev/null) ;; esac
+case $t in ''|*[!0-9.]*) t=null ;; esac
+w=controller-gone; [ -z "$f" ] || w=signal
+ok=true; [ "$rc" -eq 0 ] || ok=false
+{ printf '{"fault_id":"%s","t":%s,"by":"deadman","trigger":"%s","ok":%s,"exit":%d}\n' \
+    "${0##*:}" "$t" "$w" "$ok" "$rc" >>"$4"; } 2>/dev/null || :
+"""
+
+
 class SlurmNodes:
     """The node backend of `ffctl launch --backend slurm` (see the module docstring)."""
 
@@ -130,6 +156,7 @@ class SlurmNodes:
         self.log_dir: Path | None = None
         self._record: RunStore | None = None
         self.drained: dict[str, str] = {}  # host -> reason: nodes a fault drained, resumed at the end
+        self._switches: dict[str, subprocess.Popen[bytes]] = {}  # host -> its drain's dead man's switch
         self.resumed: list[str] = []
         self.out_nodes: dict[str, str] = {}  # host -> Slurm's state and reason, when it took a node out
         self._left: dict[str, int] = {}  # host -> the node that left it for a spare node
@@ -210,6 +237,13 @@ class SlurmNodes:
                 done = False  # `ffctl inject revert --all` finds it by its reason
             if done:
                 self.resumed.append(host)
+        for switch in self._switches.values():  # resumed above, or left to `ffctl inject revert --all`
+            switch.terminate()
+            try:
+                switch.wait(timeout=5.0)
+            except subprocess.TimeoutExpired:
+                switch.kill()
+        self._switches.clear()
         for step in self._standby.values():
             step.stop(STEP_END_S)
         for step in self._steps:
@@ -357,8 +391,10 @@ class SlurmNodes:
         a step of its own; a host that is not one of the allocation's is this machine."""
         hosts = {s.host for s in self._slots} | set(self.spare_hosts) | set(self.failed_hosts)
         if is_node_drain(cmd) and cmd.host in hosts:
-            # scontrol runs here (the batch step); the launch's end resumes the node.
+            # scontrol runs here (the batch step); the launch's end resumes the node, and if the
+            # launch dies first, the switch does.
             self.drained[cmd.host] = cmd.argv[-1].partition("=")[2]
+            self._drain_switch(cmd.node, cmd.host, self.drained[cmd.host])
             self._note()
             return LocalTransport(cmd.host, None)
         if cmd.host not in hosts:
@@ -368,6 +404,19 @@ class SlurmNodes:
             if is_node_kill(cmd) and slot.host == cmd.host and slot.step is not None:
                 return StepKill(slot.step)
         return SlurmTransport(self.job, cmd.host, f"ffctl-{self.run_id}-fault")
+
+    def _drain_switch(self, node: int, host: str, reason: str) -> None:
+        """Start the dead man's switch of a node about to be drained (`DRAIN_SWITCH`): detached
+        (its own session), so that a launch killed whole leaves it running."""
+        if host in self._switches or self.log_dir is None:
+            return
+        record = self.log_dir / str(max(node, 0)) / RECORD_NAME
+        record.parent.mkdir(parents=True, exist_ok=True)
+        tag = f"{DEADMAN_PREFIX}:{safe_id(self.run_id)}:{safe_id(reason.rpartition(':')[2])}"
+        mark = reason.rpartition(":")[0] + ":"  # ffctl:<run>:, whatever fault drained it
+        self._switches[host] = self._popen(
+            ["sh", "-c", DRAIN_SWITCH, tag, str(os.getpid()), host, mark, str(record)],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
     def sweep(self, run_id: str, nodes: Sequence[int]) -> None:
         """The run's shared memory no live process holds, removed on every node it used (an

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from runs.events import EventKind
+from runs.store import read_deadman_lines
 from tests.helpers.launch import assert_nothing_left, launch, rid, shm_left, wait_event, wait_step
 from tests.helpers.slurm import SlurmCluster, skip_reason, slurm_cluster
 
@@ -127,7 +128,7 @@ def test_every_agent_step_ends_with_the_launch(cluster: SlurmCluster, tmp_path: 
     node 1 back on the spare node, Slurm's word for the host in the record; then Slurm drains
     the spare node node 1 runs on, which is recorded (no spare is left to move to). Before the
     SIGKILL, a kill-node with drain=yes cancels node 1's step and drains its node, which the
-    killed launch cannot resume: `ffctl inject revert --all --run` does."""
+    killed launch cannot resume: its dead man's switch does, and says so in the record."""
     env = _allocation(cluster, 3)
     run_id = rid("slurm-stop")
     drain = ["--inject", "kill-node:node=1,step=8,drain=yes"] if sig is signal.SIGKILL else []
@@ -171,11 +172,18 @@ def test_every_agent_step_ends_with_the_launch(cluster: SlurmCluster, tmp_path: 
         time.sleep(0.2)
     assert cluster.steps() == []
     if sig is signal.SIGKILL:
-        # The killed launch could not resume the node it drained: the sweep finds it by its reason.
+        # The killed launch could not resume the node it drained: the drain's dead man's switch,
+        # which outlived it, did, once the launch was gone, and appended its line to the record.
+        deadline = time.monotonic() + 30
+        while "drain" in _sinfo(cluster)["n2"][0] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert "drain" not in _sinfo(cluster)["n2"][0], _sinfo(cluster)
+        lines = [line for _, line in read_deadman_lines(tmp_path / "runs" / run_id)]
+        assert [(x["trigger"], x["ok"]) for x in lines] == [("controller-gone", True)], lines
+        # Nothing is left for the sweep to resume.
         swept = subprocess.run([sys.executable, "-m", "ffctl", "inject", "revert", "--all", "--run", run_id],
                                cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
-        assert swept.returncode == 0 and "resumed Slurm node(s) n2" in swept.stdout, swept.stdout + swept.stderr
-        assert "drain" not in _sinfo(cluster)["n2"][0]
+        assert swept.returncode == 0 and "n2" not in swept.stdout, swept.stdout + swept.stderr
     assert_nothing_left(tmp_path)
     assert not shm_left(run_id)  # the agents, told by their closed stdin, removed it
     cluster.run(["scancel", env["SLURM_JOB_ID"]])
