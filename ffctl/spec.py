@@ -14,6 +14,7 @@ from pathlib import Path
 from fault_injectors.spec import MAX_DURATION_S, MAX_SEED, FaultSpec, FaultSpecError
 from fault_injectors.targets import check_in_job
 from recovery.jobenv import Strategy
+from recovery.messages import MAX_COPIES
 from ffctl.agent.stepscan import StepRegexError, compile_step_regex
 from ffctl.workload.sizes import MODELS, OPTIMIZERS, PARALLELISMS
 from runs.store import RunStoreError, validate_run_id
@@ -165,6 +166,9 @@ class LaunchSpec:
     # trains the steps in between again; every rank's loss of each must equal, bit for bit, what
     # it reported before the fault, or the job stops (state the script does not register).
     verify_restore: bool = False
+    # --snapshot-copies K: each node's snapshots held by the next K nodes on the ring (1: the
+    # neighbour alone), so that K nodes lost together still leave a copy in memory.
+    snapshot_copies: int = 1
 
     @property
     def snapshot_slots(self) -> int:
@@ -209,6 +213,10 @@ class LaunchSpec:
         _seconds("--exit-barrier-timeout", self.exit_barrier_timeout)
         _whole("--batch", self.batch, 0, MAX_BATCH)
         _whole("--spares", self.spares, 0, MAX_PROCS_PER_NODE)
+        _whole("--snapshot-copies", self.snapshot_copies, 1, MAX_COPIES)
+        if self.snapshot_copies > 1 and self.snapshot_copies >= self.nnodes:
+            raise SpecError(f"--snapshot-copies {self.snapshot_copies}: the copies sit on other nodes, and "
+                            f"{self.nnodes} node(s) have {self.nnodes - 1} others")
         if self.max_restarts is not None:
             _whole("--max-restarts", self.max_restarts, 0, MAX_STEPS)
         if self.step_regex is not None:

@@ -219,6 +219,14 @@ def _port(v: Any, _: Limits | None) -> bool:
     return _is_int(v) and 0 < v < 65536
 
 
+MAX_COPIES = 8  # --snapshot-copies: ring neighbours a node's slots are streamed to
+
+
+def _endpoints(v: Any, lim: Limits | None) -> bool:
+    return (isinstance(v, list) and len(v) < MAX_COPIES
+            and all(isinstance(e, list) and len(e) == 2 and _addr(e[0], lim) and _port(e[1], lim) for e in v))
+
+
 def _env(v: Any, _: Limits | None) -> bool:
     return isinstance(v, dict) and all(isinstance(k, str) and isinstance(x, str) for k, x in v.items())
 
@@ -252,6 +260,7 @@ _WANT: dict[Check, str] = {
     _restore_source: " or ".join(s.value for s in RestoreSource),
     _restore_how: " or ".join(h.value for h in RestoreHow),
     _phase: " or ".join(p.value for p in StepPhase),
+    _endpoints: f"a list of at most {MAX_COPIES - 1} [address, port]",
 }
 
 
@@ -635,10 +644,12 @@ class Kill(Message):
 
 @_command(CommandKind.NEIGHBOR)
 class Neighbor(Message):
-    """Replicate to the snapshot store at address:port (none: replicate nowhere)."""
+    """Replicate to the snapshot store at address:port (none: replicate nowhere), and to those
+    of `also` (`--snapshot-copies` K: the next K - 1 nodes on the ring)."""
 
     address: str | None = _optional(_addr)
     port: int | None = _optional(_port)
+    also: list[list[Any]] | None = _optional(_endpoints)
 
 
 @_command(CommandKind.INVENTORY)

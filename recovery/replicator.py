@@ -1,4 +1,6 @@
-"""Streams a node's snapshot slots to its ring neighbour's agent (node n -> node n+1 mod N).
+"""Streams a node's snapshot slots to its ring neighbour's agent (node n -> node n+1 mod N), and
+with `--snapshot-copies` K to the next K - 1 nodes' too: a slot is acknowledged once every one of
+them holds it, so a rank's step is safe off-node on K nodes before its next update.
 
 A background thread watches the headers of the node's slots, woken by the ranks' doorbell when
 a slot becomes valid (and every SCAN_S in case a ring was lost); each newly valid slot is read
@@ -30,6 +32,14 @@ RESCAN_FILES_S = 0.2
 REPORT_S = 1.0
 
 
+class _TargetDown(Exception):
+    """A put to one target failed: its connection is dropped and the slot tried again."""
+
+    def __init__(self, target: tuple[str, int]) -> None:
+        super().__init__(target)
+        self.target = target
+
+
 class Replicator:
     def __init__(self, run_id: str, node: int, token: str, slot_files: Callable[[], list[Path]],
                  report: Callable[..., None]) -> None:
@@ -38,9 +48,10 @@ class Replicator:
         self.slot_files = slot_files
         self.report = report
         self.token = token
-        self.target: tuple[str, int] | None = None
-        self.client: PeerClient | None = None
-        self.sent: dict[Any, tuple[int, int]] = {}  # slot path -> (step, seq) sent
+        self.targets: list[tuple[str, int]] = []
+        self.clients: dict[tuple[str, int], PeerClient] = {}
+        self.sent: dict[Any, tuple[int, int]] = {}  # slot path -> (step, seq) held by every target
+        self._sent_to: dict[tuple[tuple[str, int], Any], tuple[int, int]] = {}  # (target, path) -> (step, seq)
         self.watches: dict[Any, HeaderWatch] = {}
         self.reported = 0
         self._reported_at = -math.inf  # the first step held off-node is reported at once, however young the clock
@@ -48,13 +59,23 @@ class Replicator:
         self.bell = Doorbell(run_id, node, token)
         self._thread = threading.Thread(target=self._run, name="ffctl-replicator", daemon=True)
 
+    @property
+    def target(self) -> tuple[str, int] | None:
+        """The ring neighbour (the first target), None without one."""
+        return self.targets[0] if self.targets else None
+
     def set_target(self, address: str | None, port: int | None) -> None:
-        new = (address, int(port)) if address and port else None
-        if new != self.target:
-            self.target = new
-            if self.client is not None:
-                self.client.close()
-                self.client = None
+        self.set_targets([(address, int(port))] if address and port else [])
+
+    def set_targets(self, targets: list[tuple[str, int]]) -> None:
+        new = list(dict.fromkeys(targets))
+        if new != self.targets:
+            for gone in set(self.clients) - set(new):
+                self.clients.pop(gone).close()
+            # A kept target keeps what it holds; the slots are acknowledged again once every
+            # target of the new ring holds them.
+            self._sent_to = {k: v for k, v in self._sent_to.items() if k[0] in new}
+            self.targets = new
             self.sent.clear()
 
     def start(self) -> None:
@@ -64,8 +85,8 @@ class Replicator:
         self._stop.set()
         self._thread.join(timeout=2.0)
         self.bell.close()
-        if self.client is not None:
-            self.client.close()
+        for client in self.clients.values():
+            client.close()
         for watch in self.watches.values():
             watch.close()
 
@@ -82,10 +103,10 @@ class Replicator:
             for path in files:
                 try:
                     self._maybe_send(path)
-                except (ChannelError, OSError):
-                    if self.client is not None:
-                        self.client.close()
-                    self.client = None
+                except _TargetDown as down:
+                    client = self.clients.pop(down.target, None)
+                    if client is not None:
+                        client.close()
                     self._stop.wait(0.05)
             self._report_progress(files)
             # Without a doorbell (its name taken) fall back to polling often.
@@ -105,21 +126,33 @@ class Replicator:
         header = watch.read() if watch is not None else None
         if header is None or not header.valid or self.sent.get(path) == (header.step, header.seq):
             return
-        if self.target is None:
+        if not self.targets:
             # No neighbour (one node, or the ring is broken until a node returns): release the
             # rank at once; the controller's inventory knows that no replica exists.
             self.sent[path] = (header.step, header.seq)
             write_ack(path, header.step)
             return
-        if self.client is None:
-            assert self.target is not None
-            self.client = PeerClient(self.target[0], self.target[1], self.token, timeout=5.0)
         rank = slot_rank(path, self.run_id, self.node)
-        held = self.client.put_slot(rank, path)
-        if held is None:
-            return  # rewritten while in flight: the newer content goes on the next pass
+        held_by_all: int | None = None
+        for target in list(self.targets):
+            held: int | None
+            if self._sent_to.get((target, path)) == (header.step, header.seq):
+                held = header.step
+            else:
+                try:
+                    client = self.clients.get(target)
+                    if client is None:
+                        client = self.clients[target] = PeerClient(target[0], target[1], self.token, timeout=5.0)
+                    held = client.put_slot(rank, path)
+                except (ChannelError, OSError):
+                    raise _TargetDown(target) from None
+                if held is None:
+                    return  # rewritten while in flight: the newer content goes on the next pass
+                self._sent_to[(target, path)] = (header.step, header.seq)
+            held_by_all = held if held_by_all is None else min(held_by_all, held)
+        assert held_by_all is not None
         self.sent[path] = (header.step, header.seq)
-        write_ack(path, held)
+        write_ack(path, held_by_all)
 
     def _report_progress(self, files: list[Any]) -> None:
         now = time.monotonic()

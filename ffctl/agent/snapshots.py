@@ -73,9 +73,12 @@ class NodeSnapshots:
                 local.setdefault(str(rank), []).append(header.step)
         return {"local": local, "replica": self.peer.inventory()["replica"]}
 
-    def set_neighbor(self, address: str | None, port: int | None) -> None:
-        """Where the node's slots are streamed to (the ring neighbour's snapshot channel)."""
-        self.replicator.set_target(address, port)
+    def set_neighbor(self, address: str | None, port: int | None,
+                     also: list[tuple[str, int]] | None = None) -> None:
+        """Where the node's slots are streamed to: the ring neighbour's snapshot channel, and
+        the next ones' with `--snapshot-copies` above 1."""
+        first = [(address, int(port))] if address and port else []
+        self.replicator.set_targets(first + list(also or []) if first else [])
 
     def start(self) -> None:
         self.replicator.start()

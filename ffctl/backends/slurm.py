@@ -126,6 +126,29 @@ ok=true; [ "$rc" -eq 0 ] || ok=false
 """
 
 
+def drain_switch(popen: Callable[..., subprocess.Popen[bytes]], log_dir: Path, run_id: str, host: str,
+                 reason: str) -> subprocess.Popen[bytes]:
+    """Start the dead man's switch of a node about to be drained (`DRAIN_SWITCH`), watching this
+    process: detached (its own session), so that the launch killed leaves it running."""
+    record = log_dir / RECORD_NAME
+    record.parent.mkdir(parents=True, exist_ok=True)
+    tag = f"{DEADMAN_PREFIX}:{safe_id(run_id)}:{safe_id(reason.rpartition(':')[2])}"
+    mark = reason.rpartition(":")[0] + ":"  # ffctl:<run>:, whatever fault of the run drained it
+    return popen(["sh", "-c", DRAIN_SWITCH, tag, str(os.getpid()), host, mark, str(record)],
+                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+def stop_switches(switches: dict[str, subprocess.Popen[bytes]]) -> None:
+    """End drain switches whose nodes the launch resumed itself (or left to the sweep)."""
+    for switch in switches.values():
+        switch.terminate()
+        try:
+            switch.wait(timeout=5.0)
+        except subprocess.TimeoutExpired:
+            switch.kill()
+    switches.clear()
+
+
 class SlurmNodes:
     """The node backend of `ffctl launch --backend slurm` (see the module docstring)."""
 
@@ -237,13 +260,7 @@ class SlurmNodes:
                 done = False  # `ffctl inject revert --all` finds it by its reason
             if done:
                 self.resumed.append(host)
-        for switch in self._switches.values():  # resumed above, or left to `ffctl inject revert --all`
-            switch.terminate()
-            try:
-                switch.wait(timeout=5.0)
-            except subprocess.TimeoutExpired:
-                switch.kill()
-        self._switches.clear()
+        stop_switches(self._switches)  # resumed above, or left to `ffctl inject revert --all`
         for step in self._standby.values():
             step.stop(STEP_END_S)
         for step in self._steps:
@@ -394,7 +411,9 @@ class SlurmNodes:
             # scontrol runs here (the batch step); the launch's end resumes the node, and if the
             # launch dies first, the switch does.
             self.drained[cmd.host] = cmd.argv[-1].partition("=")[2]
-            self._drain_switch(cmd.node, cmd.host, self.drained[cmd.host])
+            if cmd.host not in self._switches and self.log_dir is not None:
+                self._switches[cmd.host] = drain_switch(self._popen, self.log_dir / str(max(cmd.node, 0)),
+                                                        self.run_id, cmd.host, self.drained[cmd.host])
             self._note()
             return LocalTransport(cmd.host, None)
         if cmd.host not in hosts:
@@ -404,19 +423,6 @@ class SlurmNodes:
             if is_node_kill(cmd) and slot.host == cmd.host and slot.step is not None:
                 return StepKill(slot.step)
         return SlurmTransport(self.job, cmd.host, f"ffctl-{self.run_id}-fault")
-
-    def _drain_switch(self, node: int, host: str, reason: str) -> None:
-        """Start the dead man's switch of a node about to be drained (`DRAIN_SWITCH`): detached
-        (its own session), so that a launch killed whole leaves it running."""
-        if host in self._switches or self.log_dir is None:
-            return
-        record = self.log_dir / str(max(node, 0)) / RECORD_NAME
-        record.parent.mkdir(parents=True, exist_ok=True)
-        tag = f"{DEADMAN_PREFIX}:{safe_id(self.run_id)}:{safe_id(reason.rpartition(':')[2])}"
-        mark = reason.rpartition(":")[0] + ":"  # ffctl:<run>:, whatever fault drained it
-        self._switches[host] = self._popen(
-            ["sh", "-c", DRAIN_SWITCH, tag, str(os.getpid()), host, mark, str(record)],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
     def sweep(self, run_id: str, nodes: Sequence[int]) -> None:
         """The run's shared memory no live process holds, removed on every node it used (an

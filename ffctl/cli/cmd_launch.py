@@ -78,6 +78,7 @@ def register(app: typer.Typer) -> None:
         heartbeat_timeout: Annotated[float, typer.Option("--heartbeat-timeout", help="Node loss after this many seconds without heartbeat.")] = 1.0,
         hang_timeout: Annotated[float, typer.Option("--hang-timeout", help="A hang after this many seconds without step progress (or 10x the median step time, if longer).")] = 5.0,
         straggler: Annotated[str, typer.Option("--straggler", help="What to do about a straggler (a rank the others wait for, named from its step times): wait (record it and bill its lost time) or replace[:factor=F][,steps=N] (also treat a rank slower than F x the median busy time for N steps in a row as failed and replace it with a spare; default F=2, N=3).")] = "wait",
+        snapshot_copies: Annotated[int, typer.Option("--snapshot-copies", help="How many other nodes hold each node's snapshots in memory: the next K on the ring (default 1, the neighbour). K nodes lost together still leave a copy; each step waits until all K hold it.")] = 1,
         verify_restore: Annotated[bool, typer.Option("--verify-restore", help="Check every recovery from memory by replay: restore one snapshot further back and train the steps between again; each rank's loss must equal, bit for bit, the one it reported before the fault, or the job stops naming the rank and step (state the script never registered, such as a prefetched batch). Costs one step per recovery.")] = False,
         exit_barrier_timeout: Annotated[float, typer.Option("--exit-barrier-timeout", help="Once some ranks of the job have finished (exit 0), how many seconds the others may keep running before they are stopped and the run fails naming them, with their last output line (torchrun's agent waits 300 s at its exit barrier).")] = 300.0,
         dry_run: Annotated[bool, typer.Option("--dry-run", help="Print what would run and start nothing.")] = False,
@@ -151,6 +152,7 @@ def register(app: typer.Typer) -> None:
             chaos=chaos, sandbox=sandbox or ("netns" if backend == "netns" else None),
             backend=backend if backend != "netns" else None, keep_freed_memory=keep_freed_memory, role=tr.role, torchrun=tr.recorded,
             step_regex=step_regex, straggler=straggler, verify_restore=verify_restore,
+            snapshot_copies=snapshot_copies,
         )
         # Here, not at the top: the launch loads torch (the controller hosts the job's store),
         # and every other command (`ffctl report`, `--help`) would pay for it.

@@ -69,10 +69,16 @@ class Decision:
 
 def ring_holder(node: int, nodes: list[int]) -> int | None:
     """The node holding replicas of `node`'s slots: the next node on the ring."""
+    holders = ring_holders(node, nodes, 1)
+    return holders[0] if holders else None
+
+
+def ring_holders(node: int, nodes: list[int], copies: int) -> list[int]:
+    """The nodes holding replicas of `node`'s slots (`--snapshot-copies`): the next `copies`
+    nodes on the ring, fewer when fewer other nodes are up."""
     ring = sorted(nodes)
-    if len(ring) < 2:
-        return None
-    return ring[(ring.index(node) + 1) % len(ring)]
+    at = ring.index(node)
+    return [ring[(at + i) % len(ring)] for i in range(1, min(copies, len(ring) - 1) + 1)]
 
 
 def _plan(gen: int, strategy: str, world: list[int], step: int, sources: Mapping[int, Source]) -> GenerationPlan:

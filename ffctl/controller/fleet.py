@@ -16,7 +16,7 @@ from fault_injectors import NodePlace, RankPlace, Topology
 from ffctl.agent.config import TERM_GRACE_S, AgentConfig
 from ffctl.backends.protocol import NodeBackend
 from ffctl.controller.cluster import FatalRun
-from ffctl.controller.decide import ring_holder
+from ffctl.controller.decide import ring_holders
 from ffctl.controller.plane import ControlPlane
 from ffctl.controller.protection import Protection
 from ffctl.controller.state import JobState, NodeState
@@ -44,7 +44,7 @@ class Fleet:
         # controller); it reaches the agents only in their own configuration.
         self.shm_dir = shm_dir
         self.clock_offsets: dict[int, float] = {}  # node -> its clock minus ours (seconds)
-        self.wired: dict[int, tuple[int, tuple[str, int] | None]] = {}  # node -> (incarnation, neighbour) last sent
+        self.wired: dict[int, tuple[int, tuple[tuple[str, int], ...]]] = {}  # node -> (incarnation, holders) last sent
         self.protection = protection
 
     def incarnation(self, node: int) -> int:
@@ -108,17 +108,21 @@ class Fleet:
     def wire_ring(self) -> None:
         live = sorted(n for n, st in self.job.nodes.items() if st.up)
         holders: dict[int, int | None] = {}
+        memory = self.spec.recovery in (Strategy.PEER, Strategy.RESTART_MEMORY)
         for n in live:
-            holder = holders[n] = (ring_holder(n, live) if self.spec.recovery in (Strategy.PEER, Strategy.RESTART_MEMORY)
-                                   else None)
-            peer = self.job.nodes[holder].peer if holder is not None else None
-            # Only to agents whose neighbour changed (or that are new): a node lost from a ring
-            # of a thousand changes one agent's neighbour, not a thousand.
-            wired = (self.incarnation(n), peer)
+            # The next --snapshot-copies nodes on the ring hold the node's copies.
+            ring = ring_holders(n, live, self.spec.snapshot_copies) if memory else []
+            holders[n] = ring[0] if ring else None
+            peers = [p for p in (self.job.nodes[h].peer for h in ring) if p is not None]
+            # Only to agents whose neighbours changed (or that are new): a node lost from a ring
+            # of a thousand changes a few agents' neighbours, not a thousand.
+            wired = (self.incarnation(n), tuple(peers))
             if self.wired.get(n) == wired:
                 continue
             self.wired[n] = wired
-            self.send(n, messages.Neighbor(address=peer[0] if peer else None, port=peer[1] if peer else None))
+            first = peers[0] if peers else None
+            self.send(n, messages.Neighbor(address=first[0] if first else None, port=first[1] if first else None,
+                                           **({"also": [[a, p] for a, p in peers[1:]]} if len(peers) > 1 else {})))
         self.protection.wired(holders)
 
     def agent_time(self, node: int, t: float) -> float:

@@ -110,6 +110,7 @@ LAUNCH_SCHEMA: dict[str, Field] = {
     "step_regex": Field("text"),
     "straggler": Field("text"),  # --straggler: wait, or replace[:factor=F][,steps=N]
     "verify_restore": Field("bool"),  # --verify-restore
+    "snapshot_copies": Field("int", 1, 8),  # --snapshot-copies
     "torchrun": Field("table"),
 }
 FAULTS_SCHEMA: dict[str, Field] = {
