@@ -146,6 +146,24 @@ def snapshot_overhead(runs_dir: Path, model: str = BENCH_MODEL, steps: int = 30,
                        {"model": model, "batch": batch, "parallel": parallel, "with_s": with_s, "without_s": without})
 
 
+def snapshot_copies(runs_dir: Path, model: str = BENCH_MODEL, steps: int = 30, reps: int = 4,
+                    batch: int = SNAPSHOT_BATCH) -> BenchResult:
+    """Median step time with each node's snapshots held by two other nodes / by one
+    (`--snapshot-copies 2` against 1), three nodes of one rank: what the second copy costs a
+    step (it is streamed beside the step, and the rank waits for both before its next update)."""
+    common = ("--nnodes", "3", "--nproc-per-node", "1", "--steps", str(steps), "--model", model,
+              "--batch", str(batch))
+    one, two = [], []
+    for _ in range(reps):  # interleaved, so drift in machine load hits both sides
+        _, ev = launch(runs_dir, *common, "--snapshot-copies", "1")
+        one.append(median_step_time(ev))
+        _, ev = launch(runs_dir, *common, "--snapshot-copies", "2")
+        two.append(median_step_time(ev))
+    num, den = statistics.median(two), statistics.median(one)
+    return BenchResult("snapshot-copies", [Ratio("step time with 2 copies / with 1", num, den, 1.10)],
+                       {"model": model, "batch": batch, "one_s": one, "two_s": two})
+
+
 def _peer_and_disk(runs_dir: Path, common: tuple[str, ...], at: int) -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
     """(kind, peer's fault, restart-disk's fault) for a kill-rank then a kill-node at step `at`
     of the job `common` describes: `peer` with 2 spares, `restart-disk` saving every 50 steps."""
@@ -351,6 +369,7 @@ def fsdp_recovery_vs_disk(runs_dir: Path, model: str = BENCH_MODEL, steps: int =
 
 BENCHMARKS: dict[str, Callable[[Path], BenchResult]] = {
     "snapshot-overhead": snapshot_overhead,
+    "snapshot-copies": snapshot_copies,
     "recovery-vs-disk": recovery_vs_disk,
     "fsdp-snapshot-overhead": fsdp_snapshot_overhead,
     "fsdp-recovery-vs-disk": fsdp_recovery_vs_disk,

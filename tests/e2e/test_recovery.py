@@ -103,6 +103,24 @@ def test_a_rank_killed_in_each_phase_of_its_step_recovers_bit_exact(workdir: Pat
     assert crashes(res.events) == []
 
 
+def test_two_neighbouring_nodes_lost_together_restore_from_memory_with_two_copies(workdir: Path) -> None:
+    # Ring 0 -> 1 -> 2 -> 0. With one copy, node 1's sits on node 2 and both go at once; with two,
+    # node 0 holds node 1's and node 2's.
+    layout = ["--nnodes", "3", "--nproc-per-node", "1", "--steps", "40", "--seed", "3"]
+    base = _baseline(workdir, *layout)
+    res = launch(workdir, rid("copies"), *layout, "--snapshot-copies", "2",
+                 "--inject", "kill-node:node=1,step=20", "--inject", "kill-node:node=2,step=20")
+    assert res.returncode == 0, res.stderr[-3000:]
+    rep = res.report
+    assert rep["loss_by_step"] == base  # every step, bit for bit
+    assert [f["kind"] for f in rep["faults"]] == ["kill-node", "kill-node"]
+    assert all(f["recovered"] and f["restore_source"] == "peer-memory" and f["lost_steps"] <= 1
+               for f in rep["faults"]), rep["faults"]
+    [decided] = [e for e in res.events if e.kind is EventKind.RECOVERY_DECIDED]
+    assert decided.get("ranks") == [1, 2] and decided.get("lost_both_copies") == [], decided.data
+    assert crashes(res.events) == []
+
+
 def test_survivors_go_on_with_the_step_they_were_in(workdir: Path, baseline: list[list[float]]) -> None:
     # crash-rank raises at the start of rank 1's next step, so the survivors are blocked in that
     # step's first collective, with its gradients computed: they keep their state and repeat only
