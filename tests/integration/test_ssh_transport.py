@@ -335,7 +335,8 @@ def test_start_reads_output_and_terminate_leaves_nothing(node0: SSHTransport, cl
     status = proc.terminate(timeout=10)
     assert status == 143  # SIGTERM, reported by the wrapper that outlives the group
     assert _eventually(lambda: not _group_alive(proc.remote_pid))
-    assert _pgrep(cluster, token) == []
+    # The wrapper's watcher subshell (its command line too) is SIGKILLed as the wrapper exits.
+    assert _eventually(lambda: _pgrep(cluster, token) == []), _pgrep(cluster, token)
     list(proc.iter_lines(5))  # whatever the shell said on the way out
     assert proc.output_closed and proc.read_line(0.1) is None
 
@@ -361,7 +362,8 @@ def test_terminate_kills_a_process_that_ignores_sigterm(node0: SSHTransport, clu
     assert status == 137  # SIGKILL after the grace period
     assert time.monotonic() - started < 5
     assert _eventually(lambda: not _group_alive(proc.remote_pid))
-    assert _pgrep(cluster, token) == []
+    # The wrapper's watcher subshell (its command line too) is SIGKILLed as the wrapper exits.
+    assert _eventually(lambda: _pgrep(cluster, token) == []), _pgrep(cluster, token)
 
 
 @needs_root

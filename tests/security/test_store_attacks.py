@@ -127,8 +127,14 @@ def test_a_stranger_on_the_store_port_neither_stops_freezes_nor_fools_the_job(tm
         assert loop.rounds > 50 and not loop.errors, (loop.rounds, loop.errors)
 
         # -- heartbeats: garbage, then a genuine beat replayed for 3 s -------------------------
-        attacker.set(control.heartbeat_key(1), "garbage")
-        _recorded(run_dir, control.heartbeat_key(1), "garbage")
+        # Written again and again until the guard has read it: the agent's next beat overwrites
+        # one write, and on a loaded host the guard's read may come only after that.
+        garbage = Loop(port, lambda store: store.set(control.heartbeat_key(1), "garbage"), 0.01)
+        try:
+            _recorded(run_dir, control.heartbeat_key(1), "garbage")
+        finally:
+            garbage.stop()
+        assert not garbage.errors, garbage.errors
         time.sleep(0.5)  # the agent's next beat is in the key again
         captured = control.read(attacker, control.heartbeat_key(1))
         assert captured is not None and b'"kind":"heartbeat"' in captured
