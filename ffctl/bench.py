@@ -126,6 +126,20 @@ def median_step_time(events: list[Any], skip: int = 5) -> float:
     return statistics.median(times)
 
 
+def _paired_step_times(runs_dir: Path, common: tuple[str, ...], a: tuple[str, ...], b: tuple[str, ...],
+                       reps: int) -> tuple[list[float], list[float]]:
+    """Median step times of `reps` runs of the job `common` with `a`, and of as many with `b`,
+    interleaved, so that drift in the machine's load hits both sides."""
+    times_a: list[float] = []
+    times_b: list[float] = []
+    for _ in range(reps):
+        _, ev = launch(runs_dir, *common, *a)
+        times_a.append(median_step_time(ev))
+        _, ev = launch(runs_dir, *common, *b)
+        times_b.append(median_step_time(ev))
+    return times_a, times_b
+
+
 def snapshot_overhead(runs_dir: Path, model: str = BENCH_MODEL, steps: int = 30, reps: int = 6,
                       batch: int = SNAPSHOT_BATCH, parallel: str = "ddp") -> BenchResult:
     """Median step time with a peer-memory snapshot every step / without any snapshot.
@@ -135,12 +149,7 @@ def snapshot_overhead(runs_dir: Path, model: str = BENCH_MODEL, steps: int = 30,
     therefore a realistic 4k tokens per rank per step rather than the size's default."""
     common = ("--nnodes", "2", "--nproc-per-node", "1", "--steps", str(steps), "--model", model,
               "--batch", str(batch), "--parallel", parallel)
-    with_s, without = [], []
-    for _ in range(reps):  # interleaved, so drift in machine load hits both sides
-        _, ev = launch(runs_dir, *common, "--recovery", "none")
-        without.append(median_step_time(ev))
-        _, ev = launch(runs_dir, *common, "--recovery", "peer")
-        with_s.append(median_step_time(ev))
+    without, with_s = _paired_step_times(runs_dir, common, ("--recovery", "none"), ("--recovery", "peer"), reps)
     num, den = statistics.median(with_s), statistics.median(without)
     return BenchResult("snapshot-overhead", [Ratio("step time with snapshots / without", num, den, 1.03)],
                        {"model": model, "batch": batch, "parallel": parallel, "with_s": with_s, "without_s": without})
@@ -153,12 +162,7 @@ def snapshot_copies(runs_dir: Path, model: str = BENCH_MODEL, steps: int = 30, r
     step (it is streamed beside the step, and the rank waits for both before its next update)."""
     common = ("--nnodes", "3", "--nproc-per-node", "1", "--steps", str(steps), "--model", model,
               "--batch", str(batch))
-    one, two = [], []
-    for _ in range(reps):  # interleaved, so drift in machine load hits both sides
-        _, ev = launch(runs_dir, *common, "--snapshot-copies", "1")
-        one.append(median_step_time(ev))
-        _, ev = launch(runs_dir, *common, "--snapshot-copies", "2")
-        two.append(median_step_time(ev))
+    one, two = _paired_step_times(runs_dir, common, ("--snapshot-copies", "1"), ("--snapshot-copies", "2"), reps)
     num, den = statistics.median(two), statistics.median(one)
     return BenchResult("snapshot-copies", [Ratio("step time with 2 copies / with 1", num, den, 1.10)],
                        {"model": model, "batch": batch, "one_s": one, "two_s": two})
