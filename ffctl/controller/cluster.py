@@ -105,3 +105,8 @@ class Cluster(Recorder, Protocol):
     def attribute_faults(self, ranks: set[int], nodes: set[int]) -> list[str]:
         """The injected faults a failure of these ranks and nodes is blamed on (marked detected)."""
         ...
+
+    def faults_on(self, nodes: set[int]) -> list[str]:
+        """The injected faults that hit `nodes` (lost while a recovery was under way and handled
+        by it), marked detected; none when no injected fault explains them."""
+        ...

@@ -164,6 +164,9 @@ class Controller:
     def attribute_faults(self, ranks: set[int], nodes: set[int]) -> list[str]:
         return self.injector.attribute(ranks, nodes)
 
+    def faults_on(self, nodes: set[int]) -> list[str]:
+        return self.injector.attribute(set(), nodes, strict=True)
+
     def wire_ring(self) -> None:
         self.fleet.wire_ring()
 

@@ -24,6 +24,7 @@ from typing import Callable
 from ffctl.controller.cluster import Cluster, FatalRun, RecoveryAbandoned
 from ffctl.controller.decide import Decision, Inventory, decide
 from ffctl.controller.failures import (  # RankFailure, error_line, signal_name: re-exported from their old home
+    Cause,
     Failure,
     RankFailure,
     describe,
@@ -89,6 +90,23 @@ def restart_verdict(max_restarts: int, used: int, injected: bool,
     if used >= max_restarts:
         return Verdict(f"restart budget spent: {used} of --max-restarts {max_restarts} used", True)
     return Verdict(None, True)
+
+
+def lost_meanwhile(cluster: Cluster, nodes: set[int], ids: list[str], gen: int, failures: int,
+                   handling: list[str]) -> int:
+    """Nodes lost while a recovery collected its survivors are handled by it (two nodes killed
+    in one step: the second loss seen as the first's survivors answer): recorded as failure
+    `failures + 1` (added to `handling`), their injected faults added to the recovery's `ids`.
+    Returns the failures counted now."""
+    failure_id = f"d{failures + 1}"
+    handling.append(failure_id)
+    more = [i for i in cluster.faults_on(nodes) if i not in ids]
+    ids += more
+    now = time.time()
+    cluster.record(EventKind.FAILURE_DETECTED, t=now, fault_ids=more, cause=Cause.NODE_LOST, ranks=[],
+                   nodes=sorted(nodes), gen=gen, detail="lost during the recovery", summary=f"node(s) {sorted(nodes)} lost",
+                   failure_id=failure_id, onset_t=now, onset="detection", explained_by=more or list(ids))
+    return failures + 1
 
 
 @dataclass(frozen=True)
@@ -187,6 +205,7 @@ class RecoveryCoordinator:
                 if exc.root_cause is None:
                     exc.root_cause = root_cause(failure)
                 raise
+            fault_ids += [i for i in ids if i not in fault_ids]  # and those found on the way
             if job.pending is None:
                 return RecoveryOutcome(job.gen, decision.restore_step, RestoreSource(decision.restore_source),
                                        tuple(respawn), tuple(fault_ids), attempts, self.restarts)
@@ -254,10 +273,12 @@ class RecoveryCoordinator:
                 job.pids[r] = None  # gone with their node; no agent is left to report the exit
         if self.strategy is Strategy.PEER:
             lost |= self._collect_survivors(old_gen, lost)
-            # Nodes lost while survivors were acknowledging belong to this recovery too.
+            # Nodes lost while survivors were acknowledging belong to this recovery too, and so
+            # do their faults (two nodes killed in one step: the second seen meanwhile).
             newly = {n for n, st in job.nodes.items() if not st.up} - lost_nodes
             if newly:
                 lost_nodes |= newly
+                self._failures = lost_meanwhile(cluster, newly, ids, old_gen, self._failures, self._handling)
                 self._fence(newly)
                 cluster.wire_ring()
                 for r, n in job.members.items():

@@ -247,18 +247,19 @@ class Injector:
                 except (TransportError, OSError):
                     pass
 
-    def attribute(self, ranks: set[int], nodes: set[int]) -> list[str]:
+    def attribute(self, ranks: set[int], nodes: set[int], strict: bool = False) -> list[str]:
         """Faults a detected failure is blamed on: undetected faults that hit these ranks or nodes,
         else every undetected fault (a partition shows up as a hang anywhere). A fault the job has
         survived (a bandwidth limit, one reverted before it did harm) is not blamed for a later
-        failure: a fault that breaks the job is noticed within the hang limit."""
+        failure: a fault that breaks the job is noticed within the hang limit. `strict`: only faults
+        that hit these ranks or nodes."""
         open_faults = [f for f in self.faults if not f.detected and not self._survived(f)]
         hits = [f for f in open_faults if set(f.plan.ranks) & ranks or set(f.plan.nodes) & nodes]
         # A straggler replaced under `--straggler replace`: the slow fault in force on it explains
         # it, however long ago it was detected.
         hits += [f for f in self.faults if f.spec.kind.family is FaultFamily.STRAGGLER and not f.reverted
                  and set(f.plan.ranks) & ranks and f not in hits]
-        chosen = hits or open_faults
+        chosen = hits if hits or strict else open_faults
         for f in chosen:
             f.detected = True
         return [f.fault_id for f in chosen]

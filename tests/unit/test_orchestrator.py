@@ -139,6 +139,9 @@ class FakeCluster:
     def attribute_faults(self, ranks: set[int], nodes: set[int]) -> list[str]:
         return self.blame.pop(0) if self.blame else []
 
+    def faults_on(self, nodes: set[int]) -> list[str]:
+        return []
+
     # -- FaultCluster ---------------------------------------------------------------------
     def topology(self) -> Topology:
         nodes = tuple(NodePlace(n, "localhost", "127.0.0.1", st.pid) for n, st in sorted(self.job.nodes.items()))
