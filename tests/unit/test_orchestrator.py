@@ -156,14 +156,21 @@ class FakeCluster:
         return [(n, list(m.ranks)) for n, m in self.sent if isinstance(m, messages.Kill)]
 
 
+def _node_1_lost_with_every_copy(disk_step: int | None = None) -> tuple[JobState, FakeCluster]:
+    """Node 1 lost, and node 0 holding no replica of its ranks: the failure pending."""
+    job = _job()
+    job.disk_step = disk_step
+    cluster = _cluster(job)
+    cluster.held[0] = (cluster.held[0][0], {})  # node 0 lost its replicas of node 1's ranks
+    job.nodes[1].up = False
+    job.fail(Failure(Cause.NODE_LOST, nodes={1}))
+    return job, cluster
+
+
 def test_both_copies_lost_before_the_first_disk_checkpoint_starts_over_from_step_0() -> None:
     # A job that keeps disk checkpoints has step 0 as its newest state until the first one is
     # complete: it starts over from there, loudly, rather than stopping.
-    job = _job()
-    cluster = _cluster(job)
-    cluster.held[0] = (cluster.held[0][0], {})
-    job.nodes[1].up = False
-    job.fail(Failure(Cause.NODE_LOST, nodes={1}))
+    job, cluster = _node_1_lost_with_every_copy()
     coordinator = RecoveryCoordinator(cluster, job, Strategy.PEER, 3, start_over_before_checkpoint=True)
     outcome = coordinator.recover()
     assert outcome.restore_source is RestoreSource.NONE and outcome.restore_step == 0
@@ -335,12 +342,7 @@ def test_recovery_none_stops_at_the_first_failure() -> None:
 
 
 def test_both_copies_lost_falls_back_to_the_disk_checkpoint() -> None:
-    job = _job()
-    job.disk_step = 5
-    cluster = _cluster(job)
-    cluster.held[0] = (cluster.held[0][0], {})  # node 0 lost its replicas of node 1's ranks
-    job.nodes[1].up = False
-    job.fail(Failure(Cause.NODE_LOST, nodes={1}))
+    job, cluster = _node_1_lost_with_every_copy(disk_step=5)
     outcome = _coordinator(cluster).recover()
     assert outcome.restore_source is RestoreSource.DISK and outcome.restore_step == 5
     assert outcome.ranks == (0, 1, 2, 3)  # survivors hold no memory copy of step 5: all restart
@@ -353,11 +355,7 @@ def test_both_copies_lost_falls_back_to_the_disk_checkpoint() -> None:
 
 
 def test_both_copies_lost_and_no_disk_checkpoint_stops_the_job_with_the_reason() -> None:
-    job = _job()
-    cluster = _cluster(job)
-    cluster.held[0] = (cluster.held[0][0], {})
-    job.nodes[1].up = False
-    job.fail(Failure(Cause.NODE_LOST, nodes={1}))
+    job, cluster = _node_1_lost_with_every_copy()
     with pytest.raises(FatalRun) as stopped:
         _coordinator(cluster).recover()
     reason = "no copy of the state of rank(s) [2, 3] survives and there is no complete disk checkpoint: the job stops"
