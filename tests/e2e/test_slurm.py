@@ -284,3 +284,61 @@ def test_a_requeued_job_resumes_from_the_newest_disk_checkpoint(cluster: SlurmCl
                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
     assert failed.returncode == 4 and "do not requeue" in failed.stderr, failed.stderr
     cluster.run(["scancel", env["SLURM_JOB_ID"]])
+
+
+def test_the_example_requeues_itself_after_an_unrecoverable_fault_and_resumes(cluster: SlurmCluster, tmp_path: Path) -> None:
+    """The round trip through Slurm: the example's first attempt loses a node it may not recover
+    (`--recovery none`) and fails; its batch shell runs `scontrol requeue`; Slurm starts the script
+    again with SLURM_RESTART_COUNT=1, and that attempt resumes from the newest complete disk
+    checkpoint of the first, trains to the end with the first attempt's losses where both trained,
+    and writes its own report beside the first's."""
+    from recovery.disk import complete_steps
+
+    work = tmp_path / "work"
+    work.mkdir()
+    runs = work / "runs"
+    steps, kill = 30, 14
+    env = {**cluster.env, "FFCTL": str(Path(sys.executable).with_name("ffctl")), "FFCTL_RUNS_DIR": str(runs),
+           "FFCTL_STEPS": str(steps), "FFCTL_KILL_STEP": str(kill), "FFCTL_CKPT_EVERY": "4",
+           "FFCTL_ARGS": "--recovery none"}
+    sub = subprocess.run(["sbatch", "--parsable", f"--chdir={work}", str(SBATCH)], env=env, cwd=work,
+                         capture_output=True, text=True, timeout=60)
+    assert sub.returncode == 0, sub.stderr
+    job = sub.stdout.strip().split(";")[0]
+    output = work / f"ffctl-{job}.out"
+    deadline = time.monotonic() + 400
+    state, requeued = "", 0.0
+    while time.monotonic() < deadline:
+        state = cluster.run(["scontrol", "show", "job", job, "--oneliner"]).stdout
+        if "JobState=COMPLETED" in state or "JobState=FAILED" in state:
+            break
+        if "JobState=PENDING" in state and "Restarts=1" in state:
+            requeued = requeued or time.monotonic()
+            # Slurm holds a requeued job back for about two minutes (and then waits for its next
+            # scheduling pass); once every node has cleaned up after the first attempt, and the
+            # second in which its credential was revoked has passed (a credential of that same
+            # second is refused: "already killed"), the administrator's `StartTime=now` lets it
+            # start at once.
+            if time.monotonic() - requeued > 2.5 and set(cluster.node_states().values()) == {"idle"}:
+                cluster.run(["scontrol", "update", f"JobId={job}", "StartTime=now"])
+        time.sleep(0.5)
+    shown = output.read_text() if output.exists() else "(no job output)"
+    assert "JobState=COMPLETED" in state and "Restarts=1" in state, f"{state}\n{shown}"
+    # Both attempts wrote to the one output (--open-mode=append).
+    assert f"run slurm-{job}: failed" in shown and f"run slurm-{job}-r1: completed" in shown, shown
+    first = json.loads((work / f"ffctl-{job}.report.json").read_text())
+    assert first["status"] == "failed" and [f["recovered"] for f in first["faults"]] == [False], first
+    again = json.loads((work / f"ffctl-{job}-r1.report.json").read_text())
+    assert again["status"] == "completed" and again["steps_completed"] == steps, shown
+    assert again["faults"] == []  # the fault was the first attempt's
+    newest = complete_steps(runs / f"slurm-{job}" / "checkpoints")[-1]
+    assert 4 <= newest < steps  # (the kill lands while step kill + 1 or so trains)
+    info = json.loads((runs / f"slurm-{job}-r1" / "run.json").read_text())["slurm"]
+    assert info["restart_count"] == 1 and info["resumed_from"] == {"run": f"slurm-{job}", "step": newest}, info
+    losses = [dict(r["loss_by_step"]) for r in (first, again)]
+    assert min(losses[1]) == newest + 1 and max(losses[1]) == steps, sorted(losses[1])
+    both = sorted(set(losses[0]) & set(losses[1]))
+    # (None in common only when the first attempt stopped at its newest checkpoint's very step.)
+    assert both or max(losses[0]) == newest, losses
+    assert [losses[0][s] for s in both] == [losses[1][s] for s in both], (both, losses)
+    assert cluster.wait_empty() == []
