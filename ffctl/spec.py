@@ -238,6 +238,9 @@ class LaunchSpec:
             raise SpecError(f"--backend {_shown(self.backend)}: one of {', '.join(BACKEND_NAMES)}")
         if self.backend == "slurm" and (self.hostfile is not None or self.sandbox is not None):
             raise SpecError("--backend slurm runs nodes as Slurm job steps: give it without --hosts and --sandbox")
+        drains = [str(f) for f in self.injects if f.option("drain") == "yes"]
+        if drains and self.backend != "slurm":
+            raise SpecError(f"--inject {drains[0]}: drain=yes drains a Slurm node; it needs --backend slurm")
         if self.sandbox is not None and self.hostfile is not None:
             raise SpecError(f"--sandbox {self.sandbox} and --hosts {self.hostfile}: the sandbox is for nodes on this "
                             "machine; give one or the other")

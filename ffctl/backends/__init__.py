@@ -55,6 +55,11 @@ BACKENDS: dict[str, Callable[[LaunchSpec, str], LaunchBackend]] = {
 }
 
 
+# Backends whose jobs a scheduler may requeue after a failure: for them a run that trained no
+# step exits 4 ("do not requeue", `ffctl.errors.EXIT_NO_REQUEUE`).
+REQUEUED = frozenset({SLURM})
+
+
 def backend_name(spec: LaunchSpec) -> str:
     """The backend a launch spec asks for: `--hosts` is SSH, `--backend slurm` Slurm, else the
     sandbox's (`--sandbox netns`) or local processes."""

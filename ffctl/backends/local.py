@@ -79,6 +79,15 @@ class LocalNodes:
     def agent_launch(self, node: int) -> AgentLaunch:
         return AgentLaunch(node, tuple(local_agent_argv(self.netns(node))), "on localhost")
 
+    def scheduled_hosts(self) -> list[str] | None:
+        return None
+
+    def plan_notes(self, spec: LaunchSpec) -> list[str]:
+        return []
+
+    def admit(self, requeue_bound: int) -> None:
+        """No scheduler requeues a local job."""
+
     # -- NodeBackend --------------------------------------------------------------------------
     def address(self, node: int) -> str:
         return self._addresses.get(node, "127.0.0.1")

@@ -25,6 +25,7 @@ from fault_injectors.transport import Transport
 from ffctl.agent.config import AgentConfig
 
 if TYPE_CHECKING:
+    from ffctl.spec import LaunchSpec
     from runs.store import RunStore
 
 
@@ -124,6 +125,22 @@ class LaunchBackend(NodeBackend, Protocol):
 
     def agent_launch(self, node: int) -> AgentLaunch:
         """What the next `start` of `node`'s agent runs (before `prepare`: what the first will)."""
+        ...
+
+    def scheduled_hosts(self) -> list[str] | None:
+        """The hosts a scheduler gave the nodes, known before `prepare`, which mount this run
+        record's filesystem (the record is written there directly); None for nodes on this
+        machine or reached over SSH."""
+        ...
+
+    def plan_notes(self, spec: LaunchSpec) -> list[str]:
+        """What the dry run adds about how this backend carries the spec out (a scheduler's own
+        way with a node fault); [] where there is nothing to add."""
+        ...
+
+    def admit(self, requeue_bound: int) -> None:
+        """Before anything is built: a scheduler's job requeued more often than `requeue_bound`
+        raises NoRequeue (exit 4: do not requeue); other backends admit every launch."""
         ...
 
     def prepare(self) -> str: ...

@@ -40,6 +40,7 @@ from fault_injectors.deadman import DEADMAN_PREFIX, RECORD_NAME, safe_id
 from fault_injectors.node import DRAIN_REASON_PREFIX, is_node_drain, is_node_kill, resume_argv
 from fault_injectors.plan import HostCommand
 from fault_injectors.revert import SHM_SWEEP
+from fault_injectors.spec import FaultKind
 from fault_injectors.transport import LocalTransport, Transport
 from ffctl.agent.config import AgentConfig
 from ffctl.backends.protocol import AgentLaunch
@@ -50,6 +51,7 @@ from ffctl.backends.slurm_cluster import (
     Runner,
     allocation,
     bindable,
+    check_requeue,
     interface_of,
     is_out,
     node_address,
@@ -149,6 +151,19 @@ def stop_switches(switches: dict[str, subprocess.Popen[bytes]]) -> None:
     switches.clear()
 
 
+def plan_notes(spec: LaunchSpec) -> list[str]:
+    """The dry run's words on how Slurm carries out the spec's node faults."""
+    notes = []
+    if spec.chaos or any(f.kind in (FaultKind.KILL_NODE, FaultKind.REBOOT_NODE) for f in spec.injects):
+        notes.append("on Slurm a node's `kill -KILL` is its agent step cancelled (scancel --signal=KILL JOB.STEP); "
+                     "the node comes back on a spare node while the allocation has one (each spare node runs a "
+                     "standby agent, its worker template warm)")
+    if any(f.option("drain") == "yes" for f in spec.injects):
+        notes.append("a node drained by drain=yes is resumed (scontrol update nodename=NODE state=resume) when the "
+                     "launch ends, or by `ffctl inject revert --all --run RUN` after a killed launch")
+    return notes
+
+
 class SlurmNodes:
     """The node backend of `ffctl launch --backend slurm` (see the module docstring)."""
 
@@ -191,8 +206,8 @@ class SlurmNodes:
         env = os.environ if env is None else env
         job, names = allocation(env)
         hosts, spares = split_nodes(spec, names)
-        # A requeue past --max-restarts was refused by the launch before this (it knows the
-        # script); here a requeued job only resumes (in `attach`).
+        # A requeue past --max-restarts is refused in `admit` (the launch knows the bound, from
+        # the script); a requeued job resumes in `attach`.
         return cls(job, hosts, spares, run_id, spec.master_addr, restarts=restart_count(env))
 
     # -- the launch's lifecycle -----------------------------------------------------------------
@@ -283,6 +298,18 @@ class SlurmNodes:
             # A step's JOB.STEP id is looked up when it is cancelled (a kill-node, the end).
             "steps": [{"name": s.name, "host": s.host, **({"step": s._step} if s._step else {})} for s in self._steps],
         })
+
+    def scheduled_hosts(self) -> list[str] | None:
+        return [s.host for s in self._slots]
+
+    def plan_notes(self, spec: LaunchSpec) -> list[str]:
+        return plan_notes(spec)
+
+    def admit(self, requeue_bound: int) -> None:
+        """A job Slurm requeued (SLURM_RESTART_COUNT) more often than `requeue_bound` starts
+        nothing: NoRequeue, exit 4."""
+        if self.restarts:
+            check_requeue(self.restarts, requeue_bound)
 
     def agent_launch(self, node: int) -> AgentLaunch:
         """The agent step of `node`'s next start: on the Slurm node it runs on now, named for the

@@ -319,3 +319,16 @@ class NodeStatePoller:
                 continue
             if out.returncode == 0:
                 self._seen(parse_node_states(out.stdout))
+
+
+def drained_here(run_id: str | None) -> tuple[str, ...]:
+    """The Slurm nodes ffctl drained (all runs', or `run_id`'s) as this machine's Slurm client
+    lists them; none where there is no client or it cannot reach its controller."""
+    if shutil.which("sinfo") is None:
+        return ()
+    try:
+        out = subprocess.run(["sinfo", "--noheader", "--Node", "--format=%N|%T|%E"], capture_output=True,
+                             text=True, timeout=COMMAND_TIMEOUT_S, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return ()
+    return tuple(ffctl_drained(parse_node_states(out.stdout), run_id)) if out.returncode == 0 else ()

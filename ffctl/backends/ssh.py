@@ -184,6 +184,15 @@ class SSHNodes:
         python = self.python or self.setups[node].python
         return AgentLaunch(node, tuple(agent_argv(python)), f"over SSH on {self.host(node)}")
 
+    def scheduled_hosts(self) -> list[str] | None:
+        return None  # the hostfile's hosts: the record stays here, their logs are copied home
+
+    def plan_notes(self, spec: LaunchSpec) -> list[str]:
+        return []
+
+    def admit(self, requeue_bound: int) -> None:
+        """No scheduler requeues hosts reached over SSH."""
+
     # -- NodeBackend ----------------------------------------------------------------------------
     def host(self, node: int) -> str:
         # Before `prepare` (the dry run), the hostfile's names: the same ones.

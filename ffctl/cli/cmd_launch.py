@@ -11,6 +11,7 @@ import typer
 from fault_injectors import FaultSpecError
 from fault_injectors.spec import parse_injection
 from ffctl.render import make_console
+from ffctl.backends import REQUEUED, backend_name
 from ffctl.errors import EXIT_EXPECTATION, EXIT_INTERRUPTED, EXIT_NO_REQUEUE, EXIT_OK, BadInput
 from ffctl.launch.echo import RankEcho, parse_ranks_filter
 from ffctl.launch.torchrun import TorchrunArgError, resolve
@@ -182,7 +183,7 @@ def register(app: typer.Typer) -> None:
             # script's silence says nothing of its progress.
             plain = next((e.get("plain_script") for e in events if e.kind is EventKind.RUN_STARTED), True)
             known = not plain or bool(spec.step_regex)
-            if spec.backend == "slurm" and known and not any(e.kind is EventKind.STEP for e in events):
+            if backend_name(spec) in REQUEUED and known and not any(e.kind is EventKind.STEP for e in events):
                 # Not one step trained: a requeue would start where this did and fail the same way.
                 typer.echo(f"ffctl launch: no step was trained: exit {EXIT_NO_REQUEUE}, do not requeue", err=True)
                 return EXIT_NO_REQUEUE

@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING, Any, Callable
 from fault_injectors import FaultSpecError, NodePlace, RankPlace, Target, TargetMode, Topology
 from fault_injectors.network import preflight
 from fault_injectors.schedule import parse_chaos
-from fault_injectors.spec import FaultKind, FaultSpec
+from fault_injectors.spec import FaultSpec
 from fault_injectors.transport import LocalTransport
 from ffctl import __version__
-from ffctl.backends import BACKENDS, SLURM, backend_name
+from ffctl.backends import BACKENDS, backend_name
 from ffctl.backends.protocol import LaunchBackend
 from ffctl.errors import BadInput
 from ffctl.launch.timeouts import findings, read_timeouts
@@ -90,16 +90,13 @@ def plan_launch(spec: LaunchSpec) -> LaunchPlan:
         raise BadInput(str(exc)) from None
     if (spec.runs_dir / run_id).exists():
         raise BadInput(f"run id {run_id!r} already exists in {str(spec.runs_dir)!r}")
-    drains = [str(f) for f in spec.injects if f.option("drain") == "yes"]
-    if drains and spec.backend != SLURM:
-        raise BadInput(f"--inject {drains[0]}: drain=yes drains a Slurm node; it needs --backend slurm")
     sandbox = _preview_sandbox(spec, run_id) if spec.sandbox is not None else None
     # The backend that will run the nodes, made as `execute` makes it (building and connecting
     # nothing): outside a Slurm allocation, or with a bad --master-addr, this is one line, exit 2.
     backend = BACKENDS[backend_name(spec)](spec, run_id)
-    slurm_hosts = [backend.host(n) for n in range(spec.nnodes)] if spec.backend == SLURM else None
-    topo = _static_topology(spec, run_id, hosts or slurm_hosts)
-    if slurm_hosts:
+    scheduled = backend.scheduled_hosts()
+    topo = _static_topology(spec, run_id, hosts or scheduled)
+    if scheduled:
         # The record is on a filesystem the allocation's nodes share, as it is here.
         topo = replace(topo, record_dir=_record_dir(spec, run_id, False))
     if sandbox is not None:
@@ -130,14 +127,8 @@ def plan_launch(spec: LaunchSpec) -> LaunchPlan:
     if sandbox is not None:
         lines.insert(1, f"sandbox: bridge {sandbox.bridge} on {sandbox.subnet}, the controller's store on "
                         f"{sandbox.controller_address}, one network namespace per node (removed at exit)")
-    lines += _fault_lines(spec, topo, probe=hosts is None and slurm_hosts is None)
-    if slurm_hosts and (spec.chaos or any(f.kind in (FaultKind.KILL_NODE, FaultKind.REBOOT_NODE) for f in spec.injects)):
-        lines.append("on Slurm a node's `kill -KILL` is its agent step cancelled (scancel --signal=KILL JOB.STEP); "
-                     "the node comes back on a spare node while the allocation has one (each spare node runs a "
-                     "standby agent, its worker template warm)")
-    if slurm_hosts and any(f.option("drain") == "yes" for f in spec.injects):
-        lines.append("a node drained by drain=yes is resumed (scontrol update nodename=NODE state=resume) when the "
-                     "launch ends, or by `ffctl inject revert --all --run RUN` after a killed launch")
+    lines += _fault_lines(spec, topo, probe=hosts is None and scheduled is None)
+    lines += backend.plan_notes(spec)
     warnings = timeout_findings(spec, plain)
     lines += [f"timeouts: {w}" for w in warnings]
     return LaunchPlan(spec, run_id, tuple(lines), tuple(warnings))
@@ -236,7 +227,7 @@ def run_info(plan: LaunchPlan) -> dict[str, Any]:
 
 
 def requeue_bound(spec: LaunchSpec) -> int:
-    """The requeues a Slurm job may have: its --max-restarts, or the default the controller
+    """The requeues a scheduler's job may have: its --max-restarts, or the default the controller
     applies (torchrun's 0 for an unchanged script, 3 for the built-in GPT and the recovery library)."""
     if spec.max_restarts is not None:
         return spec.max_restarts
@@ -249,24 +240,14 @@ def requeue_bound(spec: LaunchSpec) -> int:
     return LIBRARY_MAX_RESTARTS
 
 
-def _check_requeue(spec: LaunchSpec) -> None:
-    """A Slurm job requeued more often than it may be starts nothing (NoRequeue, exit 4)."""
-    if backend_name(spec) == SLURM:
-        from ffctl.backends.slurm_cluster import check_requeue, restart_count
-
-        restarts = restart_count(os.environ)
-        if restarts:
-            check_requeue(restarts, requeue_bound(spec))
-
-
 def execute(plan: LaunchPlan, view: Callable[[dict[str, Any]], None]) -> tuple[RunStatus, RunStore]:
     """Run the plan: the backend prepares the nodes and says where the controller listens, the
     record is created, the controller runs over the backend, and the backend cleans up however
     it ends (Ctrl-C and SIGTERM included)."""
     from ffctl.controller.controller import Controller
 
-    _check_requeue(plan.spec)
     backend: LaunchBackend = BACKENDS[backend_name(plan.spec)](plan.spec, plan.run_id)
+    backend.admit(requeue_bound(plan.spec))  # a job requeued too often starts nothing
     previous = signal.getsignal(signal.SIGTERM)
     previous_int = signal.getsignal(signal.SIGINT)
     # SIGTERM unwinds like Ctrl-C from here on, so what the backend built goes in either case.

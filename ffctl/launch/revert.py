@@ -11,8 +11,6 @@ removed, and other runs (a sandbox another launch is using) are left alone.
 from __future__ import annotations
 
 import shlex
-import shutil
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
@@ -91,21 +89,6 @@ def _commands(host: str, netns: str | None, run_id: str | None) -> tuple[HostCom
     return tuple(plan)
 
 
-def _drained(run_id: str | None) -> tuple[str, ...]:
-    """The Slurm nodes ffctl drained (all runs', or `run_id`'s) as sinfo lists them here; none
-    where there is no Slurm client or it cannot reach its controller."""
-    from ffctl.backends.slurm_cluster import COMMAND_TIMEOUT_S, ffctl_drained, parse_node_states
-
-    if shutil.which("sinfo") is None:
-        return ()
-    try:
-        out = subprocess.run(["sinfo", "--noheader", "--Node", "--format=%N|%T|%E"], capture_output=True,
-                             text=True, timeout=COMMAND_TIMEOUT_S, check=False)
-    except (OSError, subprocess.TimeoutExpired):
-        return ()
-    return tuple(ffctl_drained(parse_node_states(out.stdout), run_id)) if out.returncode == 0 else ()
-
-
 def plan_revert(hostfile: Path | None, run_id: str | None = None) -> RevertPlan:
     """Find what to clean (this machine, its sandbox namespaces, the hostfile's hosts) and how."""
     from ffctl.backends.netns import list_namespaces
@@ -125,7 +108,9 @@ def plan_revert(hostfile: Path | None, run_id: str | None = None) -> RevertPlan:
     places += [Place(ns, LOCAL, ns, None, tuple(c for c in revert_all_plan(LOCAL, ns, run_id) if c.netns))
                for ns in namespaces]
     places += [Place(e.name, e.name, None, e, _commands(e.name, None, run_id)) for e in _hosts(hostfile)]
-    return RevertPlan(run_id, tuple(places), prefix, namespaces, _drained(run_id))
+    from ffctl.backends.slurm_cluster import drained_here
+
+    return RevertPlan(run_id, tuple(places), prefix, namespaces, drained_here(run_id))
 
 
 def _run_place(place: Place, transport_for: Callable[[HostCommand], Transport]) -> list[str]:
