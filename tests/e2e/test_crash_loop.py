@@ -124,3 +124,84 @@ def test_plain_script_failing_every_attempt_stops(workdir: Path) -> None:
     assert f"rank 1 (node 0) failed: exit code 1: {error}" in res.stdout
     spawned = [e for e in res.events if e.kind is EventKind.RANKS_SPAWNED]
     assert [e.get("gen") for e in spawned] == [0, 1]  # counted as started once its process was up
+
+
+# examples/ddp/with_ffctl.py's training with a loss check as Megatron-LM has one (a non-finite
+# loss raises), and a restored state that goes bad: a rank started again after a failure (its
+# TORCHELASTIC_RESTART_COUNT above 0) has one weight turned to NaN before its first step, as a
+# replica-assembled checkpoint did in Megatron-LM#5281. Each restore therefore ends in the same
+# NaN at the same step, on the same rank.
+NAN_AFTER_RESTORE = '''
+import math
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, {examples!r})
+import with_ffctl
+from recovery import Job
+
+_register = Job.register_ddp
+
+
+def register_ddp(self, model, optimizer, **kw):
+    batches = _register(self, model=model, optimizer=optimizer, **kw)
+    poisoned = []
+    forward = model.forward
+
+    def going_bad(*a, **k):
+        if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and not poisoned:
+            poisoned.append(True)
+            with torch.no_grad():
+                next(model.parameters()).view(-1)[0] = float("nan")
+        return forward(*a, **k)
+    model.forward = going_bad
+    return batches
+
+
+_run = Job.run
+
+
+def run(self, step_fn, steps):
+    def with_loss_check(ctx):
+        loss = step_fn(ctx)
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"loss is {{loss}} at step {{ctx.step}}")
+        return loss
+    return _run(self, with_loss_check, steps)
+
+
+Job.register_ddp = register_ddp
+Job.run = run
+sys.argv = [sys.argv[0], "--steps", "24"]
+with_ffctl.main()
+'''
+
+
+def test_a_job_that_nans_after_every_restore_stops_within_three_cycles(workdir: Path) -> None:
+    """The loop breaker on a restored state that trains into NaN: an injected kill of rank 1, its
+    replacement's first step NaNs and raises, the next replacement NaNs at the same step with the
+    same error, and the job stops there (3 recoveries at most) with the NaN as its root cause."""
+    examples = str(Path(__file__).resolve().parents[2] / "examples" / "ddp")
+    (workdir / "nan_after_restore.py").write_text(NAN_AFTER_RESTORE.format(examples=examples))
+    res = launch(workdir, rid("nan-loop"), "--nnodes", "1", "--nproc-per-node", "2", "--spares", "1",
+                 "--inject", "kill-rank:rank=1,step=6", "nan_after_restore.py")
+    out = res.stdout + res.stderr
+    assert res.returncode == 1, out
+    failures = [e for e in res.events if e.kind is EventKind.FAILURE_DETECTED and "FloatingPointError" in str(e.get("detail"))]
+    assert len(failures) == 2, [e.data for e in res.events if e.kind is EventKind.FAILURE_DETECTED]
+    # Same rank, same step, same error: each the first step after a restore.
+    assert len({(tuple(f.get("ranks")), f.get("detail")) for f in failures}) == 1, [f.data for f in failures]
+    assert failures[0].get("ranks") == [1] and "loss is nan at step" in str(failures[0].get("detail")), failures[0].data
+    step = int(str(failures[0].get("detail")).rsplit(" ", 1)[1])
+    decided = [e for e in res.events if e.kind is EventKind.RECOVERY_DECIDED]
+    assert 2 <= len(decided) <= 3, [e.data for e in decided]  # the injected kill's, then the first NaN's
+    assert f"crash loop: rank 1 failed again at step {step}" in res.stderr, out
+    (finished,) = [e for e in res.events if e.kind is EventKind.RUN_FINISHED]
+    cause = finished.get("root_cause")
+    assert finished.get("status") == "failed" and cause["rank"] == 1, finished.data
+    assert "FloatingPointError: loss is nan" in cause["error"], cause
+    assert "Root Cause (first observed failure):" in res.stderr, out
+    assert_nothing_left(workdir)
+    assert not shm_left(res.run_id or "")
