@@ -1,5 +1,6 @@
 """State faults: corrupt-snapshot, a byte flipped in each of a rank's snapshot slots in memory
 after the rank took their checksum, as a bit flip in host memory or a bad write would leave them.
+With copy=replica the copies other nodes hold of them are hit instead (holder=N: node N's only).
 
 The slots are the shared-memory files the rank's next recovery reads (its node's agent serves
 them, and a spare on that node restores from them); nothing about them changes but one byte of
@@ -8,12 +9,18 @@ A recovery that reads one must refuse it and fall back to another copy (the ring
 replica, then a disk checkpoint). The rank's next snapshot overwrites a slot with good content,
 so the fault matters to a failure that follows it closely (`--inject corrupt-snapshot:rank=1,
 step=20 --inject kill-rank:rank=1,step=20`). Nothing to revert.
+
+A replica lives in its holder's agent (`recovery.peer.PeerStore`), not in a file: the plan drops
+`corrupt-replica:<rank>` into that agent's fault file, and the agent flips a byte of each copy of
+the rank's slots it holds, after the checksum it verified when it kept them, and reports which
+(`fault_landed`, where "replica"). A replacement that restores from such a copy finds the
+checksum wrong, and the recovery falls back to the next copy (another holder, then disk).
 """
 from __future__ import annotations
 
 from fault_injectors.plan import FaultPlan, HostCommand, Topology
-from fault_injectors.spec import FaultSpec
-from runs.shm import slot_path
+from fault_injectors.spec import FaultSpec, FaultSpecError
+from runs.shm import agent_fault_path, slot_path
 
 SLOTS = 2  # a rank writes slot step % 2 (recovery.slots)
 CONTENT_OFFSET = 4096  # the first byte behind a slot's header (recovery.slots.DATA_OFFSET)
@@ -42,5 +49,45 @@ def corrupt_command(topo: Topology, rank: int) -> HostCommand:
     return HostCommand(node.node, node.host, argv, node.netns)
 
 
+# $1 the run's directory, $2 what, $3 the agent's fault file: written under a name mktemp
+# creates exclusively and renamed into place, as the ranks' in-step faults are
+# (`fault_injectors.process`). The agent takes it (and removes it) at the next turn of its loop;
+# the command ends once it has, so that a fault injected after this one (the kill it is meant to
+# precede) finds the replicas already hit, and fails if the agent never does.
+AGENT_FAULT_SCRIPT = (
+    r'[ -d "$1" ] && [ ! -L "$1" ] && [ -O "$1" ] || { echo "$1: not a directory of ours" >&2; exit 1; }; '
+    r't=$(mktemp -p "$1" .fault.XXXXXXXX) || exit 1; '
+    r'{ printf %s "$2" > "$t" && mv -f -T -- "$t" "$3"; } || { rm -f -- "$t"; exit 1; }; '
+    r'i=0; while [ -e "$3" ]; do i=$((i + 1)); '
+    r'[ "$i" -le 100 ] || { rm -f -- "$3"; echo "the agent did not take the fault within 10s" >&2; exit 1; }; '
+    r'sleep 0.1; done'
+)
+
+
+def replica_command(topo: Topology, holder: int, rank: int) -> HostCommand:
+    node = topo.node(holder)
+    argv = ("sh", "-c", AGENT_FAULT_SCRIPT, "sh", topo.fault_dir, f"corrupt-replica:{rank}",
+            agent_fault_path(topo.fault_dir, topo.run_id, holder))
+    return HostCommand(node.node, node.host, argv, node.netns)
+
+
+def _holders(spec: FaultSpec, topo: Topology, rank: int) -> list[int]:
+    """The nodes whose replicas of `rank` a copy=replica fault hits: holder=N, or every node
+    but the rank's own (a node that holds none does nothing)."""
+    own = topo.rank(rank).node
+    others = [n.node for n in topo.nodes if n.node != own]
+    text = spec.option("holder")
+    if text is None:
+        return others
+    holder = int(text)
+    if holder not in others:
+        raise FaultSpecError(f"holder={holder}: rank {rank}'s replicas are held by node(s) "
+                             f"{', '.join(map(str, others)) or 'none'} (never its own node {own})")
+    return [holder]
+
+
 def plan(spec: FaultSpec, topo: Topology, ranks: tuple[int, ...], nodes: tuple[int, ...]) -> FaultPlan:
+    if spec.option("copy") == "replica":
+        return FaultPlan(spec, ranks, nodes, apply=tuple(replica_command(topo, h, r) for r in ranks
+                                                         for h in _holders(spec, topo, r)))
     return FaultPlan(spec, ranks, nodes, apply=tuple(corrupt_command(topo, r) for r in ranks))

@@ -164,7 +164,8 @@ MAX_SLOW_FACTOR = 100.0  # a rank 100 times slower has stopped in all but name: 
 _TARGET_KEYS = ("rank", "node", "host", "mode")
 _TRIGGER_KEYS = ("step", "t")
 _KEYS = {*_TARGET_KEYS, *_TRIGGER_KEYS, "duration", "seed"}
-_OPTION_KEYS = {"rate", "delay", "loss", "port", "ports", "action", "mb", "signal", "peer", "factor", "drain", "phase"}
+_OPTION_KEYS = {"rate", "delay", "loss", "port", "ports", "action", "mb", "signal", "peer", "factor", "drain", "phase",
+                "copy", "holder"}
 _BREAKS_JOB = frozenset({FaultKind.KILL_RANK, FaultKind.TERM_RANK, FaultKind.CRASH_RANK, FaultKind.KILL_NODE,
                          FaultKind.REBOOT_NODE, FaultKind.GPU_ERROR, FaultKind.GPU_HANG, FaultKind.GPU_XID})
 _NETWORK = frozenset(k for k in FaultKind if k.family is FaultFamily.NETWORK)
@@ -184,6 +185,9 @@ KIND_OPTIONS: dict[FaultKind, tuple[str, ...]] = {
     FaultKind.NET_LOSS: ("loss",),
     FaultKind.SLOW_RANK: ("factor",),
     FaultKind.SLOW_NODE: ("factor",),
+    # copy=replica: the copies other nodes' agents hold of the rank's slots (holder=N: only node
+    # N's), instead of the rank's own slots (copy=local, the default).
+    FaultKind.CORRUPT_SNAPSHOT: ("copy", "holder"),
 }
 # Options without a default that means anything: a net-bandwidth without a rate shapes nothing
 # a user chose, so it must say which.
@@ -199,6 +203,7 @@ PHASES = tuple(p.value for p in StepPhase)
 # when the step begins.
 PHASE_LEAD_STEPS = 2
 ACTIONS = ("drop", "reject")
+COPIES = ("local", "replica")  # corrupt-snapshot's copy=
 
 
 def _q(value: str, limit: int = 40) -> str:
@@ -313,6 +318,11 @@ def check_option(kind: FaultKind, key: str, value: str) -> None:
     elif key == "phase":
         if value not in PHASES:
             raise FaultSpecError(f"{bad} is not one of {', '.join(PHASES)}")
+    elif key == "copy":
+        if value not in COPIES:
+            raise FaultSpecError(f"{bad} is not one of {', '.join(COPIES)}")
+    elif key == "holder":
+        _int("holder", value)
 
 
 def slow_factor(spec: FaultSpec) -> float:
@@ -379,6 +389,8 @@ def parse_spec(text: str) -> FaultSpec:
         raise FaultSpecError(f"fault spec {_q(text, 80)} has both port= and ports=; pick one")
     if "phase" in fields and "t" in fields:
         raise FaultSpecError(f"phase={_q(fields['phase'])} goes with step= (the step it lands in), not t=")
+    if "holder" in fields and fields.get("copy") != "replica":
+        raise FaultSpecError(f"holder={_q(fields['holder'])} names a node holding a replica: it goes with copy=replica")
     trigger = Trigger(
         step=_int("step", fields["step"], MAX_STEP) if "step" in fields else None,
         t=_seconds("t", fields["t"], MAX_T_S) if "t" in fields else None,

@@ -71,6 +71,8 @@ class Kind(str, Enum):
     HEARTBEAT = "heartbeat"
     # An armed in-step fault fired (a kill-rank with phase=): where, just before the rank dies.
     FAULT_LANDED = "fault_landed"
+    # An agent flipped a byte in the replicas it holds of a rank (corrupt-snapshot copy=replica).
+    REPLICAS_CORRUPTED = "replicas_corrupted"
 
 
 class CommandKind(str, Enum):
@@ -199,6 +201,10 @@ def _held(v: Any, lim: Limits | None) -> bool:  # {"<rank>": [steps]}
         for k, s in v.items())
 
 
+def _steps(v: Any, lim: Limits | None) -> bool:  # [step, ...]
+    return isinstance(v, list) and len(v) <= MAX_LIST and all(_nat(x, lim) for x in v)
+
+
 # How a script drives the recovery library (`Training.api`).
 APIS = ("step-function", "ddp", "fsdp")
 
@@ -254,7 +260,7 @@ _WANT: dict[Check, str] = {
     _time: "a timestamp", _grace: f"seconds from 0 to {MAX_GRACE_S:g}", _str: "a string",
     _bool: "true or false", _rank: "a rank of the job", _node: "a node of the job",
     _ranks: "a list of ranks", _lines: "a list of strings", _pids: "{rank: pid}",
-    _rank_words: "{rank: string}", _rank_seconds: "{rank: seconds}", _held: "{rank: [steps]}",
+    _rank_words: "{rank: string}", _rank_seconds: "{rank: seconds}", _held: "{rank: [steps]}", _steps: "[steps]",
     _req: "1-64 ASCII letters or digits", _addr: "a host address", _port: "a port (1-65535)",
     _rank_specs: '[{"rank": rank, "env": {string: string}}]', _api: " or ".join(APIS),
     _restore_source: " or ".join(s.value for s in RestoreSource),
@@ -473,6 +479,16 @@ class FaultLanded(Message):
     gen: int = _field(_nat)
     step: int = _field(_nat)
     phase: str = _field(_phase)
+
+
+@_report(Kind.REPLICAS_CORRUPTED)
+class ReplicasCorrupted(Message):
+    """Node `node`'s agent flipped a byte in each copy it holds of `rank`'s slots (of `steps`;
+    none held: empty), after the checksum it verified when it kept them."""
+
+    node: int = _field(_node)
+    rank: int = _field(_rank)
+    steps: list[int] = _field(_steps)
 
 
 @_report(Kind.CKPT)

@@ -165,6 +165,7 @@ class PeerStore:
         self.refused: list[str] = []  # why puts were refused, newest last (a few kept)
         self.local_slot = local_slot  # (rank, slot index) -> path of this node's slot file
         self.replicas: dict[tuple[int, int], _Replica] = {}  # (rank, slot) -> committed copy
+        self.kept_at: dict[int, float] = {}  # rank -> when a copy of its slots was last kept (monotonic)
         self._buffers: dict[tuple[int, int], bytearray] = {}  # reused from step to step
         self._pending: dict[tuple[int, int], _Replica] = {}  # received, not yet committed
         self._receiving: set[tuple[int, int]] = set()  # slots whose buffer a put is filling
@@ -298,6 +299,7 @@ class PeerStore:
             # Kept only if no newer put of this slot began meanwhile (it reuses the buffer).
             if (rank, step % self.slots) not in self._pending and (rank, step % self.slots) not in self._receiving:
                 self.replicas[(rank, step % self.slots)] = pending
+                self.kept_at[rank] = time.monotonic()
         return {"ok": True}
 
     def find(self, rank: int, step: int, where: str) -> SlotContent | None:
@@ -309,6 +311,30 @@ class PeerStore:
                 replica = self.replicas.get((rank, slot))
                 content = replica.content() if replica is not None else None
         return content if content is not None and content.step == step else None
+
+    def quiet(self, rank: int, for_s: float, within_s: float) -> None:
+        """Wait until no copy of `rank`'s slots has been kept for `for_s` seconds, at most
+        `within_s` seconds: a stopped rank's last copies have arrived."""
+        deadline = time.monotonic() + within_s
+        while time.monotonic() < deadline:
+            with self.lock:
+                since = time.monotonic() - self.kept_at.get(rank, float("-inf"))
+            if since >= for_s:
+                return
+            time.sleep(min(for_s - since, max(0.0, deadline - time.monotonic())))
+
+    def corrupt(self, rank: int) -> list[int]:
+        """corrupt-snapshot copy=replica: flip every bit of one byte in the middle of each copy
+        of `rank`'s slots this store keeps, its checksum left as it was (a bit flip in memory
+        after the copy was verified); the steps of the copies hit."""
+        hit = []
+        with self.lock:
+            for (r, _), replica in self.replicas.items():
+                if r == rank and replica.length > replica.meta_len:
+                    at = replica.meta_len + (replica.length - replica.meta_len) // 2
+                    replica.buf[at] ^= 0xFF
+                    hit.append(replica.step)
+        return sorted(hit)
 
     def inventory(self) -> dict[str, dict[str, list[int]]]:
         """Valid steps held per rank: {"local": {rank: [steps]}, "replica": {rank: [steps]}}."""

@@ -100,7 +100,8 @@ class FaultMetrics:
     recovery_until: str = "step"
     # --verify-restore: "verified", "diverged" or "unchecked" (`_restore_check`); None: not checked.
     restore_check: str | None = None
-    # Where a kill-rank with phase= landed, as the rank said: {"step": S, "phase": P}.
+    # Where a kill-rank with phase= landed, as the rank said: {"step": S, "phase": P}; where a
+    # corrupt-snapshot copy=replica did, as the holders said: {"replicas": {"<node>": [steps]}}.
     landed: dict[str, Any] | None = None
     # What `injected_at` is: "injection" for a fault ffctl injected; for a failure no injected
     # fault explains (kind DETECTED) the onset its record gives ("reported", "agent-exit",
@@ -166,6 +167,21 @@ def _gen_at(inj: Event, events: list[Event]) -> int:
         if ev.get("gen") is not None:
             gen = max(gen, int(ev.get("gen")))
     return gen
+
+
+def _landed(events: list[Event], ti: float, ranks: list[Any], kind: Any) -> dict[str, Any] | None:
+    """Where the fault of `kind` injected at `ti` on `ranks` landed: a phase kill's step and
+    phase, or the replicas each holder corrupted (up to the next injection of its kind, which
+    may land there too)."""
+    after = [ev for ev in events if ev.t >= ti]
+    until = next((ev.t for ev in after if ev.kind is EventKind.FAULT_INJECTED and ev.t > ti
+                  and ev.get("kind") == kind), float("inf"))
+    landings = [ev for ev in after if ev.kind is EventKind.FAULT_LANDED and ev.get("rank") in ranks and ev.t <= until]
+    replicas = {str(ev.get("node")): ev.get("steps") for ev in landings if ev.get("where") == "replica"}
+    if replicas:
+        return {"replicas": replicas}
+    kill = next((ev for ev in landings if ev.get("where") != "replica"), None)
+    return {"step": kill.get("step"), "phase": kill.get("phase")} if kill is not None else None
 
 
 def _first(events: Iterable[Event], pred: Any) -> Event | None:
@@ -348,10 +364,9 @@ def _fault_metrics(inj: Event, events: list[Event], world_size: int, end_t: floa
                          and ev.get("gen") == decision.get("gen") and ev.t >= decision.t)
     started_by = spawned.get("started_by") if spawned is not None else None
     ranks = inj.get("ranks") if isinstance(inj.get("ranks"), list) else []
-    landed = _first(events, lambda ev: ev.kind is EventKind.FAULT_LANDED and ev.t >= ti and ev.get("rank") in ranks)
     return FaultMetrics(
         restore_check=_restore_check(events, decision),
-        landed={"step": landed.get("step"), "phase": landed.get("phase")} if landed is not None else None,
+        landed=_landed(events, ti, ranks, inj.get("kind")),
         fault_id=fid,
         kind=_text(inj.get("kind")),
         target=_text(inj.get("target")),

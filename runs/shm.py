@@ -11,7 +11,7 @@ that is not a regular file of ours is refused.
 
 One owner for the naming contract between the processes that write, list, parse and remove them:
 ranks write snapshot slots (`ffctl-<run>-n<node>-r<rank>-s<slot>`) and read in-step fault files
-(`ffctl-<run>-fault-r<rank>`); the agent claims its node's names with a lock file
+(`ffctl-<run>-fault-r<rank>`; an agent's are `ffctl-<run>-fault-n<node>`); the agent claims its node's names with a lock file
 (`ffctl-<run>-n<node>.lock`), lists, streams and wipes its slots, and keeps the FIFOs its forked
 spares wait on in `ffctl-<run>-n<node>.spares/`; the fault planners write the fault files and
 wipe a rebooted node's slots; the controller sweeps what a killed node left, and `ffctl inject
@@ -37,7 +37,7 @@ _KEY_HEX = 32  # 128 random bits: nobody can make the run's directory name befor
 _RUN_DIR = re.compile(r"ffctl-([A-Za-z0-9][A-Za-z0-9._-]{0,127})-([0-9a-f]{%d})" % _KEY_HEX)
 _OPEN = os.O_NOFOLLOW | os.O_CLOEXEC
 _SLOT_TAIL = re.compile(r"r([0-9]{1,9})-s([0-9])")  # s0, s1 (and s2 under --verify-restore)
-_FAULT_TAIL = re.compile(r"r([0-9]{1,9})")
+_FAULT_TAIL = re.compile(r"[rn]([0-9]{1,9})")  # a rank's in-step fault file, a node agent's
 
 
 def node_prefix(run_id: str, node: int) -> str:
@@ -60,6 +60,12 @@ def fault_prefix(run_id: str) -> str:
 def fault_path(fault_dir: str, run_id: str, rank: int) -> str:
     """Where an in-step fault for `rank` is dropped (a string: it goes on a command line)."""
     return f"{fault_dir.rstrip('/') or ''}/{fault_prefix(run_id)}r{rank}"
+
+
+def agent_fault_path(fault_dir: str, run_id: str, node: int) -> str:
+    """Where a fault for node `node`'s agent is dropped (corrupt-snapshot copy=replica: the
+    replicas it holds); the agent looks for it at every turn of its loop."""
+    return f"{fault_dir.rstrip('/') or ''}/{fault_prefix(run_id)}n{node}"
 
 
 def parse_slot(name: str, run_id: str, node: int) -> tuple[int, int] | None:
@@ -92,9 +98,9 @@ def node_slots(shm_dir: str, run_id: str, node: int) -> list[Path]:
 
 
 def fault_files(fault_dir: str, run_id: str) -> list[Path]:
-    """The run's in-step fault files that exist now (one a rank, until the rank reads it)."""
+    """The run's fault files that exist now (one a rank or an agent, until it reads it)."""
     prefix = fault_prefix(run_id)
-    return sorted(p for p in Path(fault_dir).glob(prefix + "r*") if _FAULT_TAIL.fullmatch(p.name[len(prefix):]))
+    return sorted(p for p in Path(fault_dir).glob(prefix + "*") if _FAULT_TAIL.fullmatch(p.name[len(prefix):]))
 
 
 def spare_dir(shm_dir: str, run_id: str, node: int) -> Path:

@@ -126,6 +126,7 @@ class Agent:
                         last_beat = now
                     if self.steps is not None:
                         self.steps.poll()
+                    self.snapshots.take_fault()
                     self.workers.reap()
                     self.workers.tend_template()
                     self.workers.reap_orphans()

@@ -10,6 +10,8 @@ A (re)started node is an empty node: its slots are wiped when it is claimed and 
 """
 from __future__ import annotations
 
+import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -25,6 +27,10 @@ from runs import shm
 # How long a restarted node's agent waits for its predecessor on the same host to let go of the
 # node's claim.
 CLAIM_WAIT_S = 10.0
+# corrupt-snapshot copy=replica hits a rank's copies once none has come in for QUIET_S (or after
+# QUIET_WITHIN_S of a rank that keeps training, whose next copy replaces the one hit).
+QUIET_S = 0.3
+QUIET_WITHIN_S = 3.0
 
 
 class NodeSnapshots:
@@ -49,6 +55,9 @@ class NodeSnapshots:
                 reporter.report(messages.AgentFailed, reason=str(exc))
                 raise
         self.wipe()
+        self.reporter = reporter
+        self.fault_file = shm.agent_fault_path(cfg.shm_dir, cfg.run_id, cfg.node) if cfg.shm_dir else None
+        self._taking = False
         self.peer = PeerStore(cfg.address, cfg.token, self.slot, on_refused=reporter.peer_refused,
                               slots=cfg.snapshot_slots).start()
         self.replicator = Replicator(cfg.run_id, cfg.node, cfg.token, self.slot_files, reporter.report_kind)
@@ -72,6 +81,43 @@ class NodeSnapshots:
             if header is not None and header.valid:
                 local.setdefault(str(rank), []).append(header.step)
         return {"local": local, "replica": self.peer.inventory()["replica"]}
+
+    def take_fault(self) -> None:
+        """A fault dropped for this agent (`corrupt-replica:<rank>`, from corrupt-snapshot
+        copy=replica), carried out beside the agent's loop and reported; anything else in the
+        file, or a file that is not ours, is refused and reported, never fatal. The file goes
+        once the fault is done: the command that dropped it waits for that."""
+        if self.fault_file is None or self._taking or not os.path.lexists(self.fault_file):
+            return
+        try:
+            text = shm.read_small(self.fault_file).decode("ascii", "replace").strip()
+        except OSError as exc:
+            self._done_with_fault()
+            self.reporter.rejected("agent fault file", -1, str(exc), b"")
+            return
+        what, _, rank = text.partition(":")
+        if what != "corrupt-replica" or not rank.isdigit():
+            self._done_with_fault()
+            self.reporter.rejected("agent fault file", -1, "not a fault this agent knows", text.encode()[:200])
+            return
+        self._taking = True
+        threading.Thread(target=self._corrupt, args=(int(rank),), name="ffctl-fault", daemon=True).start()
+
+    def _corrupt(self, rank: int) -> None:
+        # The copies a stopped rank's stream still brings (its last slots, a few milliseconds
+        # behind) are hit too: the fault waits for the stream to go quiet, a few seconds at most.
+        try:
+            self.peer.quiet(rank, QUIET_S, QUIET_WITHIN_S)
+            self.reporter.report(messages.ReplicasCorrupted, rank=rank, steps=self.peer.corrupt(rank))
+        finally:
+            self._done_with_fault()
+            self._taking = False
+
+    def _done_with_fault(self) -> None:
+        try:
+            os.unlink(self.fault_file or "")
+        except OSError:
+            pass
 
     def set_neighbor(self, address: str | None, port: int | None,
                      also: list[tuple[str, int]] | None = None) -> None:

@@ -79,7 +79,9 @@ def restart_verdict(max_restarts: int, used: int, injected: bool,
     failure (a bug in the script, a recovery that itself fails) spends one restart, as
     torchrun's `--max-restarts` counts them; with the budget spent the job stops, and a crash loop
     (the same failure again right after a restore) stops it at once, since a restore cannot
-    change what happens next.
+    change what happens next. A copy a rank refused on restore (`restore-failed`) is passed as
+    `injected` too: the same recovery moves on to the next copy (another holder's, an older step,
+    disk), and the copies are finite, so the chain ends without a budget.
     """
     if injected:
         return Verdict(None, False)
@@ -188,14 +190,14 @@ class RecoveryCoordinator:
             if self.strategy is Strategy.NONE:
                 self._stop(failure, ids, f"{failure.cause} and --recovery none: the job stops")
             sig = failure.signature() if self.crash_loop_guard else None
-            verdict = restart_verdict(self.max_restarts, self.restarts, bool(ids), sig, self._restored_from)
+            verdict = restart_verdict(self.max_restarts, self.restarts,  # a refused copy: on to the next
+                                      bool(ids) or Cause.RESTORE_FAILED in failure.causes, sig, self._restored_from)
             if verdict.stop is not None:
                 self._stop(failure, ids, f"{verdict.stop}: the job stops")
             if verdict.counted:
                 self.restarts += 1
-                # Compared with the next failure even when that one cuts this recovery short: a
-                # rank failing at the same step again has been restored (it got that far), even
-                # when its "restored" arrived in the same breath as its error.
+                # Compared with the next failure even when that one cuts this recovery short: a rank
+                # failing at the same step again was restored, though its "restored" came with its error.
                 self._restored_from = sig
             try:
                 decision, respawn = self._recover_once(failure, ids)
@@ -354,6 +356,7 @@ class RecoveryCoordinator:
                 job.pending = None  # exits of ranks we are replacing anyway
             else:
                 raise RecoveryAbandoned("another rank failed while recovering")
+        job.copy_holders[new_gen] = decision.replica_holders()  # a copy found corrupt is its holder's
         cluster.open_generation(new_gen, decision, respawn)
         cluster.await_generation(new_gen, respawn, decision.restore_step, RestoreSource(decision.restore_source))
         return decision, respawn

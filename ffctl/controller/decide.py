@@ -61,6 +61,10 @@ class Decision:
     def sources(self) -> Mapping[int, Source]:
         return self.plan.sources
 
+    def replica_holders(self) -> dict[int, str]:
+        """Rank -> the snapshot channel ("address:port") of the replica it restores from."""
+        return {r: f"{s.address}:{s.port}" for r, s in self.sources.items() if isinstance(s, PeerReplica)}
+
     @classmethod
     def fresh(cls, gen: int, world_size: int, strategy: str, label: RestoreSource = RestoreSource.NONE) -> Decision:
         """Every rank of generation `gen` starts from step 0."""
@@ -101,13 +105,13 @@ def decide(
     inventories: dict[int, Inventory],
     all_nodes: list[int],
     disk_step: int | None,
-    exclude: frozenset[tuple[int, int, str]] = frozenset(),
+    exclude: frozenset[tuple[int, int, str, str]] = frozenset(),
     *,
     gen: int,
     replay: bool = False,
 ) -> Decision | None:
-    """Generation `gen`'s plan. `exclude` holds (rank, step, source kind) copies a rank found
-    corrupt: never offered again. `replay`: restore the oldest common step, to verify."""
+    """Generation `gen`'s plan. `exclude` holds (rank, step, source kind, holder) copies a rank
+    found corrupt (holder: a replica's "address:port", "" for a local slot): never offered again. `replay`: restore the oldest common step, to verify."""
     world = sorted(members)
     if strategy == Strategy.RESTART_DISK:
         if disk_step is None:
@@ -128,11 +132,11 @@ def decide(
         # rank's newest copy may sit elsewhere). A local slot wins over a replica of the same step.
         for inv in held_by.get(rank, ()):
             for step in inv.replica[rank]:
-                if (rank, step, RestoreSource.PEER_MEMORY) not in exclude:
+                if (rank, step, RestoreSource.PEER_MEMORY, f"{inv.address}:{inv.port}") not in exclude:
                     here[step] = PeerReplica(address=inv.address, port=inv.port, where=Where.REPLICA)
         if node not in lost_nodes and node in inventories:
             for step in inventories[node].local.get(rank, frozenset()):
-                if (rank, step, RestoreSource.LOCAL_MEMORY) not in exclude:
+                if (rank, step, RestoreSource.LOCAL_MEMORY, "") not in exclude:
                     here[step] = LocalSlot(node=node)
         options[rank] = here
     common = set.intersection(*(set(o) for o in options.values())) if options else set()

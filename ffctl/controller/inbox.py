@@ -177,8 +177,10 @@ class Inbox:
 
     def _on_restore_failed(self, msg: messages.RestoreFailed) -> None:
         self.job.reports.add(Report.RESTORE_FAILED, msg.gen, (msg.rank,))
-        # That copy is never offered again: the next decision picks another or disk.
-        self.job.bad_sources.add((msg.rank, msg.step, msg.source))
+        # That copy is never offered again: the next decision picks another (a replica another
+        # node holds of the same step, an older step) or disk.
+        holder = self.job.copy_holders.get(msg.gen, {}).get(msg.rank, "")
+        self.job.bad_sources.add((msg.rank, msg.step, msg.source, holder))
         # The detail names the copy refused: the report lists each one under the fault.
         self.job.fail(Failure("restore-failed", {msg.rank}, t=time.time(),
                               detail=f"rank {msg.rank}'s {msg.source.value} copy of step {msg.step}: {msg.reason}"))
@@ -216,6 +218,10 @@ class Inbox:
 
     def _on_fault_landed(self, msg: messages.FaultLanded) -> None:
         self.record(EventKind.FAULT_LANDED, rank=msg.rank, node=msg.node, gen=msg.gen, step=msg.step, phase=msg.phase)
+
+    def _on_replicas_corrupted(self, msg: messages.ReplicasCorrupted) -> None:
+        # Where a corrupt-snapshot copy=replica landed: the holder and the steps of its copies.
+        self.record(EventKind.FAULT_LANDED, rank=msg.rank, node=msg.node, steps=msg.steps, where="replica")
 
     def _on_training(self, msg: messages.Training) -> None:
         self.training_api = msg.api
@@ -296,6 +302,7 @@ class Inbox:
         messages.Kind.TRAINING: _on_training,
         messages.Kind.HEARTBEAT: _on_heartbeat,
         messages.Kind.FAULT_LANDED: _on_fault_landed,
+        messages.Kind.REPLICAS_CORRUPTED: _on_replicas_corrupted,
     }
 
     def _ever_announced(self, rank: int) -> bool:

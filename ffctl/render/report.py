@@ -90,7 +90,7 @@ def fault_fields(f: dict[str, Any]) -> list[tuple[str, str]]:
         ("lost GPU-h", _gpu_h(f.get("lost_gpu_hours"))),
         ("restore source", f.get("restore_source") or "-"),
         ("restore check", f.get("restore_check") or "-"),
-        ("landed", f"step {f['landed']['step']}, {f['landed']['phase']}" if f.get("landed") else "-"),
+        ("landed", landed_text(f.get("landed"))),
         ("copies refused", "; ".join(f.get("rejected_copies") or []) or "-"),
         ("started by", started_text(f)),
         ("emulated", "yes" if f.get("emulated") else "no"),
@@ -529,3 +529,13 @@ def render_plan(lines: list[str], console: Console) -> None:
     for line in lines:
         # Never wrapped: these are commands a user copies, word for word.
         console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+
+def landed_text(landed: Any) -> str:
+    """Where a fault landed: a phase kill's step and phase, or each holder's corrupted replicas."""
+    if not isinstance(landed, dict):
+        return "-"
+    if isinstance(landed.get("replicas"), dict):
+        return "; ".join(f"node {n}'s replicas of step(s) {', '.join(map(str, steps or [])) or 'none'}"
+                         for n, steps in sorted(landed["replicas"].items()))
+    return f"step {landed.get('step')}, {landed.get('phase')}"

@@ -238,6 +238,45 @@ def test_corrupted_slot_is_detected_and_not_used(
     assert_nothing_left(workdir)
 
 
+@pytest.mark.parametrize("holder, fallback", [("1", "peer-memory"), (None, "disk")], ids=["one-holder", "every-holder"])
+def test_a_corrupted_replica_is_refused_and_the_next_copy_restores(
+    workdir: Path, holder: str | None, fallback: str
+) -> None:
+    """Three nodes, each rank's slots on both other nodes (--snapshot-copies 2). At step 24 rank 2
+    is stopped (it writes no newer snapshot), the replicas other nodes' agents hold of it get a
+    flipped byte (`corrupt-snapshot` copy=replica: node 1's only, or every holder's), then node 2
+    is killed. The replacement finds each corrupted copy's checksum wrong and says so; the next
+    decision takes the other holder's copy of the same step, or, with every copy hit, the disk
+    checkpoint; the losses stay the fault-free run's."""
+    common = ["--nnodes", "3", "--nproc-per-node", "1", "--steps", "40", "--seed", "3", "--ckpt-every", "10"]
+    base = launch(workdir, rid("rep-base"), *common)
+    assert base.returncode == 0, base.stderr[-3000:]
+    corrupt = "corrupt-snapshot:rank=2,step=24,copy=replica" + (f",holder={holder}" if holder else "")
+    res = launch(workdir, rid("rep-crc"), *common, "--snapshot-copies", "2", "--spares", "1",
+                 "--inject", "hang-rank:rank=2,step=24,duration=60", "--inject", corrupt,
+                 "--inject", "kill-node:node=2,step=24")
+    assert res.returncode == 0, res.stderr[-3000:]
+    landed = [ev for ev in res.events if ev.kind is EventKind.FAULT_LANDED and ev.get("where") == "replica"]
+    assert sorted(ev.get("node") for ev in landed) == ([int(holder)] if holder else [0, 1]), [e.data for e in landed]
+    assert all(ev.get("rank") == 2 and ev.get("steps") for ev in landed), [e.data for e in landed]
+    failed = [ev for ev in res.events if ev.kind is EventKind.FAILURE_DETECTED and ev.get("cause") == "restore-failed"]
+    assert failed and all("peer-memory copy of step" in str(ev.get("detail")) and "checksum" in str(ev.get("detail"))
+                          for ev in failed), [ev.get("detail") for ev in failed]
+    sources = [ev.get("restore_source") for ev in res.events if ev.kind is EventKind.RECOVERY_DECIDED]
+    assert sources[0] == "peer-memory" and sources[-1] == fallback, sources
+    kill = next(f for f in res.report["faults"] if f["kind"] == "kill-node")
+    assert kill["recovered"] and kill["restore_source"] == fallback, kill
+    assert len(kill["rejected_copies"]) == len(failed) and "rank 2's peer-memory copy" in kill["rejected_copies"][0]
+    if holder:
+        # One copy refused, the other holder's copy of the very same step restored.
+        decided = [ev for ev in res.events if ev.kind is EventKind.RECOVERY_DECIDED]
+        assert len(failed) == 1 and decided[-1].get("restore_step") == decided[0].get("restore_step"), [e.data for e in decided]
+    corr = next(f for f in res.report["faults"] if f["kind"] == "corrupt-snapshot")
+    assert set(corr["landed"]["replicas"]) == ({holder} if holder else {"0", "1"}), corr
+    assert res.report["loss_by_step"] == base.report["loss_by_step"]  # never silently wrong state
+    assert_nothing_left(workdir)
+
+
 def test_both_copies_lost_falls_back_to_disk(workdir: Path, baseline: list[list[float]]) -> None:
     res = launch(workdir, rid("both"), "--steps", "60", "--seed", "3", "--ckpt-every", "10",
                  "--inject", "kill-node:mode=all,step=25")

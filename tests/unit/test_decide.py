@@ -58,8 +58,26 @@ def test_excluded_copy_is_never_offered() -> None:
     invs = {0: inv(0, {0: {24, 25}, 1: {24, 25}}, {2: {24, 25}, 3: {24, 25}}),
             1: inv(1, {2: {24, 25}, 3: {24, 25}}, {0: {24, 25}, 1: {24, 25}})}
     d = decide("peer", MEMBERS, {1}, set(), invs, NODES, None,
-               frozenset({(1, 25, "local-memory"), (1, 24, "local-memory")}), gen=1)
+               frozenset({(1, 25, "local-memory", ""), (1, 24, "local-memory", "")}), gen=1)
     assert d is not None and isinstance(d.sources[1], PeerReplica) and d.restore_step == 25
+
+
+def test_a_corrupt_replica_rules_out_that_holder_only() -> None:
+    """--snapshot-copies 2 on three nodes: node 2's rank restores from one holder's replica; once
+    that copy is found corrupt, the same step comes from the other holder, and only with both
+    ruled out does the decision go back a step (or to disk)."""
+    members = {0: 0, 1: 1, 2: 2}
+    invs = {0: inv(0, {0: {24, 25}}, {2: {24, 25}, 1: {24, 25}}), 1: inv(1, {1: {24, 25}}, {2: {24, 25}, 0: {24, 25}})}
+    first = decide("peer", members, {2}, {2}, invs, [0, 1, 2], 20, gen=1)
+    assert first is not None and first.restore_step == 25 and isinstance(first.sources[2], PeerReplica)
+    used = f"{first.sources[2].address}:{first.sources[2].port}"
+    again = decide("peer", members, {2}, {2}, invs, [0, 1, 2], 20, frozenset({(2, 25, "peer-memory", used)}), gen=2)
+    assert again is not None and again.restore_step == 25 and again.restore_source == "peer-memory"
+    other = again.sources[2]
+    assert isinstance(other, PeerReplica) and f"{other.address}:{other.port}" != used
+    both = frozenset({(2, 25, "peer-memory", "10.0.0.1:4000"), (2, 25, "peer-memory", "10.0.0.2:4001")})
+    back = decide("peer", members, {2}, {2}, invs, [0, 1, 2], 20, both, gen=3)
+    assert back is not None and back.restore_step == 24 and back.restore_source == "peer-memory"
 
 
 def test_restart_disk_without_checkpoint_starts_over() -> None:

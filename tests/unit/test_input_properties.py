@@ -108,7 +108,8 @@ GOOD = {
     "mode": ["one", "all", "fixed:2", "percent:50"], "step": ["0", "3", "25"], "t": ["0", "2.5", "90s", "100ms"],
     "duration": ["5", "2.5s", "1m"], "seed": ["0", "7"], "rate": ["1mbit", "8kbit"], "delay": ["100ms", "2s"],
     "loss": ["10%", "0.5%"], "port": ["7400"], "ports": ["7000|7001"], "action": ["drop", "reject"],
-    "mb": ["64"], "signal": ["segv", "exception"], "peer": ["0", "1"], "factor": ["3", "1.5"], "drain": ["yes", "no"], "phase": ["collective", "forward"],
+    "mb": ["64"], "signal": ["segv", "exception"], "peer": ["0", "1"], "factor": ["3", "1.5"], "drain": ["yes", "no"],
+    "phase": ["collective", "forward"], "copy": ["local", "replica"], "holder": ["0", "1"],
 }
 
 
