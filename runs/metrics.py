@@ -177,9 +177,9 @@ def _landed(events: list[Event], ti: float, ranks: list[Any], kind: Any) -> dict
     until = next((ev.t for ev in after if ev.kind is EventKind.FAULT_INJECTED and ev.t > ti
                   and ev.get("kind") == kind), float("inf"))
     landings = [ev for ev in after if ev.kind is EventKind.FAULT_LANDED and ev.get("rank") in ranks and ev.t <= until]
-    replicas = {str(ev.get("node")): ev.get("steps") for ev in landings if ev.get("where") == "replica"}
-    if replicas:
-        return {"replicas": replicas}
+    if kind == "corrupt-snapshot":
+        replicas = {str(ev.get("node")): ev.get("steps") for ev in landings if ev.get("where") == "replica"}
+        return {"replicas": replicas} if replicas else None
     kill = next((ev for ev in landings if ev.get("where") != "replica"), None)
     return {"step": kill.get("step"), "phase": kill.get("phase")} if kill is not None else None
 

@@ -36,8 +36,9 @@ def _last(events_path: Path, kind: EventKind, **match: object) -> Event:
 
 
 def test_a_rank_killed_and_an_agent_stopped_from_outside_are_detected_faults(tmp_path: Path) -> None:
-    # Both faults are over within about 60 steps (1 s heartbeat timeout); 200 leave room for a slow host.
-    args = ("--nnodes", "2", "--nproc-per-node", "2", "--steps", "200", "--spares", "1")
+    # Both faults are over within about 60 steps (1 s heartbeat timeout, a step being about 50 ms
+    # here; a slower host takes fewer steps for it); 130 leave room.
+    args = ("--nnodes", "2", "--nproc-per-node", "2", "--steps", "130", "--spares", "1")
     base = launch(tmp_path, rid("base"), *args)
     assert base.returncode == 0, base.stderr
     run_id = rid("outside")

@@ -727,3 +727,28 @@ def test_an_abandoned_deeper_rollback_does_not_lose_a_committed_step() -> None:
     losses = final_losses(b.events)
     assert sorted(losses) == list(range(1, 41))
     assert losses[30] == loss_at(30, 0)
+
+
+def test_where_a_fault_landed_is_told_to_its_own_kind_only() -> None:
+    """A replica corruption's landings (each holder's) belong to the corrupt-snapshot fault, not
+    to the kill injected behind it; a phase kill's landing to the kill."""
+    b = StreamBuilder()
+    b.run_started(world_size=3, strategy="peer")
+    b.steps(1, 10)
+    b.fault_injected("c", kind="corrupt-snapshot", target="rank:2", ranks=(2,), nodes=(2,), at_step=10)
+    b.fault_injected("k", kind="kill-node", target="rank:2", ranks=(2,), nodes=(2,), at_step=10, dt=0.1)
+    b.emit(EventKind.FAULT_LANDED, 0.01, rank=2, node=0, steps=[9, 10], where="replica")
+    b.emit(EventKind.FAULT_LANDED, 0.01, rank=2, node=1, steps=[], where="replica")
+    b.failure_detected(["k"], gen=0, cause="node-lost", ranks=(2,), nodes=(2,), dt=0.1)
+    b.recovery(["k"], gen=1, restore_step=10, restore_source="disk")
+    b.steps(11, 13, gen=1)
+    b.fault_injected("p", kind="kill-rank", target="rank:1", ranks=(1,), nodes=(1,), at_step=13)
+    b.emit(EventKind.FAULT_LANDED, 0.01, rank=1, node=1, gen=1, step=14, phase="collective")
+    b.failure_detected(["p"], gen=1, dt=0.1)
+    b.recovery(["p"], gen=2, restore_step=13, restore_source="local-memory")
+    b.steps(14, 16, gen=2)
+    b.run_finished("completed")
+    m = compute("landed", b.events)
+    assert fault_by_id(m, "c").landed == {"replicas": {"0": [9, 10], "1": []}}
+    assert fault_by_id(m, "k").landed is None
+    assert fault_by_id(m, "p").landed == {"step": 14, "phase": "collective"}
