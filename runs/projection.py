@@ -37,6 +37,17 @@ WARMUP_STEPS = 5
 # no per-step snapshot (their step time is the reference the overhead is measured against), and
 # those without a recovery to project (`none` fails the job: it only serves as that reference).
 PER_STEP_SNAPSHOTS = frozenset({"peer", "restart-memory"})
+
+
+def strategy_label(strategy: str, copies: int) -> str:
+    """How a run's strategy is named in a projection: with `--snapshot-copies` above 1, the
+    copies too, so that what K copies cost per step is a strategy of its own beside K = 1."""
+    return strategy if copies <= 1 or strategy not in PER_STEP_SNAPSHOTS else f"{strategy} ({copies} copies)"
+
+
+def base_strategy(label: str) -> str:
+    """The strategy a label names (`peer (2 copies)` -> `peer`)."""
+    return label.split(" (", 1)[0]
 NO_STEP_SNAPSHOTS = frozenset({"none", "restart-disk"})
 NOT_PROJECTED = frozenset({"none"})
 HEADLINE = "ettr_daly"
@@ -276,7 +287,10 @@ def measure_run(report: Mapping[str, Any], events: Sequence[Event], job: str = "
             # nobody injected (kind detected, cause straggler) slowed it and stopped nothing.
             stops_job=stops.get(fid, f.get("detection_s") is not None and f.get("cause") != "straggler"),
             recovered=bool(f.get("recovered"))))
-    return RunMeasure(str(report["run_id"]), str(report.get("strategy") or "-"), int(report.get("world_size") or 0),
+    started = next((ev for ev in events if ev.kind is EventKind.RUN_STARTED), None)
+    copies = started.get("snapshot_copies") if started is not None else None
+    label = strategy_label(str(report.get("strategy") or "-"), copies if isinstance(copies, int) else 1)
+    return RunMeasure(str(report["run_id"]), label, int(report.get("world_size") or 0),
                       job, tuple(intervals), tuple(after), tuple(writes), tuple(costs),
                       wall_s=float(report.get("wall_s") or 0.0),
                       goodput=None if report.get("goodput") is None else float(report["goodput"]))
@@ -338,21 +352,22 @@ def strategy_inputs(measures: Sequence[RunMeasure]) -> list[StrategyInputs]:
     time is that of the runs of the same job and world size without per-step snapshots."""
     reference: dict[tuple[int, str], list[float]] = {}
     for m in measures:
-        if m.strategy in NO_STEP_SNAPSHOTS:
+        if base_strategy(m.strategy) in NO_STEP_SNAPSHOTS:
             reference.setdefault((m.world_size, m.job), []).extend(m.intervals)
     by_strategy: dict[str, list[RunMeasure]] = {}
     for m in measures:
         by_strategy.setdefault(m.strategy, []).append(m)
     out = []
     for strategy, runs in by_strategy.items():
+        base = base_strategy(strategy)
         # Means, not medians: commits reach the controller in bursts (a step is reported once its
         # snapshot is durable), so single intervals swing between ~0 and two steps, and only their
         # sum (the mean) is the job's pace.
         step_s = _mean(x for m in runs for x in m.intervals)
         ref_pool = [x for m in runs for x in reference.get((m.world_size, m.job), [])]
-        ref_s = step_s if strategy in NO_STEP_SNAPSHOTS else _mean(ref_pool)
+        ref_s = step_s if base in NO_STEP_SNAPSHOTS else _mean(ref_pool)
         overhead = None
-        if strategy in PER_STEP_SNAPSHOTS and step_s is not None and ref_s:
+        if base in PER_STEP_SNAPSHOTS and step_s is not None and ref_s:
             # Kept as measured, below 0 too (the machine's noise shows); the model takes it as 0 then.
             overhead = step_s / ref_s - 1.0
         after = _mean(x for m in runs for x in m.after_ckpt)
@@ -360,8 +375,8 @@ def strategy_inputs(measures: Sequence[RunMeasure]) -> list[StrategyInputs]:
         used = [f for m in runs for f in m.faults if f.stops_job and f.recovered]
         restart_by_kind = _by_kind(used, "restart_s")
         # A per-step strategy's disk checkpoints are its fallback, not what its recovery costs.
-        checkpoints = strategy not in PER_STEP_SNAPSHOTS and (
-            strategy == "restart-disk" or any(m.ckpt_writes for m in runs))
+        checkpoints = base not in PER_STEP_SNAPSHOTS and (
+            base == "restart-disk" or any(m.ckpt_writes for m in runs))
         out.append(StrategyInputs(
             strategy=strategy, runs=tuple(m.run_id for m in runs), step_s=step_s, reference_step_s=ref_s,
             snapshot_overhead=overhead,
@@ -475,7 +490,7 @@ def _notes(inputs: list[StrategyInputs], spec: ProjectionSpec) -> list[str]:
         if s.faults_left_out:
             notes.append(f"{s.strategy}: {s.faults_left_out} fault(s) left out (slowdowns that stop nothing, or never "
                          "recovered)")
-        if s.strategy in PER_STEP_SNAPSHOTS and s.snapshot_overhead is None:
+        if base_strategy(s.strategy) in PER_STEP_SNAPSHOTS and s.snapshot_overhead is None:
             notes.append(f"{s.strategy}: snapshot overhead not measured (no run of the same job without per-step "
                          "snapshots, e.g. --recovery none or restart-disk): taken as 0")
         if s.snapshot_overhead is not None and s.snapshot_overhead < 0:

@@ -247,7 +247,8 @@ class Controller:
                     steps=spec.steps, seed=spec.seed, model=spec.model,
                     script=list(spec.script), spares=spec.spares, ckpt_every=spec.ckpt_every,
                     max_restarts=self.max_restarts, plain_script=self.plain_script,
-                    role=spec.role, torchrun=dict(spec.torchrun), verify_restore=spec.verify_restore)
+                    role=spec.role, torchrun=dict(spec.torchrun), verify_restore=spec.verify_restore,
+                    snapshot_copies=spec.snapshot_copies)
         if spec.verify_restore and self.plain_script:
             self.announce("--verify-restore: the script does not use the recovery library; it restores itself "
                           "after a restart, and nothing is replayed or checked")

@@ -64,6 +64,7 @@ class StreamBuilder:
         steps: int = 100,
         seed: int = 0,
         dt: float = 0.0,
+        **data: Any,
     ) -> Event:
         return self.emit(
             EventKind.RUN_STARTED,
@@ -74,6 +75,7 @@ class StreamBuilder:
             nproc_per_node=max(1, world_size // max(1, nnodes)),
             steps=steps,
             seed=seed,
+            **data,
         )
 
     def run_finished(self, status: Any = "completed", dt: float = 0.0, **data: Any) -> Event:

@@ -113,12 +113,12 @@ def test_a_fleet_refuses_bad_rates(kwargs: dict[str, float]) -> None:
 
 def fault_run(start: float, strategy: str, *, step_s: float = 0.5, ckpt_every: int = 0, save_s: float = 0.25,
               spare: bool = True, kind: str = "kill-node", lost_steps: int = 0, world: int = 4,
-              faults: bool = True, breaks_job: bool = True) -> StreamBuilder:
+              faults: bool = True, breaks_job: bool = True, copies: int = 1) -> StreamBuilder:
     """Steps 1-20 at `step_s` (a disk checkpoint every `ckpt_every` steps, each blocking `save_s`
     before the next step), a fault at step 20 recovered in 2.25 s back to step 20 - lost_steps,
     then steps to 40."""
     b = StreamBuilder(start=start)
-    b.run_started(world_size=world, strategy=strategy)
+    b.run_started(world_size=world, strategy=strategy, snapshot_copies=copies)
 
     def steps(first: int, last: int, gen: int) -> None:
         for s in range(first, last + 1):
@@ -197,6 +197,21 @@ def test_snapshot_overhead_against_the_same_job_without_per_step_snapshots() -> 
     (s,) = doc["strategies"]
     assert s["inputs"]["snapshot_overhead"] == pytest.approx(-0.2)
     assert s["projections"][0]["delta_s"] == 0.0 and any("20.0% faster" in n for n in doc["notes"])
+
+
+def test_snapshot_copies_are_a_strategy_of_their_own_with_their_own_overhead() -> None:
+    """What a second copy of every snapshot costs per step: `--snapshot-copies 2` runs are pooled
+    apart from K = 1 runs, each against the same reference."""
+    one = measured(fault_run(1000.0, "peer", step_s=0.55), "p1", job="model small")
+    two = measured(fault_run(2000.0, "peer", step_s=0.6, copies=2), "p2", job="model small")
+    ref = measured(fault_run(3000.0, "none", faults=False, copies=2), "n", job="model small")
+    assert two.strategy == "peer (2 copies)" and ref.strategy == "none"  # no copies without snapshots
+    by = {s.strategy: s for s in strategy_inputs([one, two, ref])}
+    assert by["peer"].snapshot_overhead == pytest.approx(0.1)
+    assert by["peer (2 copies)"].snapshot_overhead == pytest.approx(0.2)
+    doc = project([one, two, ref], ProjectionSpec(Fleet.preset("llama3")))
+    assert [s["strategy"] for s in doc["strategies"]] == ["peer", "peer (2 copies)"]
+    assert doc["strategies"][1]["projections"][0]["delta_s"] > doc["strategies"][0]["projections"][0]["delta_s"]
 
 
 def test_slowdowns_and_unrecovered_faults_are_not_failures() -> None:
