@@ -19,6 +19,7 @@ checksum wrong, and the recovery falls back to the next copy (another holder, th
 from __future__ import annotations
 
 from fault_injectors.plan import FaultPlan, HostCommand, Topology
+from fault_injectors.process import DROP_FAULT_SCRIPT
 from fault_injectors.spec import FaultSpec, FaultSpecError
 from runs.shm import agent_fault_path, slot_path
 
@@ -49,15 +50,11 @@ def corrupt_command(topo: Topology, rank: int) -> HostCommand:
     return HostCommand(node.node, node.host, argv, node.netns)
 
 
-# $1 the run's directory, $2 what, $3 the agent's fault file: written under a name mktemp
-# creates exclusively and renamed into place, as the ranks' in-step faults are
-# (`fault_injectors.process`). The agent takes it (and removes it) at the next turn of its loop;
-# the command ends once it has, so that a fault injected after this one (the kill it is meant to
-# precede) finds the replicas already hit, and fails if the agent never does.
-AGENT_FAULT_SCRIPT = (
-    r'[ -d "$1" ] && [ ! -L "$1" ] && [ -O "$1" ] || { echo "$1: not a directory of ours" >&2; exit 1; }; '
-    r't=$(mktemp -p "$1" .fault.XXXXXXXX) || exit 1; '
-    r'{ printf %s "$2" > "$t" && mv -f -T -- "$t" "$3"; } || { rm -f -- "$t"; exit 1; }; '
+# $1 the run's directory, $2 what, $3 the agent's fault file, dropped as the ranks' in-step
+# faults are. The agent takes it (and removes it) at the next turn of its loop; the command ends
+# once it has, so that a fault injected after this one (the kill it is meant to precede) finds
+# the replicas already hit, and fails if the agent never does.
+AGENT_FAULT_SCRIPT = DROP_FAULT_SCRIPT + (
     r'i=0; while [ -e "$3" ]; do i=$((i + 1)); '
     r'[ "$i" -le 100 ] || { rm -f -- "$3"; echo "the agent did not take the fault within 10s" >&2; exit 1; }; '
     r'sleep 0.1; done'

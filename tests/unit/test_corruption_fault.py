@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
 import zlib
 from pathlib import Path
 
@@ -96,3 +97,33 @@ def test_a_symlink_or_a_missing_slot_is_never_written_through(shm: Path, tmp_pat
     done = run(cmd.argv)
     assert done.returncode == 1 and "not a directory of ours" in done.stderr
 
+
+
+def test_copy_replica_drops_the_fault_for_every_other_nodes_agent_and_waits_for_it(shm: Path) -> None:
+    """copy=replica: one command per holder (every node but the rank's own, or holder=N), each
+    dropping `corrupt-replica:<rank>` into that agent's fault file and ending once the agent has
+    taken it; holder= the rank's own node (or one not in the job) is refused."""
+    from runs.shm import agent_fault_path
+
+    plan = make_plan(parse_spec("corrupt-snapshot:rank=1,step=5,copy=replica"), world(shm))
+    (cmd,) = plan.apply  # node 0 is the only other node
+    assert cmd.node == 0 and cmd.argv[-2:] == ("corrupt-replica:1", agent_fault_path(str(shm), "run1", 0))
+    with pytest.raises(Exception, match="holder=1: rank 1's replicas are held by node"):
+        make_plan(parse_spec("corrupt-snapshot:rank=1,step=5,copy=replica,holder=1"), world(shm))
+    with pytest.raises(Exception, match="holder=.* goes with copy=replica"):
+        parse_spec("corrupt-snapshot:rank=1,step=5,holder=0")
+    # Run for real: the "agent" takes the file; the command ends when it has, and succeeds.
+    target = Path(agent_fault_path(str(shm), "run1", 0))
+    proc = subprocess.Popen(list(cmd.argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 20
+        while not target.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert target.read_text() == "corrupt-replica:1" and (target.stat().st_mode & 0o777) == 0o600
+        assert proc.poll() is None  # still waiting for the agent
+        target.unlink()
+        assert proc.wait(timeout=30) == 0, proc.stderr.read() if proc.stderr else ""
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
