@@ -23,7 +23,9 @@ from fault_injectors.process import DROP_FAULT_SCRIPT
 from fault_injectors.spec import FaultSpec, FaultSpecError
 from runs.shm import agent_fault_path, slot_path
 
-SLOTS = 2  # a rank writes slot step % 2 (recovery.slots)
+# The most slots a rank writes (step % 2, or step % 3 under --verify-restore: recovery.slots); a
+# slot file that does not exist is skipped.
+SLOTS = 3
 CONTENT_OFFSET = 4096  # the first byte behind a slot's header (recovery.slots.DATA_OFFSET)
 
 # $1 the run's directory, $2 the content offset, then the slot files. The directory must be a

@@ -173,10 +173,14 @@ def _landed(events: list[Event], ti: float, ranks: list[Any], kind: Any) -> dict
     """Where the fault of `kind` injected at `ti` on `ranks` landed: a phase kill's step and
     phase, or the replicas each holder corrupted (up to the next injection of its kind, which
     may land there too)."""
-    after = [ev for ev in events if ev.t >= ti]
-    until = next((ev.t for ev in after if ev.kind is EventKind.FAULT_INJECTED and ev.t > ti
-                  and ev.get("kind") == kind), float("inf"))
-    landings = [ev for ev in after if ev.kind is EventKind.FAULT_LANDED and ev.get("rank") in ranks and ev.t <= until]
+    landings = []
+    for ev in events:
+        if ev.t < ti:
+            continue
+        if ev.kind is EventKind.FAULT_INJECTED and ev.t > ti and ev.get("kind") == kind:
+            break  # the next fault of its kind: what lands from here on is that one's
+        if ev.kind is EventKind.FAULT_LANDED and ev.get("rank") in ranks:
+            landings.append(ev)
     if kind == "corrupt-snapshot":
         replicas = {str(ev.get("node")): ev.get("steps") for ev in landings if ev.get("where") == "replica"}
         return {"replicas": replicas} if replicas else None

@@ -111,7 +111,8 @@ def decide(
     replay: bool = False,
 ) -> Decision | None:
     """Generation `gen`'s plan. `exclude` holds (rank, step, source kind, holder) copies a rank
-    found corrupt (holder: a replica's "address:port", "" for a local slot): never offered again. `replay`: restore the oldest common step, to verify."""
+    found corrupt (holder: a replica's "address:port", "" for a local slot): never offered
+    again. `replay`: restore the oldest common step, to verify."""
     world = sorted(members)
     if strategy == Strategy.RESTART_DISK:
         if disk_step is None:

@@ -16,7 +16,7 @@ from fault_injectors import make_plan, parse_spec
 from fault_injectors.deadman import with_fault_id
 from fault_injectors.plan import NodePlace, RankPlace, Topology
 from fault_injectors.spec import FaultFamily, FaultKind
-from fault_injectors.corruption import CONTENT_OFFSET
+from fault_injectors.corruption import CONTENT_OFFSET, SLOTS
 from recovery.slots import ACK, ACK_OFFSET, DATA_OFFSET, HEADER, MAGIC, VALID, read_slot
 from runs.shm import slot_path
 
@@ -58,7 +58,7 @@ def test_corrupt_snapshot_targets_the_ranks_slots_on_its_node_and_reverts_nothin
     assert plan.ranks == (1,) and plan.nodes == (1,) and not plan.revert and not plan.revertible
     (cmd,) = plan.apply
     assert cmd.node == 1 and cmd.argv[:2] == ("sh", "-c")
-    assert cmd.argv[-2:] == tuple(str(slot_path(str(shm), "run1", 1, 1, i)) for i in range(2))
+    assert cmd.argv[-SLOTS:] == tuple(str(slot_path(str(shm), "run1", 1, 1, i)) for i in range(SLOTS))
 
 
 def test_each_slot_keeps_its_header_and_fails_its_checksum(shm: Path) -> None:
