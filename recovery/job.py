@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import random
-import signal
 import sys
 import threading
 import time
@@ -27,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Callable, TypeVar
 import torch
 import torch.distributed as dist
 
-from recovery import control, ddp, disk, fsdp, messages, process_group
+from recovery import control, ddp, disk, fsdp, messages, process_group, termination
 from recovery.context import StepContext
 from recovery.errors import PeerFailure, RecoveryError, StepRestart
 from recovery.faults import InStepFaults
@@ -53,11 +52,6 @@ PLAN_TIMEOUT = 180.0
 ACK_TIMEOUT = 2.0
 ACK_POLL_S = 0.001
 ERROR_TRACE_LINES = 20
-
-
-def _exit_on_term(signum: int, frame: Any) -> None:
-    # SIGTERM from the agent is an orderly shutdown: unwind so the slots are fenced and closed.
-    raise SystemExit(128 + signum)
 
 
 def _rng_state() -> dict[str, Any]:
@@ -99,7 +93,9 @@ class Job:
         self._on_fresh_start: list[Callable[[Generation], None]] = []
         self.api = "step-function"  # how the script trains, told to the controller (`register_ddp`: "ddp")
         self._reduction: ddp.Reduction | None = None  # `use_reduction`, by `register_ddp`
-        signal.signal(signal.SIGTERM, _exit_on_term)
+        # SIGTERM (the agent's stop, a term-rank fault) unwinds so the slots are fenced and
+        # closed, and ends the process within a bound whatever the main thread is doing.
+        termination.install()
         self._send(messages.Started, gen=env.gen, pid=os.getpid())
 
     @classmethod
@@ -352,7 +348,12 @@ class Job:
                 self.writer.close()
             # Training is over: a SIGTERM from now on (the agent stopping a rank still tearing
             # down) ends the process as usual instead of raising inside interpreter shutdown.
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            termination.release()
+            code = termination.terminated()
+            if code is not None:
+                # Unwound by a SIGTERM with the slots closed: leave now, as torchrun's worker
+                # would have at the signal, not after the interpreter's teardown.
+                termination.exit_now(code)
 
     def _recover(self, exc: PeerFailure, in_step: bool = False) -> tuple[int, RestoreHow | None]:
         """Leave the failed generation, then join the newest one and restore its step, again as
