@@ -2,9 +2,9 @@
 
 It spawns the node's ranks (from warm spares when it has them) with torchrun's environment,
 sees a rank exit within one poll period (20 ms), heartbeats to the controller (from a thread of
-its own, so that no command holds the beats up), holds the node's
-snapshot store (shared-memory slots of its ranks, replicas of its ring neighbour's slots) and
-streams its slots to the neighbour. It outlives every worker and takes them all down with it:
+its own, so that no command holds the beats up), holds the node's snapshot store (shared-memory
+slots of its ranks, replicas of its ring neighbour's slots) and streams its slots to the
+neighbour. It outlives every worker and takes them all down with it:
 on `stop`, on SIGTERM, when its stdin closes (the controller or the SSH session is gone) or when
 the controller's store stops answering. Shutdown is SIGTERM, a deadline, then SIGKILL.
 

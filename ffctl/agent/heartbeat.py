@@ -5,10 +5,11 @@ own (`Heartbeat.run`), not from the agent's loop: a command that takes a while (
 a worker, a kill with its grace) must not silence the node for longer than the controller's
 heartbeat timeout, which is a second by default, and the controller would then take a node that
 is fine for lost and kill its ranks. The loop still vouches for itself: the thread stops beating
-when the loop has not come round for `LOOP_STUCK_S`, so a wedged agent is still a lost node. The key is open ground (anyone who
-reaches the store may write over or delete it), so each beat first checks that the last one is
-still there: if not, the controller is told, and this beat also goes through the controller's
-queue, which nobody can write over.
+when the loop has not come round for `LOOP_STUCK_S`, so a wedged agent is still a lost node.
+
+The key is open ground (anyone who reaches the store may write over or delete it), so each beat
+first checks that the last one is still there: if not, the controller is told, and this beat
+also goes through the controller's queue, which nobody can write over.
 """
 from __future__ import annotations
 
