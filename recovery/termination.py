@@ -26,7 +26,6 @@ from typing import Any
 
 TERM_EXIT_S = 1.0
 
-_armed = threading.Event()
 _code: list[int] = []
 _sockets: list[socket.socket] = []  # the wakeup pair, kept open for the life of the process
 
@@ -47,10 +46,9 @@ def exit_now(code: int) -> None:
 
 def _arm(signum: int) -> None:
     """Start the bound on the rank's way out (once)."""
-    if _armed.is_set():
+    if _code:
         return
     _code.append(128 + signum)
-    _armed.set()
 
     def later() -> None:
         threading.Event().wait(TERM_EXIT_S)
