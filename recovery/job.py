@@ -440,10 +440,13 @@ class Job:
             how = CONTINUED if keep_live and how == KEPT else how
             self._send(messages.Restored, gen=gen, step=step, source=source.kind, how=how)
         self.last_committed = step
-        if step == 0 and self.writer is not None:
+        if self.writer is not None and (step == 0 or how not in (KEPT, CONTINUED)):
             # The initial state is a step too: a rank lost in step 1 is restored from step 0
-            # rather than leaving no common step at all.
-            self._snapshot(capture(self.entries, 0, self.env.rank, self.group.world_size))
+            # rather than leaving no common step at all. So is a state received from disk or a
+            # peer, which this rank's slots do not hold: a rank lost before the next step is then
+            # restored from memory, not (a chaos soak's faults come seconds apart) the whole job
+            # from disk again.
+            self._snapshot(capture(self.entries, step, self.env.rank, self.group.world_size))
         return step, how
 
     def _fetch(self, step: int, source: Source) -> SlotContent | None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Mapping
 
 from ffctl.controller.cluster import Cluster, FatalRun, RecoveryAbandoned
 from ffctl.controller.decide import Decision, Inventory, decide
@@ -35,6 +35,7 @@ from ffctl.controller.failures import (  # RankFailure, error_line, signal_name:
 from ffctl.controller.state import JobState, Report
 from recovery import messages
 from recovery.jobenv import Strategy
+from recovery.plan import LocalSlot, Source
 from runs.events import EventKind, RestoreSource
 
 __all__ = ["FatalRun", "RankFailure", "RecoveryAbandoned", "RecoveryCoordinator", "RecoveryOutcome", "Verdict",
@@ -327,7 +328,7 @@ class RecoveryCoordinator:
             self._kill(set(job.members) - lost)
             lost = set(job.members)
         respawn = sorted(lost)
-        place(job, respawn, lost_nodes, cluster.spare_nodes(), cluster.has_gpu())
+        place(job, respawn, lost_nodes, cluster.spare_nodes(), cluster.has_gpu(), decision.sources)
         # (The step a script goes back to is its own business: unknown here until it reports one.)
         restore_step = None if decision.restore_source is RestoreSource.SCRIPT else decision.restore_step
         cluster.record(EventKind.RECOVERY_DECIDED, fault_ids=ids, gen=new_gen, restore_step=restore_step,
@@ -425,19 +426,39 @@ class RecoveryCoordinator:
             )
         # Nodes that restarted hold nothing from before; count them as lost for the decision.
         return decide(self.strategy, job.members, lost, lost_nodes, invs, sorted(job.nodes), job.disk_step,
-                      frozenset(job.bad_sources), gen=gen, replay=self.verify_restore)
+                      frozenset(job.bad_sources), gen=gen, replay=self.verify_restore, homes=job.away(lost))
 
 
-def place(job: JobState, ranks: list[int], lost_nodes: set[int], spare_nodes: int, has_gpu: bool) -> None:
+def place(job: JobState, ranks: list[int], lost_nodes: set[int], spare_nodes: int, has_gpu: bool,
+          sources: Mapping[int, Source] | None = None) -> None:
     """Ranks of a lost node go to warm spares on surviving nodes when there are any (no wait
     for the node to come back), or to surviving nodes whose worker template is warm when the
     hosts have no GPU (a CPU host can run another rank; a GPU host's devices are taken);
     otherwise they wait for the node's restarted agent, whose template must warm up first.
     While the backend holds spare nodes (a scheduler's idle hosts), a lost node's ranks stay
-    with it: it comes back on a spare node, and the survivors keep their own load."""
+    with it: it comes back on a spare node, and the survivors keep their own load.
+
+    A rank started again goes home first: to the node it was launched on, when that node is up
+    and can start it warm (its template or a spare), or is being started again anyway. Without
+    that, every node fault moves ranks onto the survivors and nothing moves them back: in a
+    soak all four ranks of a 2 x 2 job ended up on one node, whose next fault left no copy of
+    any of them but the disk checkpoint. A rank whose plan reads its own slot on another node
+    (`sources`) stays there: that slot is in the other node's memory."""
     # The first lost nodes, as many as there are spare nodes, come back there (in the order
     # their agents are started again).
     ranks = [r for r in ranks if job.members[r] not in sorted(lost_nodes)[:spare_nodes]]
+    sources = sources or {}
+    for r in ranks:
+        home = job.home.get(r, job.members[r])
+        st = job.nodes.get(home)
+        src = sources.get(r)
+        if home == job.members[r] or (isinstance(src, LocalSlot) and src.node != home):
+            continue
+        warm = st is not None and st.up and home not in lost_nodes and (st.template or st.spares_total > 0)
+        # A lost home is started again when a rank waits for it, as the rank's own lost node would be.
+        waits = job.members[r] in lost_nodes and home in lost_nodes
+        if warm or waits:
+            job.members[r] = home
     # A spare still warming up is further along than a node restart, so count it too.
     free = {n: st.spares_total for n, st in job.nodes.items() if st.up and n not in lost_nodes}
     if not has_gpu:

@@ -109,10 +109,14 @@ def decide(
     *,
     gen: int,
     replay: bool = False,
+    homes: Mapping[int, int] | None = None,
 ) -> Decision | None:
     """Generation `gen`'s plan. `exclude` holds (rank, step, source kind, holder) copies a rank
     found corrupt (holder: a replica's "address:port", "" for a local slot): never offered
-    again. `replay`: restore the oldest common step, to verify."""
+    again. `replay`: restore the oldest common step, to verify. `homes`: lost ranks that run
+    away from the node they were launched on, and that node: there a replica of a step wins over
+    the slot in the rank's current node's memory, so that the rank can go home with it
+    (`coordinator.place`)."""
     world = sorted(members)
     if strategy == Strategy.RESTART_DISK:
         if disk_step is None:
@@ -139,6 +143,12 @@ def decide(
             for step in inventories[node].local.get(rank, frozenset()):
                 if (rank, step, RestoreSource.LOCAL_MEMORY, "") not in exclude:
                     here[step] = LocalSlot(node=node)
+        home = (homes or {}).get(rank)
+        if rank in lost_ranks and home is not None and home not in lost_nodes and home in inventories:
+            inv = inventories[home]
+            for step in inv.replica.get(rank, frozenset()):
+                if (rank, step, RestoreSource.PEER_MEMORY, f"{inv.address}:{inv.port}") not in exclude:
+                    here[step] = PeerReplica(address=inv.address, port=inv.port, where=Where.REPLICA)
         options[rank] = here
     common = set.intersection(*(set(o) for o in options.values())) if options else set()
     lost_both = tuple(sorted(r for r in lost_ranks if not options.get(r)))

@@ -121,11 +121,14 @@ class JobState:
     pending: Failure | None = None  # detected, not yet taken by the coordinator
     rank_failed: dict[int, RankFailure] = field(default_factory=dict)  # rank -> its newest failure
     deferred_restarts: dict[int, float] = field(default_factory=dict)  # node -> when to restart its agent
+    # rank -> the node it was launched on: a rank moved elsewhere by a node fault goes back there
+    # when it is started again (`coordinator.place`). Empty: every rank is at home.
+    home: dict[int, int] = field(default_factory=dict)
 
     @classmethod
     def for_world(cls, world_size: int, nproc_per_node: int) -> JobState:
         members = {r: r // nproc_per_node for r in range(world_size)}
-        return cls(members=members, pids={r: None for r in members})
+        return cls(members=members, pids={r: None for r in members}, home=dict(members))
 
     def enter(self, phase: Phase) -> None:
         """Move to `phase`; a transition the table does not allow is a bug (ValueError)."""
@@ -148,6 +151,10 @@ class JobState:
     def reported(self, kind: Report | str, gen: int) -> set[int]:
         """The ranks that sent report `kind` (`started`, `joined`, `aborted`, ...) in `gen`."""
         return self.reports.ranks(kind, gen)
+
+    def away(self, ranks: Iterable[int]) -> dict[int, int]:
+        """Those of `ranks` that run on another node than their home, and their home."""
+        return {r: self.home[r] for r in ranks if self.home.get(r, self.members[r]) != self.members[r]}
 
     def live_nodes(self) -> list[int]:
         return sorted(n for n, st in self.nodes.items() if st.up)

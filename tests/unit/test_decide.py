@@ -86,3 +86,21 @@ def test_restart_disk_without_checkpoint_starts_over() -> None:
     assert all(isinstance(s, Fresh) for s in d.sources.values()) and d.plan.strategy is Strategy.RESTART_DISK
     d = decide("restart-disk", MEMBERS, {0, 1, 2, 3}, set(), {}, NODES, 50, gen=1)
     assert d is not None and d.restore_step == 50 and d.restore_source == "disk"
+
+
+def test_a_rank_away_from_home_takes_the_replica_its_home_holds() -> None:
+    # Rank 2 (launched on node 1) runs on node 0 after an earlier node fault and is killed: node
+    # 0 holds its slot, node 1 (node 0's ring neighbour) a replica of the same steps. With
+    # `homes` the replica wins, so that the rank can be started on node 1 again.
+    members = {0: 0, 1: 0, 2: 0, 3: 1}
+    invs = {0: inv(0, {0: {7, 8}, 1: {7, 8}, 2: {7, 8}}, {3: {7, 8}}),
+            1: inv(1, {3: {7, 8}}, {0: {7, 8}, 1: {7, 8}, 2: {7, 8}})}
+    d = decide(Strategy.PEER, members, {2}, set(), invs, NODES, None, gen=1, homes={2: 1})
+    assert d is not None and d.restore_step == 8
+    assert d.sources[2] == PeerReplica(address="10.0.0.2", port=4001, where=Where.REPLICA)
+    assert d.sources[0] == LocalSlot(node=0)  # a survivor keeps its own slot
+    # Without it, or when the home holds no copy of that step, the slot where the rank ran.
+    assert decide(Strategy.PEER, members, {2}, set(), invs, NODES, None, gen=1).sources[2] == LocalSlot(node=0)
+    bare = {0: invs[0], 1: inv(1, {3: {7, 8}}, {0: {7, 8}, 1: {7, 8}})}
+    assert decide(Strategy.PEER, members, {2}, set(), bare, NODES, None, gen=1, homes={2: 1}).sources[2] \
+        == LocalSlot(node=0)

@@ -542,3 +542,58 @@ def test_enums_keep_the_recorded_strings() -> None:
     merged.merge(Failure(Cause.NODE_LOST, nodes={1}))
     assert merged.cause == "process-exit+node-lost" and type(merged.cause) is str
     assert merged.causes == (Cause.PROCESS_EXIT, Cause.NODE_LOST)
+
+
+def _away(job: JobState) -> None:
+    """Ranks 2 and 3 (launched on node 1) run on node 0, as an earlier node fault left them."""
+    job.members[2] = job.members[3] = 0
+
+
+def test_ranks_started_again_after_a_node_fault_go_home_and_their_copies_leave_one_node() -> None:
+    # Every rank on node 0 and node 1 still starting (down): node 0 lost, every copy with it. The
+    # ranks wait for a restarted agent either way; those of node 1 wait for their own node's, so
+    # that the next node fault does not find all four in one place again.
+    job = _job(spares=1)
+    _away(job)
+    job.disk_step = 5
+    cluster = _cluster(job)
+    cluster.held[1] = ({}, {})
+    job.nodes[1].up = False
+    job.nodes[0].up = False
+    job.fail(Failure(Cause.NODE_LOST, nodes={0}))
+    outcome = _coordinator(cluster).recover()
+    assert outcome.restore_source is RestoreSource.DISK and outcome.ranks == (0, 1, 2, 3)
+    (decided,) = cluster.recorded(EventKind.RECOVERY_DECIDED)
+    assert decided["placement"] == {"0": 0, "1": 0, "2": 1, "3": 1}
+    assert sorted(cluster.started_agents) == [0, 1]
+
+
+def test_a_rank_killed_away_from_home_goes_home_with_the_replica_held_there() -> None:
+    job = _job(spares=1)
+    _away(job)
+    cluster = _cluster(job)  # node 0 holds all four ranks' slots, node 1 their replicas
+    job.nodes[1].template = True
+    job.fail(_rank_exit(job, 2))
+    outcome = _coordinator(cluster).recover()
+    assert outcome.ranks == (2,) and outcome.restore_step == 8
+    assert outcome.restore_source is RestoreSource.PEER_MEMORY  # from node 1, where it now runs
+    assert job.members[2] == 1 and job.members[3] == 0  # rank 3 moves when it is started again
+    (_, decision, _), = cluster.opened
+    assert decision is not None and decision.sources[2].kind == "peer-memory"
+
+
+@pytest.mark.parametrize("why", ["home down", "home cold", "no replica at home"])
+def test_a_rank_killed_away_from_home_stays_where_it_can_start_at_once(why: str) -> None:
+    job = _job(spares=0)
+    _away(job)
+    cluster = _cluster(job)
+    job.nodes[0].template = True
+    job.nodes[1].template = why != "home cold"
+    if why == "no replica at home":
+        cluster.held[1] = ({}, {})
+    if why == "home down":
+        job.nodes[1].up = False
+        job.nodes[1].pid = 0
+    job.fail(_rank_exit(job, 2))
+    outcome = _coordinator(cluster).recover()
+    assert outcome.ranks == (2,) and job.members[2] == 0
