@@ -229,8 +229,17 @@ MAX_COPIES = 8  # --snapshot-copies: ring neighbours a node's slots are streamed
 
 
 def _endpoints(v: Any, lim: Limits | None) -> bool:
-    return (isinstance(v, list) and len(v) < MAX_COPIES
-            and all(isinstance(e, list) and len(e) == 2 and _addr(e[0], lim) and _port(e[1], lim) for e in v))
+    return (isinstance(v, (list, tuple)) and len(v) <= MAX_COPIES
+            and all(isinstance(e, (list, tuple)) and len(e) == 2 and _addr(e[0], lim) and _port(e[1], lim) for e in v))
+
+
+def _plain(value: Any) -> Any:
+    """A field's value as JSON holds it: tuples (of a converted field) as lists."""
+    return [_plain(v) for v in value] if isinstance(value, tuple) else value
+
+
+def _as_endpoints(v: Any, _: Limits | None) -> tuple[tuple[str, int], ...]:
+    return tuple((str(a), int(p)) for a, p in v)
 
 
 def _env(v: Any, _: Limits | None) -> bool:
@@ -266,7 +275,7 @@ _WANT: dict[Check, str] = {
     _restore_source: " or ".join(s.value for s in RestoreSource),
     _restore_how: " or ".join(h.value for h in RestoreHow),
     _phase: " or ".join(p.value for p in StepPhase),
-    _endpoints: f"a list of at most {MAX_COPIES - 1} [address, port]",
+    _endpoints: f"a list of at most {MAX_COPIES} [address, port]",
 }
 
 
@@ -306,7 +315,7 @@ class Message:
         for name, _, optional, _ in self._spec.fields:
             value = getattr(self, name)
             if value is not None or not optional:
-                out[name] = value
+                out[name] = _plain(value)
         return out
 
     @classmethod
@@ -660,12 +669,10 @@ class Kill(Message):
 
 @_command(CommandKind.NEIGHBOR)
 class Neighbor(Message):
-    """Replicate to the snapshot store at address:port (none: replicate nowhere), and to those
-    of `also` (`--snapshot-copies` K: the next K - 1 nodes on the ring)."""
+    """Replicate to these snapshot stores, in ring order: the ring neighbour's first, then the
+    next nodes' with `--snapshot-copies` above 1 (none: replicate nowhere)."""
 
-    address: str | None = _optional(_addr)
-    port: int | None = _optional(_port)
-    also: list[list[Any]] | None = _optional(_endpoints)
+    holders: tuple[tuple[str, int], ...] = _field(_endpoints, _as_endpoints)
 
 
 @_command(CommandKind.INVENTORY)

@@ -31,8 +31,7 @@ class Workers(Protocol):
 class Snapshots(Protocol):
     """What commands ask of the node's snapshot store (`ffctl.agent.snapshots.NodeSnapshots`)."""
 
-    def set_neighbor(self, address: str | None, port: int | None,
-                     also: list[tuple[str, int]] | None = None) -> None: ...
+    def set_holders(self, holders: list[tuple[str, int]]) -> None: ...
 
     def inventory(self) -> dict[str, Any]: ...
 
@@ -81,7 +80,7 @@ class CommandHandler:
                           tail=bool(cmd.tail))
 
     def _on_neighbor(self, cmd: messages.Neighbor) -> None:
-        self.snapshots.set_neighbor(cmd.address, cmd.port, [(str(a), int(p)) for a, p in cmd.also or []])
+        self.snapshots.set_holders(list(cmd.holders))
 
     def _on_inventory(self, cmd: messages.InventoryRequest) -> None:
         self.reporter.report(messages.Inventory, req=cmd.req, **self.snapshots.inventory())

@@ -119,12 +119,10 @@ class NodeSnapshots:
         except OSError:
             pass
 
-    def set_neighbor(self, address: str | None, port: int | None,
-                     also: list[tuple[str, int]] | None = None) -> None:
+    def set_holders(self, holders: list[tuple[str, int]]) -> None:
         """Where the node's slots are streamed to: the ring neighbour's snapshot channel, and
-        the next ones' with `--snapshot-copies` above 1."""
-        first = [(address, int(port))] if address and port else []
-        self.replicator.set_targets(first + list(also or []) if first else [])
+        the next ones' with `--snapshot-copies` above 1 (none: nowhere)."""
+        self.replicator.set_targets(holders)
 
     def start(self) -> None:
         self.replicator.start()

@@ -120,9 +120,7 @@ class Fleet:
             if self.wired.get(n) == wired:
                 continue
             self.wired[n] = wired
-            first = peers[0] if peers else None
-            self.send(n, messages.Neighbor(address=first[0] if first else None, port=first[1] if first else None,
-                                           **({"also": [[a, p] for a, p in peers[1:]]} if len(peers) > 1 else {})))
+            self.send(n, messages.Neighbor(holders=tuple(peers)))
         self.protection.wired(holders)
 
     def agent_time(self, node: int, t: float) -> float:

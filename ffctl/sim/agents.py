@@ -488,7 +488,7 @@ class SimAgent:
                     self.report(messages.RankExited, rank=r, gen=c.gen, pid=c.pids[r], exitcode=-15,
                                 expected=True, host=f"sim{self.node}")
         elif isinstance(cmd, messages.Neighbor):
-            self.neighbor_port = cmd.port
+            self.neighbor_port = cmd.holders[0][1] if cmd.holders else None
         elif isinstance(cmd, messages.InventoryRequest):
             local = {str(r): sorted(s) for r, s in self.held.items()}
             self.report(messages.Inventory, req=cmd.req, local=local,

@@ -92,7 +92,7 @@ def test_the_ring_is_wired_anew_only_where_a_neighbour_changed() -> None:
     assert sent == []  # nothing changed
     fleet.job.nodes[10].up = False  # node 10 lost: only node 9's neighbour changes
     fleet.wire_ring()
-    assert [(n, m.port) for n, m in sent] == [(9, 20011)]  # type: ignore[attr-defined]
+    assert [(n, m.holders) for n, m in sent] == [(9, (("127.0.0.1", 20011),))]  # type: ignore[attr-defined]
     sent.clear()
     fleet.job.nodes[10].up, fleet.job.nodes[10].incarnation = True, 1  # it comes back, a new agent
     fleet.wire_ring()
@@ -104,13 +104,13 @@ def test_with_two_copies_each_node_streams_to_the_next_two_and_a_loss_rewires_tw
     fleet.spec.snapshot_copies = 2
     fleet.wire_ring()
     by_node = {n: m for n, m in sent}
-    assert (by_node[3].port, by_node[3].also) == (20004, [["127.0.0.1", 20005]])  # type: ignore[attr-defined]
-    assert (by_node[7].port, by_node[7].also) == (20000, [["127.0.0.1", 20001]])  # type: ignore[attr-defined]
+    assert by_node[3].holders == (("127.0.0.1", 20004), ("127.0.0.1", 20005))  # type: ignore[attr-defined]
+    assert by_node[7].holders == (("127.0.0.1", 20000), ("127.0.0.1", 20001))  # type: ignore[attr-defined]
     sent.clear()
     fleet.job.nodes[5].up = False  # it held copies of nodes 3 and 4: only their holders change
     fleet.wire_ring()
-    assert {n: (m.port, m.also) for n, m in sent} == {  # type: ignore[attr-defined]
-        3: (20004, [["127.0.0.1", 20006]]), 4: (20006, [["127.0.0.1", 20007]])}
+    assert {n: [p for _, p in m.holders] for n, m in sent} == {  # type: ignore[attr-defined]
+        3: [20004, 20006], 4: [20006, 20007]}
 
 
 def test_the_decision_at_a_thousand_nodes_takes_the_lost_node_from_its_ring_neighbour() -> None:

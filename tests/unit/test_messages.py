@@ -61,7 +61,7 @@ REPORTS: dict[Kind, dict[str, Any]] = {
 COMMANDS: dict[CommandKind, dict[str, Any]] = {
     CommandKind.SPAWN: {"gen": 1, "ranks": [{"rank": 3, "env": {"RANK": "3", "FFCTL_GEN": "1"}}]},
     CommandKind.KILL: {"ranks": [0, 3], "grace": 3.0},
-    CommandKind.NEIGHBOR: {"address": "10.0.0.2", "port": 41000},
+    CommandKind.NEIGHBOR: {"holders": [["10.0.0.2", 41000], ["10.0.0.3", 41000]]},
     CommandKind.INVENTORY: {"req": 12},
     CommandKind.STOP: {},
 }
@@ -105,7 +105,7 @@ def test_restore_words_decode_to_their_enums() -> None:
 def test_optional_fields_may_be_absent_or_null_and_are_left_out_when_none() -> None:
     msg = messages.decode({"type": "done", "rank": 0, "node": 0, "gen": 1, "step": None})
     assert msg == messages.Done(rank=0, node=0, gen=1) and msg.to_dict() == {"type": "done", "rank": 0, "node": 0, "gen": 1}
-    assert messages.decode({"type": "neighbor"}, command=True) == messages.Neighbor()
+    assert messages.decode({"type": "neighbor", "holders": []}, command=True) == messages.Neighbor(holders=())
 
 
 def _step(**change: Any) -> dict[str, Any]:
@@ -163,7 +163,9 @@ def test_decode_refuses_with_one_line_naming_the_field(raw: dict[str, Any], why:
     ({"type": "kill", "ranks": [0, 4]}, "kill: bad ranks"),
     ({"type": "kill", "ranks": [0], "grace": 1e9}, "kill: bad grace"),
     ({"type": "kill", "ranks": [0], "grace": -1}, "kill: bad grace"),
-    ({"type": "neighbor", "address": "", "port": 1}, "neighbor: bad address"),
+    ({"type": "neighbor", "holders": [["", 1]]}, "neighbor: bad holders"),
+    ({"type": "neighbor", "holders": [["10.0.0.2", 41000, 1]]}, "neighbor: bad holders"),
+    ({"type": "neighbor", "address": "10.0.0.2", "port": 41000}, "neighbor: missing field 'holders'"),
     ({"type": "spawn", "gen": 1, "ranks": [{"rank": 1}]}, "spawn: bad ranks"),
     ({"type": "spawn", "gen": 1, "ranks": [{"rank": 1, "env": {"A": 1}}]}, "spawn: bad ranks"),
     ({"type": "spawn", "gen": 1, "ranks": [{"rank": 1, "env": {}, "argv": ["sh"]}]}, "spawn: bad ranks"),
