@@ -476,7 +476,8 @@ class Job:
         except Unusable as exc:
             why = "missing" if prepared.content is None else "checksum mismatch"
             if exc.mine:
-                self._send(messages.RestoreFailed, gen=gen, step=step, source=source.kind, reason=why)
+                holder = f"{source.address}:{source.port}" if isinstance(source, PeerReplica) else None
+                self._send(messages.RestoreFailed, gen=gen, step=step, source=source.kind, reason=why, holder=holder)
             raise PeerFailure(gen, f"state for step {step} unusable on some rank ({why if exc.mine else 'peer'})") from None
 
     def _train(self, step_fn: Callable[[StepContext], float], start: int, steps: int,

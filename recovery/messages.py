@@ -225,6 +225,14 @@ def _port(v: Any, _: Limits | None) -> bool:
     return _is_int(v) and 0 < v < 65536
 
 
+def _holder(v: Any, lim: Limits | None) -> bool:
+    """A snapshot channel as "address:port" (an IPv6 address has colons of its own)."""
+    if not isinstance(v, str) or ":" not in v:
+        return False
+    address, _, port = v.rpartition(":")
+    return _addr(address, lim) and port.isascii() and port.isdigit() and _port(int(port), lim)
+
+
 MAX_COPIES = 8  # --snapshot-copies: ring neighbours a node's slots are streamed to
 
 
@@ -275,6 +283,7 @@ _WANT: dict[Check, str] = {
     _restore_source: " or ".join(s.value for s in RestoreSource),
     _restore_how: " or ".join(h.value for h in RestoreHow),
     _phase: " or ".join(p.value for p in StepPhase),
+    _holder: "address:port",
     _endpoints: f"a list of at most {MAX_COPIES} [address, port]",
 }
 
@@ -456,7 +465,9 @@ class AbortSeen(Message):
 
 @_report(Kind.RESTORE_FAILED)
 class RestoreFailed(Message):
-    """The copy of `step` at `source` could not be used (missing, torn, checksum wrong)."""
+    """The copy of `step` at `source` could not be used (missing, torn, checksum wrong); for a
+    replica, `holder` is the snapshot channel ("address:port") it came from, so that the next
+    decision offers another holder's copy of the same step rather than none."""
 
     rank: int = _field(_rank)
     node: int = _field(_node)
@@ -464,6 +475,7 @@ class RestoreFailed(Message):
     step: int = _field(_nat)
     source: RestoreSource = _field(_restore_source, _enum(RestoreSource))
     reason: str | None = _optional(_str)
+    holder: str | None = _optional(_holder)
 
 
 @_report(Kind.ERROR)

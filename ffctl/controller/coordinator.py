@@ -357,7 +357,6 @@ class RecoveryCoordinator:
                 job.pending = None  # exits of ranks we are replacing anyway
             else:
                 raise RecoveryAbandoned("another rank failed while recovering")
-        job.copy_holders[new_gen] = decision.replica_holders()  # a copy found corrupt is its holder's
         cluster.open_generation(new_gen, decision, respawn)
         cluster.await_generation(new_gen, respawn, decision.restore_step, RestoreSource(decision.restore_source))
         return decision, respawn

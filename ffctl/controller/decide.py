@@ -61,10 +61,6 @@ class Decision:
     def sources(self) -> Mapping[int, Source]:
         return self.plan.sources
 
-    def replica_holders(self) -> dict[int, str]:
-        """Rank -> the snapshot channel ("address:port") of the replica it restores from."""
-        return {r: f"{s.address}:{s.port}" for r, s in self.sources.items() if isinstance(s, PeerReplica)}
-
     @classmethod
     def fresh(cls, gen: int, world_size: int, strategy: str, label: RestoreSource = RestoreSource.NONE) -> Decision:
         """Every rank of generation `gen` starts from step 0."""

@@ -179,11 +179,11 @@ class Inbox:
         self.job.reports.add(Report.RESTORE_FAILED, msg.gen, (msg.rank,))
         # That copy is never offered again: the next decision picks another (a replica another
         # node holds of the same step, an older step) or disk.
-        holder = self.job.copy_holders.get(msg.gen, {}).get(msg.rank, "")
-        self.job.bad_sources.add((msg.rank, msg.step, msg.source, holder))
+        self.job.bad_sources.add((msg.rank, msg.step, msg.source, msg.holder or ""))
         # The detail names the copy refused: the report lists each one under the fault.
+        at = f" at {msg.holder}" if msg.holder else ""
         self.job.fail(Failure("restore-failed", {msg.rank}, t=time.time(),
-                              detail=f"rank {msg.rank}'s {msg.source.value} copy of step {msg.step}: {msg.reason}"))
+                              detail=f"rank {msg.rank}'s {msg.source.value} copy of step {msg.step}{at}: {msg.reason}"))
 
     def _on_ckpt(self, msg: messages.Ckpt) -> None:
         got = self.job.ckpt_reports.setdefault(msg.step, set())

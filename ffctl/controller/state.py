@@ -116,7 +116,6 @@ class JobState:
     # (rank, step, source kind, holder) copies found corrupt; the holder is a replica's snapshot
     # channel ("address:port"), "" for a local slot: another node's copy of that step stays usable.
     bad_sources: set[tuple[int, int, RestoreSource, str]] = field(default_factory=set)
-    copy_holders: dict[int, dict[int, str]] = field(default_factory=dict)  # gen -> rank -> holder of its replica
     inventories: dict[tuple[int, int], messages.Inventory] = field(default_factory=dict)  # (node, req) -> answer
     pending: Failure | None = None  # detected, not yet taken by the coordinator
     rank_failed: dict[int, RankFailure] = field(default_factory=dict)  # rank -> its newest failure

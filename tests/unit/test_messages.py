@@ -37,7 +37,8 @@ REPORTS: dict[Kind, dict[str, Any]] = {
     Kind.TRAINING: {"rank": 1, "node": 0, "gen": 0, "api": "ddp"},
     Kind.ABORTED: {"rank": 1, "node": 0, "gen": 3, "step": 12, "reason": "abort flag"},
     Kind.ABORT_SEEN: {"rank": 1, "node": 0, "gen": 3},
-    Kind.RESTORE_FAILED: {"rank": 2, "node": 1, "gen": 1, "step": 5, "source": "peer-memory", "reason": "missing"},
+    Kind.RESTORE_FAILED: {"rank": 2, "node": 1, "gen": 1, "step": 5, "source": "peer-memory", "reason": "missing",
+                          "holder": "10.0.0.2:41000"},
     Kind.ERROR: {"rank": 0, "node": 0, "gen": 0, "step": 3, "error": "RuntimeError: boom",
                  "traceback": ["Traceback (most recent call last):", "RuntimeError: boom"]},
     Kind.CKPT: {"rank": 3, "node": 1, "step": 10},
@@ -151,6 +152,9 @@ def _step(**change: Any) -> dict[str, Any]:
     (_wire(Kind.RESTORE_FAILED, {**REPORTS[Kind.RESTORE_FAILED], "source": "peer-memroy"}),
      "restore_failed: bad source='peer-memroy'"),
     (_wire(Kind.RESTORED, {**REPORTS[Kind.RESTORED], "how": "copied"}), "restored: bad how='copied'"),
+    (_wire(Kind.RESTORE_FAILED, {**REPORTS[Kind.RESTORE_FAILED], "holder": "10.0.0.2"}), "restore_failed: bad holder"),
+    (_wire(Kind.RESTORE_FAILED, {**REPORTS[Kind.RESTORE_FAILED], "holder": "10.0.0.2:0"}), "restore_failed: bad holder"),
+    (_wire(Kind.RESTORE_FAILED, {**REPORTS[Kind.RESTORE_FAILED], "holder": ":41000"}), "restore_failed: bad holder"),
 ])
 def test_decode_refuses_with_one_line_naming_the_field(raw: dict[str, Any], why: str) -> None:
     with pytest.raises(DecodeError) as info:
