@@ -10,7 +10,7 @@ replica, then a disk checkpoint). The rank's next snapshot overwrites a slot wit
 so the fault matters to a failure that follows it closely (`--inject corrupt-snapshot:rank=1,
 step=20 --inject kill-rank:rank=1,step=20`). Nothing to revert.
 
-A replica lives in its holder's agent (`recovery.peer.PeerStore`), not in a file: the plan drops
+A replica lives in its holder's agent (`ffctl.agent.peerstore.PeerStore`), not in a file: the plan drops
 `corrupt-replica:<rank>` into that agent's fault file, and the agent flips a byte of each copy of
 the rank's slots it holds, after the checksum it verified when it kept them, and reports which
 (`fault_landed`, where "replica"). A replacement that restores from such a copy finds the

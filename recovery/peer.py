@@ -1,34 +1,17 @@
-"""The snapshot channel between agents (and from an agent to a replacement rank).
+"""The snapshot channel's protocol (between agents, and from an agent to a replacement rank),
+and its client.
 
 A small TCP protocol: each connection starts with a mutual HMAC-SHA256 challenge keyed by the
 job token, so only the job's own agents and ranks can read or plant snapshots. Frames are a
-4-byte length, a JSON header and an optional payload. `PeerStore` is the server side an agent
-runs: it serves its own ranks' slots from shared memory and holds replicas of its ring
-neighbour's slots in memory.
+4-byte length, a JSON header and an optional payload. The server side is the agent's snapshot
+store (`ffctl.agent.peerstore.PeerStore`); `PeerClient` is what a rank restoring a copy and an
+agent streaming its slots to its ring neighbour use.
 
 Streaming a slot happens every step, beside training, so it costs as little CPU as it can: the
 sender hands the slot file to the kernel (`sendfile`) and the receiver reads straight into a
 buffer it keeps per (rank, slot). A put is two-phase. The receiver holds the bytes as pending and
 says so; the sender then looks at the slot's seqlock and commits the copy only if the writer did
-not touch the slot meanwhile, so a torn copy is never kept. The receiver verifies the slot's
-checksum (it travels with the copy) before it keeps a committed copy, so a slot corrupted in the
-sender's memory never becomes the replica a replacement restores from; whoever restores verifies
-it again.
-
-A put names its own length, so the receiver caps it before allocating anything: at most
-`max_slot_bytes` for one (rank, slot) and `max_total_bytes` over every buffer it holds (by
-default half the host's memory). The per-slot cap defaults to the size a slot of this job can
-have: twice the largest slot this node's own ranks wrote (the ring neighbour's ranks hold shards
-of the same state), at least 256 MiB (before any is written), at most a quarter of the memory; a
-put of gigabytes with the token would otherwise make the agent zero them and miss its
-heartbeats. A put over either is refused, logged, and its connection closed; nothing of it is
-allocated or read.
-
-Whatever the store refuses (a client that fails the token handshake, a malformed frame, a put over
-a cap, a copy whose checksum does not match) is logged and handed to `on_refused`, which the agent
-turns into a `message_rejected` event in the run record; a few a second at most, the rest counted
-and the count handed over with the next one, so a client that hammers the port cannot flood the
-record. A refusal closes that one connection and nothing else.
+not touch the slot meanwhile, so a torn copy is never kept.
 """
 from __future__ import annotations
 
@@ -37,35 +20,28 @@ import hmac
 import json
 import os
 import socket
-import socketserver
 import struct
-import sys
-import threading
-import time
-import zlib
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from recovery.slots import DATA_OFFSET, SlotContent, read_header, read_slot
-from recovery.throttle import Throttle
+from recovery.slots import DATA_OFFSET, SlotContent, read_header
 
 _LEN = struct.Struct(">I")
 # Requests other than a put carry no payload worth more than this; a bigger one is malformed.
-_MAX_REQUEST_PAYLOAD = 1 << 20
+MAX_REQUEST_PAYLOAD = 1 << 20
 
 
 class ChannelError(Exception):
     """The peer could not be reached, refused our token, or broke the protocol."""
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def recv_exact(sock: socket.socket, n: int) -> bytes:
     buf = bytearray(n)
-    _recv_into(sock, memoryview(buf))
+    recv_into(sock, memoryview(buf))
     return bytes(buf)
 
 
-def _recv_into(sock: socket.socket, view: memoryview) -> None:
+def recv_into(sock: socket.socket, view: memoryview) -> None:
     got = 0
     while got < len(view):
         n = sock.recv_into(view[got:], min(len(view) - got, 1 << 22))
@@ -82,11 +58,11 @@ def send_frame(sock: socket.socket, header: dict[str, Any], payload: bytes = b""
 
 
 def recv_header(sock: socket.socket) -> dict[str, Any]:
-    (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
+    (n,) = _LEN.unpack(recv_exact(sock, _LEN.size))
     if n > 1 << 20:
         raise ChannelError("frame header too large")
     try:
-        header = json.loads(_recv_exact(sock, n))
+        header = json.loads(recv_exact(sock, n))
     except RecursionError:
         # A megabyte of brackets exhausts the decoder's stack: a malformed frame like any other.
         raise ValueError("frame header nested too deeply") from None
@@ -98,260 +74,29 @@ def recv_header(sock: socket.socket) -> dict[str, Any]:
 def recv_frame(sock: socket.socket) -> tuple[dict[str, Any], bytes]:
     header = recv_header(sock)
     length = int(header.get("len", 0))
-    return header, (_recv_exact(sock, length) if length else b"")
+    return header, (recv_exact(sock, length) if length else b"")
 
 
 def _mac(token: str, nonce: bytes, role: bytes) -> bytes:
     return hmac.new(token.encode(), nonce + role, hashlib.sha256).digest()
 
 
-def _client_handshake(sock: socket.socket, token: str) -> None:
-    server_nonce = _recv_exact(sock, 32)
+def client_handshake(sock: socket.socket, token: str) -> None:
+    server_nonce = recv_exact(sock, 32)
     my_nonce = os.urandom(32)
     sock.sendall(_mac(token, server_nonce, b"client") + my_nonce)
-    if not hmac.compare_digest(_recv_exact(sock, 32), _mac(token, my_nonce, b"server")):
+    if not hmac.compare_digest(recv_exact(sock, 32), _mac(token, my_nonce, b"server")):
         raise ChannelError("peer failed to prove the job token")
 
 
-def _server_handshake(sock: socket.socket, token: str) -> bool:
+def server_handshake(sock: socket.socket, token: str) -> bool:
     nonce = os.urandom(32)
     sock.sendall(nonce)
-    answer = _recv_exact(sock, 64)
+    answer = recv_exact(sock, 64)
     if not hmac.compare_digest(answer[:32], _mac(token, nonce, b"client")):
         return False
     sock.sendall(_mac(token, answer[32:], b"server"))
     return True
-
-
-@dataclass
-class _Replica:
-    step: int
-    crc: int
-    meta_len: int
-    length: int
-    buf: bytearray
-
-    def content(self) -> SlotContent:
-        view = memoryview(self.buf)
-        return SlotContent(self.step, bytes(view[: self.meta_len]), bytes(view[self.meta_len : self.length]), self.crc)
-
-
-def _physical_memory() -> int:
-    try:
-        return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
-    except (OSError, ValueError):
-        return 1 << 34
-
-
-class PeerStore:
-    """An agent's snapshot server: local slots from shared memory, neighbour replicas in memory."""
-
-    # How many refusals a second reach `on_refused`; beyond that they are counted and the count
-    # goes with the next one reported.
-    REPORTS_PER_S = 5
-
-    def __init__(self, address: str, token: str, local_slot: Callable[[int, int], Path],
-                 max_slot_bytes: int | None = None, max_total_bytes: int | None = None,
-                 on_refused: Callable[[str, int], None] | None = None, slots: int = 2) -> None:
-        self.token = token
-        self.slots = slots  # per rank, used in turn (`step % slots`), as the ranks' SlotWriter
-        self.on_refused = on_refused
-        self.reports = Throttle(self.REPORTS_PER_S)
-        self._memory = _physical_memory()
-        # None: derived from this node's own slots (`slot_cap`).
-        self.max_slot_bytes: int | None = max_slot_bytes
-        self.max_total_bytes = max_total_bytes if max_total_bytes is not None else self._memory // 2
-        self._cap, self._cap_at = 0, float("-inf")
-        self.refused: list[str] = []  # why puts were refused, newest last (a few kept)
-        self.local_slot = local_slot  # (rank, slot index) -> path of this node's slot file
-        self.replicas: dict[tuple[int, int], _Replica] = {}  # (rank, slot) -> committed copy
-        self.kept_at: dict[int, float] = {}  # rank -> when a copy of its slots was last kept (monotonic)
-        self._buffers: dict[tuple[int, int], bytearray] = {}  # reused from step to step
-        self._pending: dict[tuple[int, int], _Replica] = {}  # received, not yet committed
-        self._receiving: set[tuple[int, int]] = set()  # slots whose buffer a put is filling
-        self.lock = threading.Lock()
-        store = self
-
-        class Handler(socketserver.BaseRequestHandler):
-            def handle(self) -> None:
-                self.request.settimeout(30.0)
-                peer = "{}:{}".format(*self.client_address[:2])
-                try:
-                    if not _server_handshake(self.request, store.token):
-                        store.note_refusal(f"a client at {peer} failed the job-token handshake")
-                        return
-                    while True:
-                        header = recv_header(self.request)
-                        if header.get("op") == "put":
-                            reply, body = store.receive(header, self.request), b""
-                        elif header.get("op") in ("commit", "drop"):
-                            reply, body = store.settle(header), b""
-                        else:
-                            length = int(header.get("len", 0))
-                            if not 0 <= length <= _MAX_REQUEST_PAYLOAD:
-                                raise ValueError(f"a {header.get('op')!r} request with a payload of {length} bytes")
-                            payload = _recv_exact(self.request, length) if length else b""
-                            reply, body = store.serve(header, payload)
-                        send_frame(self.request, reply, body)
-                except (ValueError, KeyError, TypeError, AttributeError) as exc:
-                    # A frame that does not parse, from a client that knew the token.
-                    store.note_refusal(f"a malformed frame from {peer}: {type(exc).__name__}: {exc}"[:300])
-                except (ChannelError, OSError):
-                    return  # the connection closes; a refused put was noted where it was refused
-
-        socketserver.ThreadingTCPServer.allow_reuse_address = True
-        self.server = socketserver.ThreadingTCPServer((address, 0), Handler, bind_and_activate=True)
-        self.server.daemon_threads = True
-        self.address, self.port = self.server.server_address[:2]
-        self._thread = threading.Thread(target=self.server.serve_forever, name="ffctl-peer", daemon=True)
-
-    def start(self) -> PeerStore:
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-    def receive(self, header: dict[str, Any], sock: socket.socket) -> dict[str, Any]:
-        """Read a streamed slot into this (rank, slot)'s buffer, pending until the sender commits."""
-        rank, step, length = int(header["rank"]), int(header["step"]), int(header["len"])
-        meta_len, crc = int(header["meta_len"]), int(header["crc"])
-        key = (rank, step % self.slots)
-        if rank < 0 or step < 0 or not 0 <= meta_len <= length:
-            self._refuse(f"put of rank {rank} step {step}: bad header (len {length}, meta_len {meta_len})")
-        cap = self.slot_cap()
-        if length > cap:
-            self._refuse(f"put of rank {rank} step {step}: {length} bytes over the cap of {cap} per slot")
-        with self.lock:
-            buf = self._buffers.get(key)
-            if buf is None or len(buf) < length:
-                held = sum(len(b) for b in self._buffers.values()) - (len(buf) if buf is not None else 0)
-                if held + length > self.max_total_bytes:
-                    self._refuse(f"put of rank {rank} step {step}: {length} bytes would hold "
-                                 f"{held + length}, over the cap of {self.max_total_bytes}")
-            self.replicas.pop(key, None)  # the old copy of this slot is being overwritten
-            self._pending.pop(key, None)
-            self._receiving.add(key)
-            if buf is None or len(buf) < length:
-                buf = self._buffers[key] = bytearray(length)
-        try:
-            _recv_into(sock, memoryview(buf)[:length])
-        finally:
-            with self.lock:
-                self._receiving.discard(key)
-        with self.lock:
-            self._pending[key] = _Replica(step, crc, meta_len, length, buf)
-        return {"ok": True}
-
-    SLOT_CAP_FLOOR = 256 << 20  # the per-slot cap before this node's ranks wrote a slot
-
-    def slot_cap(self) -> int:
-        """The largest put of one slot taken: `max_slot_bytes` if given, else twice this node's
-        largest slot (looked at once a second at most), within [SLOT_CAP_FLOOR, memory / 4]."""
-        if self.max_slot_bytes is not None:
-            return self.max_slot_bytes
-        now = time.monotonic()
-        if now - self._cap_at >= 1.0:
-            self._cap_at = now
-            try:
-                folder = self.local_slot(0, 0).parent
-                largest = max((p.stat().st_size for p in folder.iterdir() if p.is_file()), default=0)
-            except OSError:
-                largest = 0
-            self._cap = min(self._memory // 4, max(self.SLOT_CAP_FLOOR, 2 * largest))
-        return self._cap
-
-    def _refuse(self, why: str) -> None:
-        self.note_refusal(why)
-        raise ChannelError(why)
-
-    def note_refusal(self, why: str) -> None:
-        """Log a refusal and hand it to `on_refused` (a few a second; never raises)."""
-        print(f"ffctl snapshot channel: refused {why}", file=sys.stderr, flush=True)
-        self.refused.append(why)
-        del self.refused[:-16]  # a few kept
-        held = self.reports.admit()
-        if self.on_refused is None or held is None:
-            return
-        try:
-            self.on_refused(why, held)
-        except Exception:  # whoever listens is gone: the log line stays
-            pass
-
-    def settle(self, header: dict[str, Any]) -> dict[str, Any]:
-        """The second phase of a put: keep the pending copy ("commit") or forget it ("drop")."""
-        rank, step = int(header["rank"]), int(header["step"])
-        with self.lock:
-            pending = self._pending.pop((rank, step % self.slots), None)
-        if pending is None or pending.step != step:
-            return {"ok": False, "error": f"no pending copy of rank {rank} step {step}"}
-        if header["op"] != "commit":
-            return {"ok": True}
-        # The copy is checked before it is kept: a slot corrupted in the sender's memory (or a
-        # sender that lies) must not become the replica a replacement later restores from; the
-        # neighbour keeps the other slot's step, which the controller can still choose.
-        if zlib.crc32(memoryview(pending.buf)[: pending.length]) != pending.crc:
-            why = f"put of rank {rank} step {step}: checksum mismatch, not kept"
-            self.note_refusal(why)
-            return {"ok": False, "error": why}
-        with self.lock:
-            # Kept only if no newer put of this slot began meanwhile (it reuses the buffer).
-            if (rank, step % self.slots) not in self._pending and (rank, step % self.slots) not in self._receiving:
-                self.replicas[(rank, step % self.slots)] = pending
-                self.kept_at[rank] = time.monotonic()
-        return {"ok": True}
-
-    def find(self, rank: int, step: int, where: str) -> SlotContent | None:
-        slot = step % self.slots
-        if where == "local":
-            content = read_slot(self.local_slot(rank, slot))
-        else:
-            with self.lock:
-                replica = self.replicas.get((rank, slot))
-                content = replica.content() if replica is not None else None
-        return content if content is not None and content.step == step else None
-
-    def quiet(self, rank: int, for_s: float, within_s: float) -> None:
-        """Wait until no copy of `rank`'s slots has been kept for `for_s` seconds, at most
-        `within_s` seconds: a stopped rank's last copies have arrived."""
-        deadline = time.monotonic() + within_s
-        while time.monotonic() < deadline:
-            with self.lock:
-                since = time.monotonic() - self.kept_at.get(rank, float("-inf"))
-            if since >= for_s:
-                return
-            time.sleep(min(for_s - since, max(0.0, deadline - time.monotonic())))
-
-    def corrupt(self, rank: int) -> list[int]:
-        """corrupt-snapshot copy=replica: flip every bit of one byte in the middle of each copy
-        of `rank`'s slots this store keeps, its checksum left as it was (a bit flip in memory
-        after the copy was verified); the steps of the copies hit."""
-        hit = []
-        with self.lock:
-            for (r, _), replica in self.replicas.items():
-                if r == rank and replica.length > replica.meta_len:
-                    at = replica.meta_len + (replica.length - replica.meta_len) // 2
-                    replica.buf[at] ^= 0xFF
-                    hit.append(replica.step)
-        return sorted(hit)
-
-    def inventory(self) -> dict[str, dict[str, list[int]]]:
-        """Valid steps held per rank: {"local": {rank: [steps]}, "replica": {rank: [steps]}}."""
-        out: dict[str, dict[str, list[int]]] = {"local": {}, "replica": {}}
-        with self.lock:
-            for (rank, _), replica in self.replicas.items():
-                out["replica"].setdefault(str(rank), []).append(replica.step)
-        return out
-
-    def serve(self, header: dict[str, Any], payload: bytes) -> tuple[dict[str, Any], bytes]:
-        op = header.get("op")
-        if op == "get":
-            content = self.find(int(header["rank"]), int(header["step"]), str(header.get("where", "local")))
-            if content is None:
-                return {"ok": False, "error": "not held"}, b""
-            return {"ok": True, "step": content.step, "crc": content.crc, "meta_len": len(content.meta)}, content.meta + content.shard
-        return {"ok": False, "error": f"unknown op {op!r}"}, b""
 
 
 class PeerClient:
@@ -360,7 +105,7 @@ class PeerClient:
     def __init__(self, address: str, port: int, token: str, timeout: float = 10.0) -> None:
         try:
             self.sock = socket.create_connection((address, port), timeout=timeout)
-            _client_handshake(self.sock, token)
+            client_handshake(self.sock, token)
         except OSError as exc:
             raise ChannelError(f"snapshot peer {address}:{port} unreachable: {exc}") from None
 

@@ -19,8 +19,8 @@ from typing import Any
 from ffctl.agent.config import AgentConfig
 from ffctl.agent.reporter import Reporter
 from recovery import messages
-from recovery.peer import PeerStore
-from recovery.replicator import Replicator
+from ffctl.agent.peerstore import PeerStore
+from ffctl.agent.replicator import Replicator
 from recovery.slots import NodeBusy, claim_node, read_header, release_node, slot_path
 from runs import shm
 

@@ -54,7 +54,7 @@ from runs.events import RestoreHow
 
 HEARTBEAT_S = 0.2  # as ffctl.agent.agent
 POLL_S = 0.02  # as ffctl.agent.agent
-REPLICATED_S = 1.0  # as recovery.replicator.REPORT_S
+REPLICATED_S = 1.0  # as ffctl.agent.replicator.REPORT_S
 PLAN_POLL_S = 0.01  # as recovery.control.newest_plan
 WATCH_TIMEOUT = datetime.timedelta(hours=1)
 MAX_RANKS = 1 << 20

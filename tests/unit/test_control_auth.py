@@ -12,7 +12,8 @@ import pytest
 from recovery import control, messages
 from recovery.plan import GenerationPlan
 from tests.helpers.store import loopback_store
-from recovery.peer import _LEN, ChannelError, PeerClient, PeerStore
+from recovery.peer import _LEN, ChannelError, PeerClient
+from ffctl.agent.peerstore import PeerStore
 from recovery.slots import SlotContent, slot_path
 
 TOKEN = "a" * 64

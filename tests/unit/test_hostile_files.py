@@ -18,7 +18,8 @@ import pytest
 
 from ffctl.agent.stepscan import StepRegexError, compile_step_regex, parse_line
 from ffctl.render.scenario import junit
-from recovery.peer import _LEN, PeerClient, PeerStore
+from recovery.peer import _LEN, PeerClient
+from ffctl.agent.peerstore import PeerStore
 from recovery.slots import slot_path
 from runs.store import RunStore
 from tests.helpers.events import StreamBuilder

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 import torch
 
-import recovery.replicator as replicator
-from recovery.replicator import Replicator
-from recovery.peer import PeerStore
+import ffctl.agent.replicator as replicator
+from ffctl.agent.replicator import Replicator
+from ffctl.agent.peerstore import PeerStore
 from recovery.slots import SlotWriter, read_slot, slot_path
 from recovery.snapshot import StateEntry, capture
 from tests.helpers.netns import wait_for

@@ -11,7 +11,8 @@ from typing import Callable
 import pytest
 import torch
 
-from recovery.peer import ChannelError, PeerClient, PeerStore, _LEN
+from recovery.peer import ChannelError, PeerClient, _LEN
+from ffctl.agent.peerstore import PeerStore
 from recovery.slots import SlotContent, SlotWriter, read_header, read_slot, slot_path
 from recovery.snapshot import StateEntry, assemble, capture, read_meta
 
