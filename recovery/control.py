@@ -5,7 +5,7 @@ The controller hosts the store. Workers and agents send it JSON messages through
 A queue is a counter plus one key per message: the producer reserves an index (a
 compare-and-set on the counter), then `set`s the message; the single consumer reads index after
 index without blocking (an index reserved whose message is still in flight is looked at again).
-Generation plans (`recovery.plan.GenerationPlan`, typed and decoded like the queue messages) are
+Generation plans (`recovery.generation_plan.GenerationPlan`, typed and decoded like the queue messages) are
 published under `gen/<g>/...`; each agent's heartbeat is `hb/<node>`.
 
 torch's store has no authentication, so whoever reaches its port can read and write every key.
@@ -48,7 +48,7 @@ import torch.distributed as dist
 
 # Limits is re-exported: a queue's consumer checks its messages against the job's shape.
 from recovery.messages import DecodeError, Limits as Limits, Message
-from recovery.plan import GenerationPlan, decode_plan
+from recovery.generation_plan import GenerationPlan, decode_plan
 
 CTL_QUEUE = "ctl/q"
 GEN_KEY = "gen/current"

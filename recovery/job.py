@@ -33,7 +33,7 @@ from recovery.faults import InStepFaults
 from recovery.group import Generation, SeenHook
 from recovery.jobenv import JobEnv, Strategy
 from recovery.peer import ChannelError, PeerClient
-from recovery.plan import Disk, Fresh, GenerationPlan, LocalSlot, PeerReplica, Source
+from recovery.generation_plan import Disk, Fresh, GenerationPlan, LocalSlot, PeerReplica, Source
 from recovery.slots import SlotContent, SlotWriter, read_slot, slot_path
 from recovery.restore import KEPT, Prepared, Unusable, agree, prepare, restore
 from recovery.snapshot import Capture, StateEntry, capture, state_entry

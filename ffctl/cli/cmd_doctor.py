@@ -85,7 +85,7 @@ def register(app: typer.Typer) -> None:
 def timeouts_of(script: Path, hang_s: float, heartbeat_s: float) -> list[str]:
     """What `ffctl launch SCRIPT` would say of its timeouts (ffctl.launch.timeouts)."""
     from ffctl.controller.script import uses_recovery_library
-    from ffctl.launch.plan import timeout_findings
+    from ffctl.launch.launch_plan import timeout_findings
     from ffctl.spec import LaunchSpec, SpecError
 
     spec = LaunchSpec(nnodes=1, nproc_per_node=1, script=(str(script),), hang_min_s=hang_s,

@@ -22,7 +22,7 @@ from runs.events import EventKind, RunStatus, finish_reason
 from runs.metrics import compute
 
 if TYPE_CHECKING:
-    from ffctl.launch.plan import LaunchPlan
+    from ffctl.launch.launch_plan import LaunchPlan
 
 
 def _gpus() -> int:
@@ -157,7 +157,7 @@ def register(app: typer.Typer) -> None:
         )
         # Here, not at the top: the launch loads torch (the controller hosts the job's store),
         # and every other command (`ffctl report`, `--help`) would pay for it.
-        from ffctl.launch.plan import execute, plan_launch
+        from ffctl.launch.launch_plan import execute, plan_launch
 
         plan = plan_launch(spec)
         console = make_console()

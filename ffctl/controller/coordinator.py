@@ -35,7 +35,7 @@ from ffctl.controller.failures import (  # RankFailure, error_line, signal_name:
 from ffctl.controller.state import JobState, Report
 from recovery import messages
 from recovery.jobenv import Strategy
-from recovery.plan import LocalSlot, Source
+from recovery.generation_plan import LocalSlot, Source
 from runs.events import EventKind, RestoreSource
 
 __all__ = ["FatalRun", "RankFailure", "RecoveryAbandoned", "RecoveryCoordinator", "RecoveryOutcome", "Verdict",

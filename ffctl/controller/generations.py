@@ -21,7 +21,7 @@ from ffctl.controller.state import JobState, Report
 from ffctl.spec import LaunchSpec
 from recovery import disk, messages
 from recovery.jobenv import JobEnv, Strategy
-from recovery.plan import Disk, GenerationPlan
+from recovery.generation_plan import Disk, GenerationPlan
 from runs.events import EventKind, RestoreSource
 
 PHASE_TIMEOUT = 120.0

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from ffctl.controller.cluster import FatalRun, Record
 from recovery import control, messages
-from recovery.plan import GenerationPlan
+from recovery.generation_plan import GenerationPlan
 from recovery.throttle import Throttle
 from runs.events import EventKind
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Callable, ContextManager
 
 from ffctl.errors import BadInput, InfraError
-from ffctl.launch.plan import LaunchPlan, execute, plan_launch
+from ffctl.launch.launch_plan import LaunchPlan, execute, plan_launch
 from ffctl.launch.scenario import Check, Outcome, Scenario, ScenarioError, evaluate, load, twin_spec, worst_case
 from runs.events import RunStatus
 from runs.metrics import compute

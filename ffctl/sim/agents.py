@@ -49,7 +49,7 @@ import torch.distributed as dist
 
 from ffctl.agent.config import AgentConfig
 from recovery import control, messages
-from recovery.plan import GenerationPlan, LocalSlot
+from recovery.generation_plan import GenerationPlan, LocalSlot
 from runs.events import RestoreHow
 
 HEARTBEAT_S = 0.2  # as ffctl.agent.agent

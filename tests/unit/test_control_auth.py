@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from recovery import control, messages
-from recovery.plan import GenerationPlan
+from recovery.generation_plan import GenerationPlan
 from tests.helpers.store import loopback_store
 from recovery.peer import _LEN, ChannelError, PeerClient
 from ffctl.agent.peerstore import PeerStore

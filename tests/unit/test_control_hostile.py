@@ -8,7 +8,7 @@ import threading
 import time
 
 from recovery import control
-from recovery.plan import GenerationPlan
+from recovery.generation_plan import GenerationPlan
 from tests.helpers.store import loopback_store
 
 TOKEN = "d" * 64

@@ -16,7 +16,7 @@ from ffctl.controller.state import JobState, NodeState
 from ffctl.controller.watchdog import Watchdog
 from recovery import messages
 from recovery.jobenv import Strategy
-from recovery.plan import LocalSlot, PeerReplica
+from recovery.generation_plan import LocalSlot, PeerReplica
 from runs.events import RestoreSource
 
 

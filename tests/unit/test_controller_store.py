@@ -16,7 +16,7 @@ from ffctl.controller.plane import ControlPlane
 from ffctl.controller.state import JobState, NodeState
 from ffctl.controller.watchdog import Watchdog
 from recovery import control, messages
-from recovery.plan import GenerationPlan
+from recovery.generation_plan import GenerationPlan
 from runs.events import EventKind
 from tests.helpers.store import loopback_store
 

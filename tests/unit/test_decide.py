@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ffctl.controller.decide import Inventory, decide, ring_holder
 from recovery.jobenv import Strategy
-from recovery.plan import Disk, Fresh, GenerationPlan, LocalSlot, PeerReplica, Where, decode_plan
+from recovery.generation_plan import Disk, Fresh, GenerationPlan, LocalSlot, PeerReplica, Where, decode_plan
 from runs.events import RestoreSource
 
 MEMBERS = {0: 0, 1: 0, 2: 1, 3: 1}

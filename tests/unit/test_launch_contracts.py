@@ -17,7 +17,7 @@ from fault_injectors.transport import CommandResult
 from ffctl.agent.config import AgentConfig
 from ffctl.backends import BACKENDS
 from ffctl.errors import BadInput
-from ffctl.launch.plan import plan_launch
+from ffctl.launch.launch_plan import plan_launch
 from ffctl.spec import LaunchSpec, SpecError
 from ffctl.workload import gpt, sizes
 from recovery.faults import InStepFaults

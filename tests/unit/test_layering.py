@@ -222,4 +222,4 @@ def test_planning_imports_no_runtime() -> None:
     for pure in ("ffctl.controller.faultplan", "ffctl.controller.script"):
         assert not GRAPH[pure] & {"ffctl.controller.injector", CONTROLLER}, pure
         assert "torch" not in THIRD_PARTY[pure], pure
-    assert "ffctl.controller.injector" not in GRAPH["ffctl.launch.plan"]
+    assert "ffctl.controller.injector" not in GRAPH["ffctl.launch.launch_plan"]

@@ -30,7 +30,7 @@ from ffctl.backends.slurm_cluster import (
     split_nodes,
 )
 from ffctl.backends.slurm_steps import SlurmTransport, StepKill, agent_argv
-from ffctl.launch.plan import requeue_bound
+from ffctl.launch.launch_plan import requeue_bound
 from ffctl.spec import LaunchSpec
 from runs.events import EventKind
 

@@ -145,7 +145,7 @@ def test_bad_values_name_the_option(given: dict[str, str], flag: str) -> None:
 def _spec(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *argv: str, env: dict[str, str] | None = None
           ) -> tuple[int, str, LaunchSpec | None]:
     """Run `ffctl launch --dry-run ARGV` in-process and capture the spec it planned."""
-    import ffctl.launch.plan as launch_plan  # the command imports it when it runs
+    import ffctl.launch.launch_plan as launch_plan  # the command imports it when it runs
 
     seen: list[LaunchSpec] = []
     real = launch_plan.plan_launch

@@ -16,7 +16,7 @@ from recovery import control
 from recovery.job import Job
 from recovery.jobenv import Strategy
 from recovery.messages import DecodeError
-from recovery.plan import Disk, Fresh, GenerationPlan, LocalSlot, PeerReplica, Where, decode_plan, decode_source
+from recovery.generation_plan import Disk, Fresh, GenerationPlan, LocalSlot, PeerReplica, Where, decode_plan, decode_source
 from runs.events import RestoreSource
 from tests.unit.test_controller_store import TOKEN, _controller
 
