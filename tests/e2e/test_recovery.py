@@ -263,9 +263,9 @@ def test_a_corrupted_replica_is_refused_and_the_next_copy_restores(
     failed = [ev for ev in res.events if ev.kind is EventKind.FAILURE_DETECTED and ev.get("cause") == "restore-failed"]
     assert failed and all("peer-memory copy of step" in str(ev.get("detail")) and "checksum" in str(ev.get("detail"))
                           for ev in failed), [ev.get("detail") for ev in failed]
-    # Each refusal names the holder whose copy it was: none is named twice (its copy is never
-    # offered again), and with one holder hit, only that one.
-    refused = [re.search(r" at (\S+):(\d+): ", str(ev.get("detail"))) for ev in failed]
+    # Each refusal names the step and the holder whose copy it was; no copy is refused twice (a
+    # refused one is never offered again, though the same holder's copy of another step may be).
+    refused = [re.search(r"copy of step (\d+) at (\S+:\d+): ", str(ev.get("detail"))) for ev in failed]
     assert all(refused) and len({m.groups() for m in refused if m}) == len(failed), [ev.get("detail") for ev in failed]
     sources = [ev.get("restore_source") for ev in res.events if ev.kind is EventKind.RECOVERY_DECIDED]
     assert sources[0] == "peer-memory" and sources[-1] == fallback, sources
