@@ -119,6 +119,11 @@ class PeerReplica(_Source):
     port: int = _field(_port)
     where: Where = _field(_where, _enum(Where))
 
+    @property
+    def holder(self) -> str:
+        """"address:port": the name the copy goes by when a rank refuses it (`restore_failed`)."""
+        return f"{self.address}:{self.port}"
+
 
 @_source(RestoreSource.DISK)
 class Disk(_Source):

@@ -440,7 +440,7 @@ class Job:
             how = CONTINUED if keep_live and how == KEPT else how
             self._send(messages.Restored, gen=gen, step=step, source=source.kind, how=how)
         self.last_committed = step
-        if self.writer is not None and (step == 0 or how not in (KEPT, CONTINUED)):
+        if self.writer is not None and how not in (KEPT, CONTINUED):  # (a fresh start's `how` is None)
             # The initial state is a step too: a rank lost in step 1 is restored from step 0
             # rather than leaving no common step at all. So is a state received from disk or a
             # peer, which this rank's slots do not hold: a rank lost before the next step is then
@@ -476,7 +476,7 @@ class Job:
         except Unusable as exc:
             why = "missing" if prepared.content is None else "checksum mismatch"
             if exc.mine:
-                holder = f"{source.address}:{source.port}" if isinstance(source, PeerReplica) else None
+                holder = source.holder if isinstance(source, PeerReplica) else None
                 self._send(messages.RestoreFailed, gen=gen, step=step, source=source.kind, reason=why, holder=holder)
             raise PeerFailure(gen, f"state for step {step} unusable on some rank ({why if exc.mine else 'peer'})") from None
 

@@ -429,7 +429,7 @@ class RecoveryCoordinator:
 
 
 def place(job: JobState, ranks: list[int], lost_nodes: set[int], spare_nodes: int, has_gpu: bool,
-          sources: Mapping[int, Source] | None = None) -> None:
+          sources: Mapping[int, Source]) -> None:
     """Ranks of a lost node go to warm spares on surviving nodes when there are any (no wait
     for the node to come back), or to surviving nodes whose worker template is warm when the
     hosts have no GPU (a CPU host can run another rank; a GPU host's devices are taken);
@@ -446,7 +446,6 @@ def place(job: JobState, ranks: list[int], lost_nodes: set[int], spare_nodes: in
     # The first lost nodes, as many as there are spare nodes, come back there (in the order
     # their agents are started again).
     ranks = [r for r in ranks if job.members[r] not in sorted(lost_nodes)[:spare_nodes]]
-    sources = sources or {}
     for r in ranks:
         home = job.home.get(r, job.members[r])
         st = job.nodes.get(home)

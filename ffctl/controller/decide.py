@@ -22,7 +22,7 @@ the ranks as it is, plus what only the controller needs to know about it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Iterable, Mapping
 
 from recovery.jobenv import Strategy
 from recovery.generation_plan import FRESH, Disk, GenerationPlan, LocalSlot, PeerReplica, Source, Where
@@ -93,6 +93,19 @@ def _disk(gen: int, strategy: str, world: list[int], disk_step: int | None,
     return Decision(_plan(gen, strategy, world, disk_step, {r: Disk() for r in world}), RestoreSource.DISK, lost_both)
 
 
+def _replicas(rank: int, holders: Iterable[Inventory],
+              exclude: frozenset[tuple[int, int, str, str]]) -> dict[int, Source]:
+    """Step -> the replica of `rank` these holders offer (a later holder's wins), less the
+    copies found corrupt."""
+    out: dict[int, Source] = {}
+    for inv in holders:
+        for step in inv.replica[rank]:
+            copy = PeerReplica(address=inv.address, port=inv.port, where=Where.REPLICA)
+            if (rank, step, RestoreSource.PEER_MEMORY, copy.holder) not in exclude:
+                out[step] = copy
+    return out
+
+
 def decide(
     strategy: str,
     members: dict[int, int],
@@ -128,23 +141,16 @@ def decide(
     options: dict[int, dict[int, Source]] = {}
     for rank in world:
         node = members[rank]
-        here: dict[int, Source] = {}
         # A replica held by any live node (normally the ring neighbour; after several faults a
         # rank's newest copy may sit elsewhere). A local slot wins over a replica of the same step.
-        for inv in held_by.get(rank, ()):
-            for step in inv.replica[rank]:
-                if (rank, step, RestoreSource.PEER_MEMORY, f"{inv.address}:{inv.port}") not in exclude:
-                    here[step] = PeerReplica(address=inv.address, port=inv.port, where=Where.REPLICA)
+        here = _replicas(rank, held_by.get(rank, ()), exclude)
         if node not in lost_nodes and node in inventories:
             for step in inventories[node].local.get(rank, frozenset()):
                 if (rank, step, RestoreSource.LOCAL_MEMORY, "") not in exclude:
                     here[step] = LocalSlot(node=node)
         home = (homes or {}).get(rank)
-        if rank in lost_ranks and home is not None and home not in lost_nodes and home in inventories:
-            inv = inventories[home]
-            for step in inv.replica.get(rank, frozenset()):
-                if (rank, step, RestoreSource.PEER_MEMORY, f"{inv.address}:{inv.port}") not in exclude:
-                    here[step] = PeerReplica(address=inv.address, port=inv.port, where=Where.REPLICA)
+        if rank in lost_ranks and home is not None:
+            here.update(_replicas(rank, [inv for inv in held_by.get(rank, ()) if inv.node == home], exclude))
         options[rank] = here
     common = set.intersection(*(set(o) for o in options.values())) if options else set()
     lost_both = tuple(sorted(r for r in lost_ranks if not options.get(r)))
