@@ -170,7 +170,11 @@ class RecoveryCoordinator:
             if failure is None:
                 raise RuntimeError("recover() with no pending failure")
             attempts += 1
-            ids = cluster.attribute_faults(failure.ranks, failure.nodes)
+            # A copy refused while this recovery restores is this recovery's: laid to the faults
+            # it handles, never to another open fault that happens to touch the rank (a slow rank
+            # reverted a moment before, and no step committed since to show it was survived).
+            refused = set(failure.causes) == {Cause.RESTORE_FAILED} and bool(fault_ids)
+            ids = [] if refused else cluster.attribute_faults(failure.ranks, failure.nodes)
             # A failure that cuts short the recovery from injected faults is laid to them (a
             # partition still in force, a survivor failing as its group is torn down): the report
             # counts it in their loss rather than as a fault of its own. `ids` alone decides

@@ -102,7 +102,8 @@ def test_a_seeded_campaign_of_production_faults_matches_the_fault_free_run(tmp_p
     assert pairs and all(k["kind"] in ("kill-rank", "kill-node") for _, k in pairs), kinds
     hit = [(c, k) for c, k in pairs if c["landed"] is None or any(c["landed"]["replicas"].values())]
     assert len(hit) >= len(pairs) // 2, [c["landed"] for c, _ in pairs]
-    assert all(k["rejected_copies"] for _, k in hit), [(k["fault_id"], k["restore_source"]) for _, k in hit]
+    assert all(k["rejected_copies"] for _, k in hit), [(c["fault_id"], c["landed"], k["fault_id"], k["restore_source"])
+                                                      for c, k in hit if not k["rejected_copies"]]
     assert all(k["restore_source"] == "disk" for c, k in pairs if (c, k) not in hit), pairs
     # The collective kills landed in their collective.
     landed = [f["landed"] for f in got if f["kind"] == "kill-rank" and f.get("landed")]

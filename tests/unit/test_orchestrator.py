@@ -235,6 +235,29 @@ def test_a_killed_rank_is_restored_from_its_own_node_in_one_step() -> None:
     assert cluster.opened[0][0] == 1 and cluster.opened[0][2] == [1]
 
 
+def test_a_copy_refused_on_restore_is_laid_to_the_faults_of_the_recovery_under_way() -> None:
+    # Rank 1's own copy is corrupt: it refuses it, and the same recovery restores the replica.
+    # Another open fault on rank 1 (a slow rank just reverted) must not take the refusal: the
+    # report lists refused copies under the fault whose recovery refused them.
+    job = _job()
+    cluster = _cluster(job)
+    job.fail(_rank_exit(job, 1))
+    cluster.blame = [["f1"], ["f0-slow"]]
+
+    def refuse() -> None:
+        job.bad_sources.add((1, 8, RestoreSource.LOCAL_MEMORY, ""))
+        job.fail(Failure(Cause.RESTORE_FAILED, {1}, t=2.0, detail="rank 1's local-memory copy of step 8: bad"))
+    cluster.on_await[1] = refuse
+    outcome = _coordinator(cluster).recover()
+    assert outcome.fault_ids == ("f1",) and outcome.attempts == 2 and outcome.restarts == 0
+    assert cluster.blame == [["f0-slow"]]  # never asked: nothing else is blamed, or marked detected
+    first, refusal = cluster.recorded(EventKind.FAILURE_DETECTED)
+    assert refusal["cause"] == "restore-failed" and refusal["fault_ids"] == [] and refusal["explained_by"] == ["f1"]
+    decided = cluster.recorded(EventKind.RECOVERY_DECIDED)
+    assert [d["restore_source"] for d in decided] == ["local-memory", "peer-memory"]
+    assert decided[1]["failure_ids"] == [first["failure_id"], refusal["failure_id"]]
+
+
 def test_a_second_rank_failing_while_survivors_acknowledge_joins_the_same_recovery() -> None:
     job = _job()
     cluster = _cluster(job)
