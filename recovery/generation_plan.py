@@ -182,7 +182,7 @@ class GenerationPlan(Message):
         outside = [r for r in self.sources if not 0 <= r < self.world_size]
         if outside:
             raise DecodeError(f"plan: source for rank {outside[0]}, outside a world of {self.world_size}")
-        if self.restore_step > 0:
+        if self.restore_step > 0 or self.restores:
             missing = [r for r in range(self.world_size) if isinstance(self.sources.get(r, FRESH), Fresh)]
             if missing:
                 raise DecodeError(f"plan: restore step {self.restore_step} but rank {missing[0]} has no copy of it")
@@ -192,9 +192,18 @@ class GenerationPlan(Message):
         """A generation that starts from step 0 (the job's first, or a restart from scratch)."""
         return cls(gen=gen, world_size=world_size, strategy=Strategy(strategy), restore_step=0, sources={})
 
+    @property
+    def restores(self) -> bool:
+        """Whether the ranks restore the restore step from copies, rather than start fresh. Step 0
+        too: the initial state is a step (a rank lost in step 1 is restored from it), and a
+        survivor that has trained past it must go back to it from its copy, which a fresh start
+        would never do (it keeps the state it has: the same weights after DDP's broadcast, but
+        the optimizer's moments of a later step)."""
+        return any(not isinstance(s, Fresh) for s in self.sources.values())
+
     def source(self, rank: int) -> Source:
         """Where `rank` gets the restore step's state (`Fresh` when the generation starts fresh)."""
-        return self.sources.get(rank, FRESH) if self.restore_step > 0 else FRESH
+        return self.sources.get(rank, FRESH) if self.restores else FRESH
 
     def to_dict(self) -> dict[str, Any]:
         """The wire form; sources keyed by the rank's decimal digits, as JSON keys are."""

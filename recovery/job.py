@@ -407,7 +407,7 @@ class Job:
         step and how this rank got its state (None for a fresh start)."""
         if self.group is not None:
             self.group.close()  # destroyed on a thread of its own, once no collective is blocked
-        step, world = plan.restore_step, plan.world_size
+        step, world, restores = plan.restore_step, plan.world_size, plan.restores
         source = plan.source(self.env.rank)
         prepared: list[Prepared] = []
 
@@ -419,12 +419,12 @@ class Job:
 
         self.group = Generation(self.store, self.env.store_host, self.env.store_port, gen, self.env.rank,
                                 world, self.env.pg_timeout, self.env.backend,
-                                meanwhile=fetch_and_check if step > 0 else None, opener=self._opener,
+                                meanwhile=fetch_and_check if restores else None, opener=self._opener,
                                 on_forged=lambda key, reason, raw: self._rejected(key, -1, reason, raw),
                                 on_seen=self._abort_seen(gen))
         process_group.bind(self.group)  # torch's own modules' collectives run on it from now on
         how: RestoreHow | None = None
-        if step == 0:
+        if not restores:
             self.group.barrier()
             for start in self._on_fresh_start:
                 start(self.group)

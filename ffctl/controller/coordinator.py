@@ -112,6 +112,16 @@ def lost_meanwhile(cluster: Cluster, nodes: set[int], ids: list[str], gen: int, 
     return failures + 1
 
 
+def blamed(cluster: Cluster, failure: Failure, recovering: list[str]) -> list[str]:
+    """The injected faults `failure` is laid to (marked detected). A copy refused while a
+    recovery restores (`recovering`: its faults) is that recovery's, none of its own: never laid
+    to another open fault that happens to touch the rank (a slow rank reverted a moment before,
+    with no step committed since to show it was survived)."""
+    if set(failure.causes) == {Cause.RESTORE_FAILED} and recovering:
+        return []
+    return cluster.attribute_faults(failure.ranks, failure.nodes)
+
+
 @dataclass(frozen=True)
 class RecoveryOutcome:
     """What a recovery did: the generation now running, the step and source it restored from,
@@ -170,11 +180,7 @@ class RecoveryCoordinator:
             if failure is None:
                 raise RuntimeError("recover() with no pending failure")
             attempts += 1
-            # A copy refused while this recovery restores is this recovery's: laid to the faults
-            # it handles, never to another open fault that happens to touch the rank (a slow rank
-            # reverted a moment before, and no step committed since to show it was survived).
-            refused = set(failure.causes) == {Cause.RESTORE_FAILED} and bool(fault_ids)
-            ids = [] if refused else cluster.attribute_faults(failure.ranks, failure.nodes)
+            ids = blamed(cluster, failure, fault_ids)
             # A failure that cuts short the recovery from injected faults is laid to them (a
             # partition still in force, a survivor failing as its group is torn down): the report
             # counts it in their loss rather than as a fault of its own. `ids` alone decides

@@ -110,7 +110,7 @@ class Generations:
             job.fail(Failure(Cause.RENDEZVOUS_TIMEOUT, world - job.reported(Report.JOINED, gen)))
             raise RecoveryAbandoned("rendezvous")
         self.record(EventKind.RENDEZVOUS_DONE, gen=gen)
-        if restore_step > 0:
+        if source not in (RestoreSource.NONE, RestoreSource.SCRIPT):  # step 0 too (GenerationPlan.restores)
             if not self.wait_for(lambda: world <= job.reported(Report.RESTORED, gen), PHASE_TIMEOUT, "restore"):
                 job.fail(Failure(Cause.RESTORE_TIMEOUT))
                 raise RecoveryAbandoned("restore")

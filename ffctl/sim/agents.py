@@ -390,7 +390,7 @@ class Cohort:
         for r in sorted(self.ranks):
             self.send(r, messages.Joined, gen=gen)
         for r in sorted(self.ranks):
-            if step > 0:
+            if plan.restores:
                 src = plan.source(r)
                 how = RestoreHow.KEPT if isinstance(src, LocalSlot) and src.node == self.agent.node else RestoreHow.RECEIVED
                 self.send(r, messages.Restored, gen=gen, step=step, source=src.kind, how=how)

@@ -136,6 +136,24 @@ def test_survivors_go_on_with_the_step_they_were_in(workdir: Path, baseline: lis
     assert_nothing_left(workdir)
 
 
+def test_survivors_past_step_0_go_back_to_it_from_their_copies(workdir: Path, baseline: list[list[float]]) -> None:
+    # --verify-restore restores the oldest common step: rank 1 killed after step 1 goes back to
+    # step 0, the initial state's copy, and so must the survivors, which trained step 1. A start
+    # "from scratch" instead left their optimizer where step 1 put it: step 1 trained again gave
+    # another loss (a chaos soak saw the same after a node fault, with replicas of step 0 only).
+    res = launch(workdir, rid("step0"), "--steps", "60", "--seed", "3", "--spares", "1", "--verify-restore",
+                 "--inject", "kill-rank:rank=1,step=1")
+    assert res.returncode == 0, res.stderr
+    (decided,) = [e for e in res.events if e.kind is EventKind.RECOVERY_DECIDED]
+    assert decided.get("restore_step") == 0 and decided.get("restore_source") == "local-memory"
+    (restored,) = [e for e in res.events if e.kind is EventKind.RESTORE_DONE]
+    assert restored.get("step") == 0 and sorted(sum(restored.get("transfer").values(), [])) == [0, 1, 2, 3]
+    (verified,) = [e for e in res.events if e.kind is EventKind.RESTORE_VERIFIED]
+    assert verified.get("verified") is True
+    assert res.report["loss_by_step"] == baseline
+    assert_nothing_left(workdir)
+
+
 def test_sharded_optimizer_is_bit_exact(workdir: Path) -> None:
     base = _baseline(workdir, "--steps", "40", "--seed", "5", "--optimizer", "sharded")
     res = launch(workdir, rid("zero"), "--steps", "40", "--seed", "5", "--optimizer", "sharded", "--spares", "2",

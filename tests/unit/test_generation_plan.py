@@ -83,6 +83,18 @@ def test_the_decoder_refuses_a_malformed_plan_with_one_line(raw: Any, why: str) 
     assert why in info.value.reason and "\n" not in info.value.reason, info.value.reason
 
 
+def test_a_plan_of_step_0_with_copies_restores_them() -> None:
+    # The initial state is a step: a plan of step 0 that names copies is a restore (survivors
+    # that trained past it go back to it), one that names none a fresh start.
+    plan = GenerationPlan(gen=2, world_size=2, strategy=Strategy.PEER, restore_step=0,
+                          sources={0: LocalSlot(node=0), 1: PeerReplica(address="h", port=1, where=Where.REPLICA)})
+    assert plan.restores and plan.source(0) == LocalSlot(node=0) and decode_plan(plan.to_dict()) == plan
+    fresh = GenerationPlan.fresh(2, 2, "peer")
+    assert not fresh.restores and isinstance(fresh.source(0), Fresh)
+    with pytest.raises(DecodeError, match="restore step 0 but rank 1 has no copy of it"):
+        decode_plan(_plan(restore_step=0, sources={"0": {"type": "local-memory", "node": 0}}))
+
+
 def test_a_plan_the_controller_makes_is_one_a_rank_accepts() -> None:
     # The checks of the whole plan run when it is made, too: the controller cannot publish one
     # that every rank would refuse.
