@@ -322,7 +322,7 @@ CONTROL_PLANE_GOAL = 2.0  # recovery's control-plane time at the largest size / 
 
 def parse_nodes(text: str) -> tuple[int, ...]:
     """`--nodes 8,64,256,1024`: simulated cluster sizes, each 2 to MAX_NODES, ascending."""
-    from ffctl.spec import MAX_NODES
+    from ffctl.launch_spec import MAX_NODES
 
     sizes: list[int] = []
     for part in text.split(","):

@@ -13,8 +13,8 @@ from pathlib import Path
 
 from fault_injectors.spec import MAX_DURATION_S, MAX_SEED, FaultSpec, FaultSpecError
 from fault_injectors.targets import check_in_job
-from recovery.jobenv import Strategy
-from recovery.messages import MAX_COPIES
+from wire.jobenv import Strategy
+from wire.messages import MAX_COPIES
 from ffctl.agent.stepscan import StepRegexError, compile_step_regex
 from ffctl.workload.sizes import MODELS, OPTIMIZERS, PARALLELISMS
 from runs.store import RunStoreError, validate_run_id

@@ -29,8 +29,8 @@ __all__ = ["Job", "PeerFailure", "RecoveryError", "StepContext", "report_step"]
 
 def __getattr__(name: str) -> Any:
     # These load torch (a second and a half of CPU). The launcher imports this package for its
-    # plain parts (`recovery.jobenv`, `recovery.messages`) in processes that never touch torch
-    # (`ffctl report`, `ffctl --help`, a bad command line), and must not pay for it; a script's
+    # plain parts (`PeerFailure`) in processes that never touch torch (`ffctl report`,
+    # `ffctl --help`, a bad command line), and must not pay for it; a script's
     # `from recovery import Job` loads it here, on first use.
     if name in ("Job", "StepContext"):
         from recovery import job

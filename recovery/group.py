@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from recovery import control
+from wire import control
 from recovery.errors import PeerFailure
 
 # How often a watcher that found a forged flag looks whether the controller's own replaced it.

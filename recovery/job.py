@@ -26,14 +26,16 @@ from typing import TYPE_CHECKING, Any, Callable, TypeVar
 import torch
 import torch.distributed as dist
 
-from recovery import control, ddp, disk, fsdp, messages, process_group, termination
+from recovery import ddp, disk, fsdp, process_group, termination
+
+from wire import control, messages
 from recovery.context import StepContext
 from recovery.errors import PeerFailure, RecoveryError, StepRestart
 from recovery.faults import InStepFaults
 from recovery.group import Generation, SeenHook
-from recovery.jobenv import JobEnv, Strategy
+from wire.jobenv import JobEnv, Strategy
 from recovery.peer import ChannelError, PeerClient
-from recovery.generation_plan import Disk, Fresh, GenerationPlan, LocalSlot, PeerReplica, Source
+from wire.generation_plan import Disk, Fresh, GenerationPlan, LocalSlot, PeerReplica, Source
 from recovery.slots import SlotContent, SlotWriter, read_slot, slot_path
 from recovery.restore import KEPT, Prepared, Unusable, agree, prepare, restore
 from recovery.snapshot import Capture, StateEntry, capture, state_entry

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from recovery.ddp import Batches, register_rest, register_schedule_and_data
 from recovery.context import StepContext
-from recovery.jobenv import JobEnv, Strategy
+from wire.jobenv import JobEnv, Strategy
 from recovery.snapshot import StateEntry, state_entry
 
 

@@ -16,8 +16,8 @@ import threading
 import time
 from typing import Any
 
-from recovery import control, messages
-from recovery.jobenv import JobEnv, job_token
+from wire import control, messages
+from wire.jobenv import JobEnv, job_token
 
 # A report must never stall training for long: the controller's store answers in milliseconds,
 # and a store that is gone (the controller stopped) makes the call give up rather than block.

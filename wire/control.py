@@ -5,7 +5,7 @@ The controller hosts the store. Workers and agents send it JSON messages through
 A queue is a counter plus one key per message: the producer reserves an index (a
 compare-and-set on the counter), then `set`s the message; the single consumer reads index after
 index without blocking (an index reserved whose message is still in flight is looked at again).
-Generation plans (`recovery.generation_plan.GenerationPlan`, typed and decoded like the queue messages) are
+Generation plans (`wire.generation_plan.GenerationPlan`, typed and decoded like the queue messages) are
 published under `gen/<g>/...`; each agent's heartbeat is `hb/<node>`.
 
 torch's store has no authentication, so whoever reaches its port can read and write every key.
@@ -16,7 +16,7 @@ role and a random per-process nonce), the sender's sequence number, a timestamp,
 written for and the body. A receiver (`Opener`) refuses a bad MAC, a value written for another key, a
 timestamp outside a window, and, per sender, any sequence number not above the last it accepted
 (replay). Refusals are reported through a callback with a reason; nothing read from the store
-raises out of a receiver. What a queue message may hold is typed in `recovery.messages`: `send`
+raises out of a receiver. What a queue message may hold is typed in `wire.messages`: `send`
 takes one of its messages, and a consumer decodes what it receives (`messages.decode`) before
 it uses a field.
 
@@ -47,8 +47,8 @@ from typing import Any, Callable, Literal, TypeGuard
 import torch.distributed as dist
 
 # Limits is re-exported: a queue's consumer checks its messages against the job's shape.
-from recovery.messages import DecodeError, Limits as Limits, Message
-from recovery.generation_plan import GenerationPlan, decode_plan
+from wire.messages import DecodeError, Limits as Limits, Message
+from wire.generation_plan import GenerationPlan, decode_plan
 
 CTL_QUEUE = "ctl/q"
 GEN_KEY = "gen/current"

@@ -4,7 +4,7 @@
     GenerationPlan(gen, world_size, strategy, restore_step, sources={rank: source, ...})
 
 The controller decides it (`ffctl.controller.decide`), publishes it sealed under `gen/<g>/plan`
-(`recovery.control.publish_plan`), and each rank reads it back (`control.newest_plan`) and
+(`wire.control.publish_plan`), and each rank reads it back (`control.newest_plan`) and
 restores its state from its own source (`recovery.job.Job._join`). A source is one of a small
 union of frozen dataclasses, each a kind of copy of a rank's state:
 
@@ -14,7 +14,7 @@ union of frozen dataclasses, each a kind of copy of a rank's state:
   saying which of its copies (the replicas it holds, or its own ranks' slots);
 - `Disk`: the newest complete disk checkpoint of the job.
 
-On the wire a plan is a message like every other of the control plane (`recovery.messages`):
+On the wire a plan is a message like every other of the control plane (`wire.messages`):
 `{"type": "plan", "gen": g, ..., "sources": {"<rank>": {"type": "<kind>", ...}}}`, and it is
 decoded the same way, field by field, by one decoder (`GenerationPlan.from_dict`) that raises
 `DecodeError` with one line for anything wrong: an unknown kind of source, a field missing or of
@@ -27,11 +27,11 @@ from __future__ import annotations
 
 from typing import Any, Callable, ClassVar, Mapping, Union
 
-from recovery.jobenv import Strategy
+from wire.jobenv import Strategy
 
 # The plan is decoded by the very machinery of the control plane's messages (their field checks,
 # their descriptions of what a field wants, their table-driven decoder), not by a copy of it.
-from recovery.messages import (
+from wire.messages import (
     _WANT,
     DecodeError,
     Limits,

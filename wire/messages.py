@@ -315,7 +315,7 @@ class Message:
     `@_report` or `@_command`, which build their wire tables once."""
 
     __slots__ = ()
-    kind: ClassVar[Enum]  # Kind, CommandKind, or another table's kinds (`recovery.generation_plan`)
+    kind: ClassVar[Enum]  # Kind, CommandKind, or another table's kinds (`wire.generation_plan`)
     _spec: ClassVar[_Spec]
 
     def to_dict(self) -> dict[str, Any]:
@@ -348,7 +348,7 @@ REPLIES: dict[str, _Spec] = {}
 @dataclass_transform(kw_only_default=True, frozen_default=True, field_specifiers=(dataclasses.field, _field))
 def _register(table: dict[str, _Spec], kind: Enum) -> Callable[[type[M]], type[M]]:
     """Make `cls` a frozen dataclass and the message of `kind` in `table` (one table per
-    decoder: reports, commands, and the plan's tables in `recovery.generation_plan`)."""
+    decoder: reports, commands, and the plan's tables in `wire.generation_plan`)."""
     def wrap(cls: type[M]) -> type[M]:
         cls = dataclasses.dataclass(frozen=True, slots=True, kw_only=True)(cls)
         fields = tuple((f.name, f.metadata["check"], bool(f.metadata.get("optional")), f.metadata.get("convert"))

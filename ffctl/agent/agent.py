@@ -17,10 +17,10 @@ supervisor (`ffctl.agent.workers`) with its spare pool (`ffctl.agent.sparepool`)
 
 The job token comes in the agent's own configuration (stdin, or the SSH session's environment),
 never through the store. Every command on its queue must be sealed by the controller and decode
-as one of `recovery.messages`' commands; anything else is dropped and reported to the controller
+as one of `wire.messages`' commands; anything else is dropped and reported to the controller
 as a sealed `rejected` message, and a command that fails is reported as an `agent_error`.
 Ranks get the token in their assignment, over the pipe it comes on, and hold it in the
-library only (`recovery.jobenv.hand_token`): no worker's environment variable holds it.
+library only (`wire.jobenv.hand_token`): no worker's environment variable holds it.
 """
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ from ffctl.agent.stepwatch import StepWatch
 from ffctl.agent.template import Template, set_child_subreaper
 from ffctl.agent.workerenv import worker_env
 from ffctl.agent.workers import WorkerSupervisor
-from recovery import control, messages
+from wire import control, messages
 from recovery.slots import NodeBusy
 from runs import shm
 

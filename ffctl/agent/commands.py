@@ -1,7 +1,7 @@
 """The agent's command handler: what the agent does with each command on its queue.
 
 Every command must be sealed by the controller (the queue's receiver checks that) and decode as
-one of `recovery.messages`' commands. One that does not decode or has no handler is reported as
+one of `wire.messages`' commands. One that does not decode or has no handler is reported as
 refused; one whose handler fails is reported as an `agent_error`: the controller hears of every
 command it sent that was not carried out, and the agent goes on with the next.
 """
@@ -13,7 +13,7 @@ import threading
 from typing import Any, Callable, Protocol
 
 from ffctl.agent.reporter import Reporter
-from recovery import control, messages
+from wire import control, messages
 
 log = logging.getLogger(__name__)
 

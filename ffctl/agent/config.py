@@ -47,7 +47,7 @@ class AgentConfig:
     template: bool = True
     # A script's steps read off its output (ffctl.agent.stepscan); empty: none are.
     step_regex: str = ""
-    snapshot_slots: int = 2  # per rank (recovery.jobenv.JobEnv.slots)
+    snapshot_slots: int = 2  # per rank (wire.jobenv.JobEnv.slots)
     # Seconds a worker being stopped gets between SIGTERM and SIGKILL (torchrun's --shutdown-timeout).
     term_grace: float = TERM_GRACE_S
     # A spare node's agent (`stand_by`): this config only warms a worker template; the node's own

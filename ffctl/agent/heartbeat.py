@@ -18,7 +18,7 @@ import time
 from typing import Any, Callable
 
 from ffctl.agent.reporter import Reporter
-from recovery import control, messages
+from wire import control, messages
 
 
 # Past this long without the agent's loop coming round, the agent is wedged: no more beats.

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from recovery import control, messages
+from wire import control, messages
 
 log = logging.getLogger(__name__)
 

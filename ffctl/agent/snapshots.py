@@ -18,7 +18,7 @@ from typing import Any
 
 from ffctl.agent.config import AgentConfig
 from ffctl.agent.reporter import Reporter
-from recovery import messages
+from wire import messages
 from ffctl.agent.peerstore import PeerStore
 from ffctl.agent.replicator import Replicator
 from recovery.slots import NodeBusy, claim_node, read_header, release_node, slot_path

@@ -21,7 +21,7 @@ import psutil
 from ffctl.agent.config import AgentConfig
 from ffctl.agent.proctree import kill_tree
 from ffctl.agent.template import ForkedSpare, Template, TemplateError
-from recovery import messages
+from wire import messages
 from runs import shm
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Callable
 
 from ffctl.agent.stepscan import StepScanner
-from recovery import messages
+from wire import messages
 
 STEP_SCAN_S = 0.1  # how often workers' logs are read
 

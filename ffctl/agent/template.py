@@ -208,7 +208,7 @@ def run_assignment(job: Assignment) -> None:
     if job.cwd:
         os.chdir(job.cwd)
     if job.token:
-        from recovery.jobenv import hand_token
+        from wire.jobenv import hand_token
 
         hand_token(job.token)
     _unbuffered_stdio()

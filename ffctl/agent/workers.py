@@ -28,8 +28,8 @@ from ffctl.agent.proctree import as_processes, kill_tree
 from ffctl.agent.sparepool import SparePool
 from ffctl.agent.stepwatch import StepWatch
 from ffctl.agent.template import Assignment, ForkedSpare, ForkedWorker, Template, TemplateError
-from recovery import messages
-from recovery.jobenv import ERROR_FILE_ENV
+from wire import messages
+from wire.jobenv import ERROR_FILE_ENV
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +143,7 @@ class WorkerSupervisor:
                 "cwd": self.cfg.cwd,
                 # The token goes to the rank here, over a private pipe (the spare's stdin or FIFO,
                 # or the template's), never through the store, and the worker hands it to the
-                # library without putting it in its environment (recovery.jobenv.hand_token).
+                # library without putting it in its environment (wire.jobenv.hand_token).
                 "token": self.cfg.token,
             }
             if self.steps is not None:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
     from ffctl.backends.protocol import LaunchBackend
-    from ffctl.spec import LaunchSpec
+    from ffctl.launch_spec import LaunchSpec
 
 LOCAL = "local"
 NETNS = "netns"

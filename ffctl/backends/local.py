@@ -16,9 +16,9 @@ from typing import IO, Any, Sequence
 from fault_injectors.plan import HostCommand
 from fault_injectors.transport import LocalTransport, Transport
 from ffctl.agent.config import AgentConfig, agent_argv
-from ffctl.backends.process import stop_process
+from ffctl.backends.children import stop_process
 from ffctl.backends.protocol import AgentLaunch
-from ffctl.spec import LaunchSpec
+from ffctl.launch_spec import LaunchSpec
 from runs import shm
 from runs.store import RunStore
 

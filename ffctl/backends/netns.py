@@ -32,7 +32,7 @@ from typing import Any
 from fault_injectors.plan import NodePlace
 from ffctl.errors import InfraError
 from ffctl.backends.local import LocalNodes
-from ffctl.spec import LaunchSpec
+from ffctl.launch_spec import LaunchSpec
 from runs.store import RunStore
 
 NS_PREFIX = "ffctl-"

@@ -25,7 +25,7 @@ from fault_injectors.transport import Transport
 from ffctl.agent.config import AgentConfig
 
 if TYPE_CHECKING:
-    from ffctl.spec import LaunchSpec
+    from ffctl.launch_spec import LaunchSpec
     from runs.store import RunStore
 
 

@@ -63,7 +63,7 @@ from ffctl.backends.slurm_cluster import (
 )
 from ffctl.backends.slurm_steps import STEP_END_S, SlurmStep, SlurmTransport, StepKill, agent_argv
 from ffctl.errors import InfraError
-from ffctl.spec import LaunchSpec
+from ffctl.launch_spec import LaunchSpec
 from runs.events import EventKind
 from runs.shm import SHM_ROOT
 from runs.store import RunStore

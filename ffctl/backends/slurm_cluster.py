@@ -24,7 +24,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from fault_injectors.node import DRAIN_REASON_PREFIX
 from ffctl.errors import EXIT_NO_REQUEUE, BadInput, InfraError, NoRequeue
-from ffctl.spec import LaunchSpec
+from ffctl.launch_spec import LaunchSpec
 from runs.store import RunStore
 
 JOB_ID_ENV = "SLURM_JOB_ID"

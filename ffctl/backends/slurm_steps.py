@@ -18,7 +18,7 @@ from typing import IO, Mapping, Sequence
 
 from fault_injectors.transport import CommandResult
 from ffctl.agent.config import agent_argv as agent_command
-from ffctl.backends.process import stop_process
+from ffctl.backends.children import stop_process
 from ffctl.backends.slurm_cluster import COMMAND_TIMEOUT_S, Runner, allocation
 
 # How long a cancelled step may take to end before the launch says it could not stop it.

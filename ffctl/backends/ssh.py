@@ -35,7 +35,7 @@ from ffctl.errors import BadInput, InfraError
 from ffctl.hosts.hostfile import HostEntry
 from ffctl.hosts.ssh.preflight import PROBE_TIMEOUT_S, HostSetup, check_master_addr, controller_address, hosts_spec, preflight
 from ffctl.hosts.ssh.transport import RemoteProcess, SSHTransport
-from ffctl.spec import LaunchSpec
+from ffctl.launch_spec import LaunchSpec
 from runs.shm import SHM_ROOT
 from runs.store import RunStore
 

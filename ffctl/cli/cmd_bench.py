@@ -30,7 +30,7 @@ def register(app: typer.Typer) -> None:
     ) -> int:
         """Compare peer, restart-memory and restart-disk (Young's interval) under one fault schedule."""
         from ffctl import bench as lib
-        from ffctl.render.bench import bench_progress, render_bench, render_strategies
+        from ffctl.render.bench_results import bench_progress, render_bench, render_strategies
 
         if only:
             for name in only:

@@ -18,7 +18,7 @@ from ffctl.hosts.doctor import HostReport, check_hosts, check_local
 from ffctl.errors import EXIT_INFRA, EXIT_OK, BadInput
 from ffctl.hosts.hostfile import HostfileError, parse_hostfile
 from ffctl.render import make_console
-from ffctl.render.doctor import render_doctor
+from ffctl.render.host_checks import render_doctor
 
 
 def diagnose(hosts: Path | None, *, accept_new_host_keys: bool = False, python: str = "python3",
@@ -86,7 +86,7 @@ def timeouts_of(script: Path, hang_s: float, heartbeat_s: float) -> list[str]:
     """What `ffctl launch SCRIPT` would say of its timeouts (ffctl.launch.timeouts)."""
     from ffctl.controller.script import uses_recovery_library
     from ffctl.launch.launch_plan import timeout_findings
-    from ffctl.spec import LaunchSpec, SpecError
+    from ffctl.launch_spec import LaunchSpec, SpecError
 
     spec = LaunchSpec(nnodes=1, nproc_per_node=1, script=(str(script),), hang_min_s=hang_s,
                       heartbeat_timeout=heartbeat_s)

@@ -34,7 +34,7 @@ def register(app: typer.Typer) -> None:
         """Inject a fault into a running job (the job's controller applies and records it)."""
         console = make_console()
         if kind == "revert":
-            from ffctl.launch.revert import revert_everything
+            from ffctl.launch.cleanup import revert_everything
 
             if not all_:
                 raise BadInput("inject revert: say --all (remove everything ffctl left on the hosts)")

@@ -15,7 +15,7 @@ from ffctl.backends import REQUEUED, backend_name
 from ffctl.errors import EXIT_EXPECTATION, EXIT_INTERRUPTED, EXIT_NO_REQUEUE, EXIT_OK, BadInput
 from ffctl.launch.echo import RankEcho, parse_ranks_filter
 from ffctl.launch.torchrun import TorchrunArgError, resolve
-from ffctl.spec import LaunchSpec
+from ffctl.launch_spec import LaunchSpec
 from ffctl.render.live import LiveView
 from ffctl.render.report import render_plan, render_report, root_cause_lines
 from runs.events import EventKind, RunStatus, finish_reason

@@ -28,9 +28,9 @@ def register(app: typer.Typer) -> None:
         from ffctl.launch.scenario_runs import plan_scenarios, run_scenario
         from ffctl.render.live import LiveView
         from ffctl.render.report import render_plan
-        from ffctl.render.scenario import junit as junit_xml
-        from ffctl.render.scenario import markdown as markdown_text
-        from ffctl.render.scenario import render_outcome, render_summary
+        from ffctl.render.verdicts import junit as junit_xml
+        from ffctl.render.verdicts import markdown as markdown_text
+        from ffctl.render.verdicts import render_outcome, render_summary
 
         for flag, out in (("--junit", junit), ("--markdown", markdown)):
             if out is not None and not out.absolute().parent.is_dir():

@@ -11,7 +11,7 @@ from typing import Callable
 
 from ffctl.controller.cluster import FatalRun, Record
 from ffctl.controller.state import JobState, Report
-from recovery import messages
+from wire import messages
 from runs.events import EventKind
 
 # How long after some ranks finished (exit 0) the ones still running are named on screen.

@@ -12,7 +12,7 @@ import secrets
 import time
 
 from ffctl.errors import BadInput, InfraError
-from recovery import control, messages
+from wire import control, messages
 from runs.events import RunStatus
 from runs.store import RunStore
 

@@ -11,7 +11,7 @@ from typing import Any, Callable, Protocol
 
 from fault_injectors.plan import Topology
 from ffctl.controller.decide import Decision
-from recovery import messages
+from wire import messages
 from runs.events import EventKind, RestoreSource
 
 

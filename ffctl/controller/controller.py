@@ -37,9 +37,9 @@ from ffctl.controller.script import uses_recovery_library
 from ffctl.controller.state import JobState, Phase, Report
 from ffctl.controller.stragglers import StragglerDetector
 from ffctl.controller.watchdog import Watchdog
-from ffctl.spec import LIBRARY_MAX_RESTARTS, PLAIN_MAX_RESTARTS, LaunchSpec
-from recovery import messages
-from recovery.jobenv import Strategy
+from ffctl.launch_spec import LIBRARY_MAX_RESTARTS, PLAIN_MAX_RESTARTS, LaunchSpec
+from wire import messages
+from wire.jobenv import Strategy
 from runs import shm
 from runs.events import EventKind, RestoreSource, RunStatus
 from runs.metrics import compute, run_strategy

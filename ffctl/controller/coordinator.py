@@ -33,9 +33,9 @@ from ffctl.controller.failures import (  # RankFailure, error_line, signal_name:
     signal_name,
 )
 from ffctl.controller.state import JobState, Report
-from recovery import messages
-from recovery.jobenv import Strategy
-from recovery.generation_plan import LocalSlot, Source
+from wire import messages
+from wire.jobenv import Strategy
+from wire.generation_plan import LocalSlot, Source
 from runs.events import EventKind, RestoreSource
 
 __all__ = ["FatalRun", "RankFailure", "RecoveryAbandoned", "RecoveryCoordinator", "RecoveryOutcome", "Verdict",

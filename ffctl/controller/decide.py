@@ -16,7 +16,7 @@ writing its snapshot of s and reporting s has no loss of s to compare, but has o
 State that a restore cannot bring back (a prefetched batch the script never registered) then
 shows as a different loss, before training goes on.
 
-The decision is the next generation's typed plan (`recovery.generation_plan.GenerationPlan`), published to
+The decision is the next generation's typed plan (`wire.generation_plan.GenerationPlan`), published to
 the ranks as it is, plus what only the controller needs to know about it.
 """
 from __future__ import annotations
@@ -24,8 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
-from recovery.jobenv import Strategy
-from recovery.generation_plan import FRESH, Disk, GenerationPlan, LocalSlot, PeerReplica, Source, Where
+from wire.jobenv import Strategy
+from wire.generation_plan import FRESH, Disk, GenerationPlan, LocalSlot, PeerReplica, Source, Where
 from runs.events import RestoreSource
 
 

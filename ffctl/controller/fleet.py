@@ -20,9 +20,9 @@ from ffctl.controller.decide import ring_holders
 from ffctl.controller.plane import ControlPlane
 from ffctl.controller.protection import Protection
 from ffctl.controller.state import JobState, NodeState
-from ffctl.spec import LaunchSpec
-from recovery import control, messages
-from recovery.jobenv import Strategy
+from ffctl.launch_spec import LaunchSpec
+from wire import control, messages
+from wire.jobenv import Strategy
 
 AGENT_START_TIMEOUT = 60.0
 

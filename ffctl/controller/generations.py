@@ -18,10 +18,11 @@ from ffctl.controller.decide import Decision
 from ffctl.controller.failures import Cause, Failure
 from ffctl.controller.plane import ControlPlane
 from ffctl.controller.state import JobState, Report
-from ffctl.spec import LaunchSpec
-from recovery import disk, messages
-from recovery.jobenv import JobEnv, Strategy
-from recovery.generation_plan import Disk, GenerationPlan
+from ffctl.launch_spec import LaunchSpec
+from recovery import disk
+from wire import messages
+from wire.jobenv import JobEnv, Strategy
+from wire.generation_plan import Disk, GenerationPlan
 from runs.events import EventKind, RestoreSource
 
 PHASE_TIMEOUT = 120.0

@@ -25,7 +25,8 @@ from ffctl.controller.restorecheck import RestoreCheck
 from ffctl.controller.state import JobState, Report
 from ffctl.controller.stragglers import Finding, Replace, StragglerDetector, Straggling
 from ffctl.controller.watchdog import Watchdog
-from recovery import control, disk, messages
+from recovery import disk
+from wire import control, messages
 from runs.events import EventKind
 
 

@@ -17,8 +17,8 @@ from typing import Any
 import torch.distributed as dist
 
 from ffctl.controller.cluster import FatalRun, Record
-from recovery import control, messages
-from recovery.generation_plan import GenerationPlan
+from wire import control, messages
+from wire.generation_plan import GenerationPlan
 from recovery.throttle import Throttle
 from runs.events import EventKind
 

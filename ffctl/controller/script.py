@@ -10,7 +10,7 @@ import re
 import sys
 from pathlib import Path
 
-from ffctl.spec import EXEC_MODULE
+from ffctl.launch_spec import EXEC_MODULE
 
 
 def uses_recovery_library(script: tuple[str, ...]) -> bool:

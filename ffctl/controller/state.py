@@ -14,7 +14,7 @@ from typing import Iterable
 from ffctl.backends.protocol import AgentProcess
 from ffctl.controller.failures import Failure, RankFailure
 from ffctl.controller.progress import Progress
-from recovery import messages
+from wire import messages
 from runs.events import Label, RestoreHow, RestoreSource
 
 

@@ -2,7 +2,7 @@
 
 Every rank of a synchronous job takes the same wall time per step: the fast ranks wait in the
 collectives for the slow one. So the signal is a rank's busy time, its step time (`dt`) less the
-time it spent blocked in the step's collectives (`wait`, both in `recovery.messages.Step`). A
+time it spent blocked in the step's collectives (`wait`, both in `wire.messages.Step`). A
 rank's excess at a step is its busy time beyond the median of the other ranks' (the time they
 waited for it), and its factor is its step time over that step time less the excess (how much
 longer the step took than it would have with this rank as fast as the others). A rank is slow at
@@ -19,7 +19,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
-from ffctl.spec import StragglerPolicy
+from ffctl.launch_spec import StragglerPolicy
 
 SLOW_RATIO = 1.5  # the factor that makes a step slow
 ONSET_STEPS = 3  # slow steps in a row that make a straggler (one or two are noise: a page fault, a GC,

@@ -15,7 +15,7 @@ from ffctl.controller.cluster import Record
 from ffctl.controller.failures import Cause, Failure
 from ffctl.controller.plane import ControlPlane
 from ffctl.controller.state import JobState, NodeState, Phase
-from recovery import control, messages
+from wire import control, messages
 from runs.events import EventKind
 
 STARTUP_HANG_S = 120.0

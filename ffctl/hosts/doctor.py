@@ -4,7 +4,7 @@
 reachability, python, torch and ffctl versions, memory for snapshots, the tools network faults use
 (iptables, tc and whether the kernel has the tbf and netem qdiscs), GPU tools, and the host's
 clock offset from the controller. It returns a frozen `HostReport` and never prints; the
-rendering lives in `ffctl.render.doctor`.
+rendering lives in `ffctl.render.host_checks`.
 """
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ from ffctl.backends.protocol import LaunchBackend
 from ffctl.errors import BadInput
 from ffctl.launch.timeouts import findings, read_timeouts
 from ffctl.controller.faultplan import chaos_faults, plan_fault
-from ffctl.spec import LaunchSpec, SpecError
+from ffctl.launch_spec import LaunchSpec, SpecError
 from runs import shm
 from runs.events import RunStatus
 from runs.metrics import run_strategy
@@ -231,7 +231,7 @@ def requeue_bound(spec: LaunchSpec) -> int:
     applies (torchrun's 0 for an unchanged script, 3 for the built-in GPT and the recovery library)."""
     if spec.max_restarts is not None:
         return spec.max_restarts
-    from ffctl.spec import LIBRARY_MAX_RESTARTS, PLAIN_MAX_RESTARTS
+    from ffctl.launch_spec import LIBRARY_MAX_RESTARTS, PLAIN_MAX_RESTARTS
 
     if spec.script:
         from ffctl.controller.script import uses_recovery_library

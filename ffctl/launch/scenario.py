@@ -58,9 +58,9 @@ from ffctl.hosts.hostfile import read_user_file
 from ffctl.launch.torchrun import FLAGS as TORCHRUN_FLAGS
 from ffctl.launch.torchrun import VALUE_DEFAULTS as TORCHRUN_VALUES
 from ffctl.launch.torchrun import TorchrunArgError, resolve
-from ffctl.spec import MAX_BATCH, MAX_NODES, MAX_PROCS_PER_NODE, MAX_STEPS, LaunchSpec, SpecError
+from ffctl.launch_spec import MAX_BATCH, MAX_NODES, MAX_PROCS_PER_NODE, MAX_STEPS, LaunchSpec, SpecError
 from ffctl.workload.sizes import MODELS, OPTIMIZERS, PARALLELISMS
-from recovery.jobenv import Strategy
+from wire.jobenv import Strategy
 from runs.events import RestoreSource, RunStatus
 
 if sys.version_info >= (3, 11):

@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ffctl.launch.echo import parse_ranks_filter
-from ffctl.spec import EXEC_MODULE
+from ffctl.launch_spec import EXEC_MODULE
 
 # torchrun's options, by the destination name its parser gives them (PET_<NAME.upper()>), with
 # torchrun's defaults. Flags are "0"/"1" in the environment, as torchrun reads them.

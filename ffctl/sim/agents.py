@@ -48,14 +48,14 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 from ffctl.agent.config import AgentConfig
-from recovery import control, messages
-from recovery.generation_plan import GenerationPlan, LocalSlot
+from wire import control, messages
+from wire.generation_plan import GenerationPlan, LocalSlot
 from runs.events import RestoreHow
 
 HEARTBEAT_S = 0.2  # as ffctl.agent.agent
 POLL_S = 0.02  # as ffctl.agent.agent
 REPLICATED_S = 1.0  # as ffctl.agent.replicator.REPORT_S
-PLAN_POLL_S = 0.01  # as recovery.control.newest_plan
+PLAN_POLL_S = 0.01  # as wire.control.newest_plan
 WATCH_TIMEOUT = datetime.timedelta(hours=1)
 MAX_RANKS = 1 << 20
 # Threads that drive the agents' loops (heartbeats, queues): the store calls release the GIL,

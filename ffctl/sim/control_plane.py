@@ -24,7 +24,7 @@ from typing import Any
 
 from ffctl.sim.agents import HEARTBEAT_S, SimSpec
 from ffctl.sim.nodes import SimNodes
-from ffctl.spec import LaunchSpec
+from ffctl.launch_spec import LaunchSpec
 from runs.events import EventKind
 from runs.store import RunStore
 

@@ -22,7 +22,7 @@ from typing import IO, Any, Sequence
 from fault_injectors.plan import HostCommand
 from fault_injectors.transport import Transport
 from ffctl.agent.config import AgentConfig
-from ffctl.backends.process import stop_process
+from ffctl.backends.children import stop_process
 from ffctl.errors import InfraError
 from ffctl.sim.agents import SimSpec
 

@@ -231,7 +231,7 @@ class Job:
             self.stop()
         if os.geteuid() == 0:  # without root no run can have set rules or namespaces up
             from ffctl.errors import BadInput, InfraError
-            from ffctl.launch.revert import revert_everything
+            from ffctl.launch.cleanup import revert_everything
 
             for rid in self.run_ids:
                 try:

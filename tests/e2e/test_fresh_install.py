@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 ROOT = Path(__file__).resolve().parents[2]
 TORCH = "torch==2.13.0"  # the release scripts/setup installs
-PACKAGES = ("ffctl", "recovery", "runs", "fault_injectors")
+PACKAGES = ("ffctl", "recovery", "runs", "fault_injectors", "wire")
 PIP_TIMEOUT = 600.0
 JOB_TIMEOUT = 300.0
 NUMPY_WARNING = "Failed to initialize NumPy"

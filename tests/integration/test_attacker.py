@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from recovery import control
+from wire import control
 from runs.events import EventKind
 from tests.helpers.launch import (
     assert_nothing_left, crashes, rid, run_ffctl, shm_left, start_launch, stop_at_end, wait_step,

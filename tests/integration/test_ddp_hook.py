@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from recovery import control
+from wire import control
 from recovery.ddp import _broadcast_from_rank0, attach, private_group
 from recovery.errors import PeerFailure
 from recovery.group import Generation

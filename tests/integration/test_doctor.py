@@ -14,7 +14,7 @@ from rich.console import Console
 import ffctl
 from ffctl.hosts.doctor import HostReport, QdiscSupport, check_host, check_hosts, check_local
 from ffctl.hosts.hostfile import HostEntry
-from ffctl.render.doctor import render_doctor
+from ffctl.render.host_checks import render_doctor
 from ffctl.hosts.ssh.transport import SSHTransport
 from tests.conftest import ROOT, needs_root
 from tests.helpers.sshd import SSHCluster, checked_sshd_cluster, empty_known_hosts

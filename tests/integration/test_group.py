@@ -24,7 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from recovery import control
+from wire import control
 from recovery.errors import PeerFailure
 from recovery.group import Generation
 

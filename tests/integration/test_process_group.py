@@ -25,7 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from recovery import control
+from wire import control
 
 WORLD = 2
 BOUND_S = 30.0

@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import pytest
 
-from recovery import control
+from wire import control
 from runs.events import EventKind
 from runs.store import iter_events
 from tests.helpers.launch import (

@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 LOOK = textwrap.dedent("""
     import json, os, subprocess, sys
     from recovery import report_step
-    from recovery.jobenv import job_token
+    from wire.jobenv import job_token
 
     with open("/proc/self/environ", "rb") as fh:
         initial = fh.read().decode(errors="replace")
@@ -67,7 +67,7 @@ def test_the_token_reaches_the_library_not_the_environment_through_an_assignment
         run_assignment(Assignment(dict(os.environ), (prog,), "", "", "s3cret-token-value"))
     """)
     prog = tmp_path / "prog.py"
-    prog.write_text("import os\nfrom recovery.jobenv import job_token\n"
+    prog.write_text("import os\nfrom wire.jobenv import job_token\n"
                     "print(job_token(), 'FFCTL_TOKEN' in os.environ)\n")
     proc = subprocess.run([sys.executable, "-c", code, str(prog)], capture_output=True, text=True, timeout=120,
                           cwd=Path(__file__).parents[2])

@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 from ffctl import bench
 from ffctl.cli.app import main
 from ffctl.errors import BadInput
-from ffctl.render.bench import bench_progress, render_bench, render_strategies
+from ffctl.render.bench_results import bench_progress, render_bench, render_strategies
 from fault_injectors.schedule import iter_mtbf
 from fault_injectors.spec import FaultKind
 from runs.metrics import compute

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from recovery import control, messages
-from recovery.generation_plan import GenerationPlan
+from wire import control, messages
+from wire.generation_plan import GenerationPlan
 from tests.helpers.store import loopback_store
 from recovery.peer import _LEN, ChannelError, PeerClient
 from ffctl.agent.peerstore import PeerStore

@@ -7,8 +7,8 @@ from __future__ import annotations
 import threading
 import time
 
-from recovery import control
-from recovery.generation_plan import GenerationPlan
+from wire import control
+from wire.generation_plan import GenerationPlan
 from tests.helpers.store import loopback_store
 
 TOKEN = "d" * 64

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 
-from recovery import control
+from wire import control
 from tests.helpers.store import loopback_store
 
 

@@ -14,9 +14,9 @@ from ffctl.controller.fleet import Fleet
 from ffctl.controller.protection import Protection
 from ffctl.controller.state import JobState, NodeState
 from ffctl.controller.watchdog import Watchdog
-from recovery import messages
-from recovery.jobenv import Strategy
-from recovery.generation_plan import LocalSlot, PeerReplica
+from wire import messages
+from wire.jobenv import Strategy
+from wire.generation_plan import LocalSlot, PeerReplica
 from runs.events import RestoreSource
 
 

@@ -15,8 +15,8 @@ from ffctl.controller.inbox import Inbox
 from ffctl.controller.plane import ControlPlane
 from ffctl.controller.state import JobState, NodeState
 from ffctl.controller.watchdog import Watchdog
-from recovery import control, messages
-from recovery.generation_plan import GenerationPlan
+from wire import control, messages
+from wire.generation_plan import GenerationPlan
 from runs.events import EventKind
 from tests.helpers.store import loopback_store
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, TensorDataset
 
-from recovery import messages
+from wire import messages
 from recovery.ddp import Batches
 
 DATA = TensorDataset(torch.arange(40.0).reshape(20, 2))

@@ -3,8 +3,8 @@ generation's typed plan."""
 from __future__ import annotations
 
 from ffctl.controller.decide import Inventory, decide, ring_holder
-from recovery.jobenv import Strategy
-from recovery.generation_plan import Disk, Fresh, GenerationPlan, LocalSlot, PeerReplica, Where, decode_plan
+from wire.jobenv import Strategy
+from wire.generation_plan import Disk, Fresh, GenerationPlan, LocalSlot, PeerReplica, Where, decode_plan
 from runs.events import RestoreSource
 
 MEMBERS = {0: 0, 1: 0, 2: 1, 3: 1}

@@ -12,11 +12,11 @@ from typing import Any
 
 import pytest
 
-from recovery import control
+from wire import control
 from recovery.job import Job
-from recovery.jobenv import Strategy
-from recovery.messages import DecodeError
-from recovery.generation_plan import Disk, Fresh, GenerationPlan, LocalSlot, PeerReplica, Where, decode_plan, decode_source
+from wire.jobenv import Strategy
+from wire.messages import DecodeError
+from wire.generation_plan import Disk, Fresh, GenerationPlan, LocalSlot, PeerReplica, Where, decode_plan, decode_source
 from runs.events import RestoreSource
 from tests.unit.test_controller_store import TOKEN, _controller
 

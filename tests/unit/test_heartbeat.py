@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 from ffctl.agent.heartbeat import LOOP_STUCK_S, Heartbeat
-from recovery import control, messages
+from wire import control, messages
 from tests.helpers.store import loopback_store
 
 TOKEN = "h" * 64

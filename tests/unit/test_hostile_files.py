@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from ffctl.agent.stepscan import StepRegexError, compile_step_regex, parse_line
-from ffctl.render.scenario import junit
+from ffctl.render.verdicts import junit
 from recovery.peer import _LEN, PeerClient
 from ffctl.agent.peerstore import PeerStore
 from recovery.slots import slot_path

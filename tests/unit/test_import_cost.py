@@ -28,7 +28,7 @@ def test_commands_that_train_nothing_do_not_load_torch() -> None:
     # `ffctl report`, `project`, `--help` and a launch refused for its command line read files
     # and print: torch is a second and a half of CPU they have no use for.
     code = ("import sys; from ffctl.cli.app import main; import recovery; "
-            "from recovery import jobenv, messages, PeerFailure; print('torch' in sys.modules)")
+            "from recovery import PeerFailure; from wire import jobenv, messages; print('torch' in sys.modules)")
     assert _python(code).strip() == "False"
     # ...while what a training script imports is all there.
     code = "import recovery; print(recovery.Job.__name__, recovery.StepContext.__name__, recovery.report_step.__name__)"

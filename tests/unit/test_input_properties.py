@@ -19,7 +19,7 @@ from fault_injectors.spec import (
     MAX_DURATION_S, MAX_INDEX, MAX_SEED, MAX_STEP, MAX_T_S, REVERTIBLE, FaultKind, FaultSpec, FaultSpecError,
     TargetMode, allowed_keys, parse_injection, parse_spec,
 )
-from ffctl.spec import LaunchSpec, SpecError
+from ffctl.launch_spec import LaunchSpec, SpecError
 from ffctl.launch.scenario import EXPECT_SCHEMA, LAUNCH_SCHEMA, Scenario, ScenarioError, loads
 
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

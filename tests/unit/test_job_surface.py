@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from recovery.job import Job
-from recovery.jobenv import JobEnv
+from wire.jobenv import JobEnv
 from recovery.standalone import PlainJob
 
 ROOT = Path(__file__).resolve().parents[2]

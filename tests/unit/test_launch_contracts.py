@@ -18,7 +18,7 @@ from ffctl.agent.config import AgentConfig
 from ffctl.backends import BACKENDS
 from ffctl.errors import BadInput
 from ffctl.launch.launch_plan import plan_launch
-from ffctl.spec import LaunchSpec, SpecError
+from ffctl.launch_spec import LaunchSpec, SpecError
 from ffctl.workload import gpt, sizes
 from recovery.faults import InStepFaults
 from recovery.slots import claim_node, release_node

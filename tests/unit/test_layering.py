@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("runs", "recovery", "fault_injectors", "ffctl")
+PACKAGES = ("runs", "wire", "recovery", "fault_injectors", "ffctl")
 
 
 def _module_name(path: Path) -> str:
@@ -65,7 +65,7 @@ def _room(module: str) -> str:
     return parts[0] if parts[0] != "ffctl" else module
 
 
-@pytest.mark.parametrize("lower", ["runs", "recovery", "fault_injectors"])
+@pytest.mark.parametrize("lower", ["runs", "wire", "recovery", "fault_injectors"])
 def test_lower_packages_never_import_ffctl(lower: str) -> None:
     bad = {m: sorted(i for i in GRAPH[m] if _owner(i) == "ffctl") for m in GRAPH if _owner(m) == lower}
     assert not {m: v for m, v in bad.items() if v}
@@ -78,6 +78,16 @@ def test_runs_imports_no_other_package_of_the_project() -> None:
     assert not [m for m in GRAPH if _owner(m) == "runs" and "torch" in THIRD_PARTY[m]]
 
 
+def test_the_wire_formats_import_only_the_record_s_vocabulary() -> None:
+    # Every process speaks them: the controller, the agents, the ranks. What they import, every
+    # process loads; so only the run record's words, and torch's store client where the store
+    # protocol talks to it (`wire.control`), never the rank's library or the fault injectors.
+    bad = {m: sorted(i for i in GRAPH[m] if _owner(i) not in ("wire", "runs")) for m in GRAPH if _owner(m) == "wire"}
+    assert not {m: v for m, v in bad.items() if v}
+    heavy = {m: sorted(THIRD_PARTY[m] & {"torch", "psutil"}) for m in GRAPH if _owner(m) == "wire"}
+    assert {m: v for m, v in heavy.items() if v} == {"wire.control": ["torch"]}
+
+
 @pytest.mark.parametrize("library, room", [
     ("paramiko", "ffctl.hosts.ssh"), ("rich", "ffctl.render"), ("typer", "ffctl.cli"),
 ])
@@ -87,7 +97,7 @@ def test_each_library_stays_in_its_room(library: str, room: str) -> None:
 
 
 # Which folders of ffctl/ each folder may import (besides the lower packages and the shared loose
-# modules ffctl.errors and ffctl.spec, the launch spec every room reads).
+# modules ffctl.errors and ffctl.launch_spec, the launch spec every room reads).
 ALLOWED = {
     "ffctl.agent": set(),
     "ffctl.workload": set(),
@@ -112,7 +122,7 @@ def test_folders_import_one_way() -> None:
         if room not in ALLOWED:
             continue
         for dep in deps:
-            if _owner(dep) != "ffctl" or dep in ("ffctl", "ffctl.errors", "ffctl.spec") or _room(dep) == room:
+            if _owner(dep) != "ffctl" or dep in ("ffctl", "ffctl.errors", "ffctl.launch_spec") or _room(dep) == room:
                 continue
             if not any(dep == a or dep.startswith(a + ".") or _room(dep) == a for a in ALLOWED[room]):
                 bad.setdefault(mod, []).append(dep)

@@ -19,8 +19,8 @@ from ffctl.agent.commands import CommandHandler
 from ffctl.agent.workers import WorkerSupervisor
 from ffctl.controller.inbox import Inbox
 from ffctl.controller.plane import ControlPlane
-from recovery import control, messages
-from recovery.messages import CommandKind, DecodeError, Kind
+from wire import control, messages
+from wire.messages import CommandKind, DecodeError, Kind
 from runs.events import EventKind, RestoreHow, RestoreSource, RunStatus
 from tests.helpers.store import loopback_store
 

@@ -22,8 +22,8 @@ from ffctl.controller.failures import Cause, Failure, RankFailure
 from ffctl.controller.injector import Injector
 from ffctl.controller.progress import StepReport
 from ffctl.controller.state import JobState, NodeState, Phase, Report
-from recovery import messages
-from recovery.jobenv import Strategy
+from wire import messages
+from wire.jobenv import Strategy
 from runs.events import EventKind, RestoreSource
 
 NNODES, PER_NODE = 2, 2  # ranks 0, 1 on node 0; ranks 2, 3 on node 1

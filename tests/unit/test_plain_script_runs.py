@@ -22,7 +22,7 @@ from fault_injectors.spec import parse_injection
 from ffctl.cli.app import main
 from ffctl.render.live import LiveView, _table, step_text
 from ffctl.render.report import markdown_report, render_comparison, render_report
-from ffctl.spec import LaunchSpec, SpecError
+from ffctl.launch_spec import LaunchSpec, SpecError
 from runs.events import EventKind
 from runs.metrics import SCRIPT_RESTART, compute, run_strategy
 from tests.helpers.events import StreamBuilder, loss_at

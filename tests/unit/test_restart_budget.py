@@ -7,7 +7,7 @@ import pytest
 from ffctl.controller.failures import Failure
 from ffctl.controller.script import uses_recovery_library
 from ffctl.controller.coordinator import RankFailure, Verdict, describe, error_line, restart_verdict, root_cause, signal_name
-from ffctl.spec import LaunchSpec, SpecError
+from ffctl.launch_spec import LaunchSpec, SpecError
 from ffctl.render.report import root_cause_lines
 
 BOOM = (1, 10, "RuntimeError: boom")

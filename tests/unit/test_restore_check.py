@@ -7,7 +7,7 @@ import math
 
 from ffctl.controller.decide import Inventory, decide
 from ffctl.controller.progress import Progress, StepReport, same_loss
-from ffctl.spec import LaunchSpec
+from ffctl.launch_spec import LaunchSpec
 
 MEMBERS = {0: 0, 1: 0, 2: 1, 3: 1}
 

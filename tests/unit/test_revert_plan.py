@@ -8,7 +8,7 @@ import pytest
 
 from fault_injectors.revert import FIRE_DEADMEN, SHM_SWEEP
 from ffctl.errors import BadInput
-from ffctl.launch.revert import LOCAL, plan_revert, revert_everything
+from ffctl.launch.cleanup import LOCAL, plan_revert, revert_everything
 
 
 def _hostfile(tmp_path: Path) -> Path:

@@ -14,7 +14,7 @@ from ffctl.launch.scenario import (
     Check, Outcome, ScenarioError, compare_losses, evaluate, load, loads, twin_spec, worst_case,
 )
 from ffctl.launch.scenario_runs import plan_scenarios, scenario_files
-from ffctl.render.scenario import junit, markdown
+from ffctl.render.verdicts import junit, markdown
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples" / "scenarios"

@@ -31,7 +31,7 @@ from ffctl.backends.slurm_cluster import (
 )
 from ffctl.backends.slurm_steps import SlurmTransport, StepKill, agent_argv
 from ffctl.launch.launch_plan import requeue_bound
-from ffctl.spec import LaunchSpec
+from ffctl.launch_spec import LaunchSpec
 from runs.events import EventKind
 
 ROOT = Path(__file__).resolve().parents[2]

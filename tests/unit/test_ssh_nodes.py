@@ -17,7 +17,7 @@ from ffctl.hosts.hostfile import HostEntry
 from ffctl.backends.ssh import MAKE_RUN_DIR, SSHNodes
 from ffctl.hosts.ssh import preflight as ssh_preflight
 from ffctl.hosts.ssh.preflight import HostSetup, check_master_addr, controller_address, hosts_spec, parse_net_probe
-from ffctl.spec import LaunchSpec
+from ffctl.launch_spec import LaunchSpec
 
 PROBE = """conn=10.0.0.1 51234 10.0.0.11 22
 1: lo    inet 127.0.0.1/8 scope host lo\\       valid_lft forever preferred_lft forever

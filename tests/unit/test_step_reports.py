@@ -14,8 +14,8 @@ import pytest
 from ffctl.agent.stepscan import StepRegexError, StepScanner, compile_step_regex, parse_line
 from ffctl.controller.script import runs_the_library
 from ffctl.controller.progress import Progress, StepReport
-from recovery import control, messages
-from recovery.jobenv import TOKEN_ENV, JobEnv
+from wire import control, messages
+from wire.jobenv import TOKEN_ENV, JobEnv
 from recovery.steps import StepReporter
 from runs.events import Event, EventKind
 from runs.metrics import compute

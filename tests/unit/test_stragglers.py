@@ -13,7 +13,7 @@ from ffctl.controller.stragglers import (
     StragglerDetector,
     Straggling,
 )
-from ffctl.spec import SpecError, StragglerPolicy, parse_straggler
+from ffctl.launch_spec import SpecError, StragglerPolicy, parse_straggler
 
 BUSY = 0.4  # a healthy rank's compute per step (seconds)
 COMM = 0.01  # what a collective costs every rank even when nobody is late

@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 from ffctl.cli.app import app, main
 from ffctl.launch.torchrun import EXEC_MODULE, TorchrunArgError, TorchrunArgs, parse_nnodes, parse_nproc, resolve
-from ffctl.spec import LaunchSpec
+from ffctl.launch_spec import LaunchSpec
 
 
 def _resolve(given: dict[str, str] | None = None, flags: dict[str, bool] | None = None,
@@ -225,7 +225,7 @@ def test_omp_threads_as_torchrun_sets_them() -> None:
 
 
 def test_job_env_carries_torchruns_names() -> None:
-    from recovery.jobenv import JobEnv
+    from wire.jobenv import JobEnv
 
     env = JobEnv(rank=3, world_size=4, local_rank=1, local_world_size=2, node=1, run_id="r", store_host="h",
                  store_port=5, gen=2, role="trainer", max_restarts=7).to_env()

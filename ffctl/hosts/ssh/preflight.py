@@ -35,7 +35,7 @@ from ffctl.hosts.ssh.transport import (
     SSHTransport,
     require_command,
 )
-from ffctl.spec import LaunchSpec
+from ffctl.launch_spec import LaunchSpec
 
 PROBE_TIMEOUT_S = 30.0
 
