@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from ffctl.errors import BadInput, InfraError
+from ffctl.exits import BadInput, InfraError
 from ffctl.workload.sizes import MODELS
 from fault_injectors.schedule import fault_seed, iter_mtbf
 from fault_injectors.spec import FaultKind

@@ -56,7 +56,7 @@ BACKENDS: dict[str, Callable[[LaunchSpec, str], LaunchBackend]] = {
 
 
 # Backends whose jobs a scheduler may requeue after a failure: for them a run that trained no
-# step exits 4 ("do not requeue", `ffctl.errors.EXIT_NO_REQUEUE`).
+# step exits 4 ("do not requeue", `ffctl.exits.EXIT_NO_REQUEUE`).
 REQUEUED = frozenset({SLURM})
 
 

@@ -30,7 +30,7 @@ from types import TracebackType
 from typing import Any
 
 from fault_injectors.plan import NodePlace
-from ffctl.errors import InfraError
+from ffctl.exits import InfraError
 from ffctl.backends.local import LocalNodes
 from ffctl.launch_spec import LaunchSpec
 from runs.store import RunStore

@@ -62,7 +62,7 @@ from ffctl.backends.slurm_cluster import (
     split_nodes,
 )
 from ffctl.backends.slurm_steps import STEP_END_S, SlurmStep, SlurmTransport, StepKill, agent_argv
-from ffctl.errors import InfraError
+from ffctl.exits import InfraError
 from ffctl.launch_spec import LaunchSpec
 from runs.events import EventKind
 from runs.shm import SHM_ROOT

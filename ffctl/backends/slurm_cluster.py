@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from fault_injectors.node import DRAIN_REASON_PREFIX
-from ffctl.errors import EXIT_NO_REQUEUE, BadInput, InfraError, NoRequeue
+from ffctl.exits import EXIT_NO_REQUEUE, BadInput, InfraError, NoRequeue
 from ffctl.launch_spec import LaunchSpec
 from runs.store import RunStore
 

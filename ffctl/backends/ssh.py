@@ -2,7 +2,7 @@
 
 `SSHNodes` implements `ffctl.backends.protocol.LaunchBackend`: `prepare` checks every host
 (`ffctl.hosts.ssh.preflight`) before anything starts anywhere, `release` brings the logs home.
-Each agent is started with `SSHTransport.start` (`ffctl.hosts.ssh.transport`, the only paramiko
+Each agent is started with `SSHTransport.start` (`ffctl.hosts.ssh.remote`, the only paramiko
 user), its `AgentConfig` (job token included) going in the environment sent over the channel,
 never on a command line. The agent lives in its own process group on the host; when the channel
 closes (the run ends, the controller is interrupted or killed, the connection drops) the remote
@@ -31,10 +31,10 @@ from fault_injectors.revert import SHM_SWEEP
 from fault_injectors.transport import CommandResult, LocalTransport, Transport, TransportError
 from ffctl.agent.config import CONFIG_ENV, TERM_GRACE_S, AgentConfig, agent_argv
 from ffctl.backends.protocol import AgentLaunch
-from ffctl.errors import BadInput, InfraError
+from ffctl.exits import BadInput, InfraError
 from ffctl.hosts.hostfile import HostEntry
 from ffctl.hosts.ssh.preflight import PROBE_TIMEOUT_S, HostSetup, check_master_addr, controller_address, hosts_spec, preflight
-from ffctl.hosts.ssh.transport import RemoteProcess, SSHTransport
+from ffctl.hosts.ssh.remote import RemoteProcess, SSHTransport
 from ffctl.launch_spec import LaunchSpec
 from runs.shm import SHM_ROOT
 from runs.store import RunStore

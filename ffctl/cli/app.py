@@ -13,7 +13,7 @@ except ImportError:  # pragma: no cover - older typer uses click itself
 from ffctl import __version__
 from ffctl.cli import (cmd_agent, cmd_bench, cmd_doctor, cmd_inject, cmd_launch, cmd_project, cmd_report,
                        cmd_scenario)
-from ffctl.errors import EXIT_BAD_INPUT, EXIT_INFRA, EXIT_NO_REQUEUE, BadInput, InfraError, NoRequeue
+from ffctl.exits import EXIT_BAD_INPUT, EXIT_INFRA, EXIT_NO_REQUEUE, BadInput, InfraError, NoRequeue
 
 app = typer.Typer(
     name="ffctl", add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,

@@ -15,7 +15,7 @@ from typing import Annotated, Optional
 import typer
 
 from ffctl.hosts.doctor import HostReport, check_hosts, check_local
-from ffctl.errors import EXIT_INFRA, EXIT_OK, BadInput
+from ffctl.exits import EXIT_INFRA, EXIT_OK, BadInput
 from ffctl.hosts.hostfile import HostfileError, parse_hostfile
 from ffctl.render import make_console
 from ffctl.render.host_checks import render_doctor
@@ -38,7 +38,7 @@ def diagnose(hosts: Path | None, *, accept_new_host_keys: bool = False, python: 
         return check_hosts(doctor_transports(), timeout=timeout, python=sys.executable)
     if hosts is None:
         return [check_local(timeout=timeout)]
-    from ffctl.hosts.ssh.transport import SSHError, SSHTransport
+    from ffctl.hosts.ssh.remote import SSHError, SSHTransport
 
     try:
         entries = parse_hostfile(hosts)

@@ -11,7 +11,7 @@ from fault_injectors import FaultSpecError
 from fault_injectors.spec import MAX_DURATION_S, parse_injection, parse_kind
 from fault_injectors.targets import check_in_job
 from ffctl.render import make_console
-from ffctl.errors import EXIT_INFRA, EXIT_OK, BadInput
+from ffctl.exits import EXIT_INFRA, EXIT_OK, BadInput
 from ffctl.render.report import render_plan
 from runs.store import RunStore, RunStoreError, open_run, validate_run_id
 

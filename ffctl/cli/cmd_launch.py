@@ -12,7 +12,7 @@ from fault_injectors import FaultSpecError
 from fault_injectors.spec import parse_injection
 from ffctl.render import make_console
 from ffctl.backends import REQUEUED, backend_name
-from ffctl.errors import EXIT_EXPECTATION, EXIT_INTERRUPTED, EXIT_NO_REQUEUE, EXIT_OK, BadInput
+from ffctl.exits import EXIT_EXPECTATION, EXIT_INTERRUPTED, EXIT_NO_REQUEUE, EXIT_OK, BadInput
 from ffctl.launch.echo import RankEcho, parse_ranks_filter
 from ffctl.launch.torchrun import TorchrunArgError, resolve
 from ffctl.launch_spec import LaunchSpec

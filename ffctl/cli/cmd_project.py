@@ -12,7 +12,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from ffctl.cli.cmd_report import check_outputs, run_report
-from ffctl.errors import BadInput
+from ffctl.exits import BadInput
 from ffctl.render import html as html_page
 from ffctl.render import make_console
 from ffctl.render.report import markdown_fleet_projection, render_fleet_projection, render_run_check

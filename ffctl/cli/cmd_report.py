@@ -10,7 +10,7 @@ import typer
 
 from ffctl.render import html as html_page
 from ffctl.render import make_console
-from ffctl.errors import BadInput
+from ffctl.exits import BadInput
 from ffctl.render.report import (markdown_comparison, markdown_report, markdown_run_list, render_comparison,
                                  render_report, render_run_list)
 from runs.events import RunStatus

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from ffctl.errors import EXIT_EXPECTATION, EXIT_INFRA, EXIT_INTERRUPTED, EXIT_OK, BadInput
+from ffctl.exits import EXIT_EXPECTATION, EXIT_INFRA, EXIT_INTERRUPTED, EXIT_OK, BadInput
 from ffctl.render import make_console
 
 

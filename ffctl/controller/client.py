@@ -11,7 +11,7 @@ from __future__ import annotations
 import secrets
 import time
 
-from ffctl.errors import BadInput, InfraError
+from ffctl.exits import BadInput, InfraError
 from wire import control, messages
 from runs.events import RunStatus
 from runs.store import RunStore

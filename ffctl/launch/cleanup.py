@@ -19,7 +19,7 @@ from fault_injectors.node import resume_argv
 from fault_injectors.plan import HostCommand
 from fault_injectors.revert import FIRE_DEADMEN, SHM_SWEEP, STEP_NAMES, RevertError, removed_lines, revert_all_plan
 from fault_injectors.transport import LocalTransport, Transport, TransportError
-from ffctl.errors import BadInput, InfraError
+from ffctl.exits import BadInput, InfraError
 
 if TYPE_CHECKING:
     from ffctl.hosts.hostfile import HostEntry
@@ -152,7 +152,7 @@ def execute_revert(plan: RevertPlan) -> list[str]:
             except (RevertError, TransportError) as exc:
                 failures.append(str(exc))
             continue
-        from ffctl.hosts.ssh.transport import SSHTransport
+        from ffctl.hosts.ssh.remote import SSHTransport
 
         ssh = SSHTransport(place.entry)
         try:

@@ -26,7 +26,7 @@ from fault_injectors.transport import LocalTransport
 from ffctl import __version__
 from ffctl.backends import BACKENDS, backend_name
 from ffctl.backends.protocol import LaunchBackend
-from ffctl.errors import BadInput
+from ffctl.exits import BadInput
 from ffctl.launch.timeouts import findings, read_timeouts
 from ffctl.controller.faultplan import chaos_faults, plan_fault
 from ffctl.launch_spec import LaunchSpec, SpecError

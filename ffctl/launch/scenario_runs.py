@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, ContextManager
 
-from ffctl.errors import BadInput, InfraError
+from ffctl.exits import BadInput, InfraError
 from ffctl.launch.launch_plan import LaunchPlan, execute, plan_launch
 from ffctl.launch.scenario import Check, Outcome, Scenario, ScenarioError, evaluate, load, twin_spec, worst_case
 from runs.events import RunStatus

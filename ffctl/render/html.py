@@ -23,7 +23,7 @@ import statistics
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable
 
-from ffctl.errors import BadInput
+from ffctl.exits import BadInput
 from ffctl.render.report import (BREAKDOWN, FAULT_OVERVIEW, PROJECTION_HEADERS, breakdown_row, comparison_rows,
                                  fault_fields, fault_overview_rows, fleet_notes, fleet_rows, fleet_title, input_rows,
                                  run_row, status_notes, summary_fields)

@@ -23,7 +23,7 @@ from fault_injectors.plan import HostCommand
 from fault_injectors.transport import Transport
 from ffctl.agent.config import AgentConfig
 from ffctl.backends.children import stop_process
-from ffctl.errors import InfraError
+from ffctl.exits import InfraError
 from ffctl.sim.agents import SimSpec
 
 

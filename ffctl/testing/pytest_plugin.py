@@ -12,7 +12,7 @@
         assert job.wait() == 0, [c.detail for c in job.checks() if not c.passed]
 
 Every job the test started is torn down when it ends, passed, failed or interrupted (see
-`ffctl.testing.job.Job.close`); what had to be removed by force is reported as a warning.
+`ffctl.testing.jobs.Job.close`); what had to be removed by force is reported as a warning.
 pytest loads this module in every run of an environment where ffctl is installed, so it imports
 nothing but pytest here: the rest comes when a test asks for the fixture.
 """
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Iterator
 import pytest
 
 if TYPE_CHECKING:
-    from ffctl.testing.job import Jobs
+    from ffctl.testing.jobs import Jobs
 
 
 class FfctlTeardownWarning(UserWarning):
@@ -36,7 +36,7 @@ def ffctl_jobs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     """Start real ffctl jobs (`.launch(*ffctl_launch_args)`, `.scenario(path)`), inject faults
     into them (`job.inject`), wait for a step or a recovery, read their report; all of it is
     torn down after the test, whatever its outcome."""
-    from ffctl.testing.job import Jobs
+    from ffctl.testing.jobs import Jobs
 
     jobs = Jobs(tmp_path_factory.mktemp("ffctl-jobs"), request.node.name)
     try:

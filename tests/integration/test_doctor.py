@@ -15,7 +15,7 @@ import ffctl
 from ffctl.hosts.doctor import HostReport, QdiscSupport, check_host, check_hosts, check_local
 from ffctl.hosts.hostfile import HostEntry
 from ffctl.render.host_checks import render_doctor
-from ffctl.hosts.ssh.transport import SSHTransport
+from ffctl.hosts.ssh.remote import SSHTransport
 from tests.conftest import ROOT, needs_root
 from tests.helpers.sshd import SSHCluster, checked_sshd_cluster, empty_known_hosts
 from tests.helpers.sshd import no_ssh_agent  # noqa: F401 - autouse fixture

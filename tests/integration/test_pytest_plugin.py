@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from ffctl.testing.job import Jobs
+from ffctl.testing.jobs import Jobs
 from runs.events import EventKind
 from runs.store import iter_events
 from tests.helpers.launch import shm_left

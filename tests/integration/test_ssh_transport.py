@@ -12,7 +12,7 @@ import pytest
 
 from fault_injectors.transport import CommandResult, Transport, TransportError
 from ffctl.hosts.hostfile import HostEntry
-from ffctl.hosts.ssh.transport import (
+from ffctl.hosts.ssh.remote import (
     AuthFailed,
     HostKeyChanged,
     HostKeyUnknown,

@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 
 from ffctl import bench
 from ffctl.cli.app import main
-from ffctl.errors import BadInput
+from ffctl.exits import BadInput
 from ffctl.render.bench_results import bench_progress, render_bench, render_strategies
 from fault_injectors.schedule import iter_mtbf
 from fault_injectors.spec import FaultKind

@@ -16,7 +16,7 @@ from fault_injectors.spec import FaultFamily
 from fault_injectors.transport import CommandResult
 from ffctl.agent.config import AgentConfig
 from ffctl.backends import BACKENDS
-from ffctl.errors import BadInput
+from ffctl.exits import BadInput
 from ffctl.launch.launch_plan import plan_launch
 from ffctl.launch_spec import LaunchSpec, SpecError
 from ffctl.workload import gpt, sizes

@@ -473,7 +473,7 @@ def test_the_inject_client_takes_only_a_sealed_well_formed_answer_to_its_own_req
     import torch.distributed as dist
 
     from ffctl.controller import client
-    from ffctl.errors import BadInput, InfraError
+    from ffctl.exits import BadInput, InfraError
 
     token = "t" * 32
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=10),

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from fault_injectors.revert import FIRE_DEADMEN, SHM_SWEEP
-from ffctl.errors import BadInput
+from ffctl.exits import BadInput
 from ffctl.launch.cleanup import LOCAL, plan_revert, revert_everything
 
 

@@ -307,7 +307,7 @@ def test_a_launch_that_cannot_run_is_exit_3_and_a_junit_error(tmp_path: Path, ca
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """The launch's execute path fails as it does when a tool or host is unusable (InfraError):
     the scenario is an error, not a miss, and the other scenarios still run."""
-    from ffctl.errors import InfraError
+    from ffctl.exits import InfraError
     from ffctl.launch import scenario_runs
 
     started: list[str] = []

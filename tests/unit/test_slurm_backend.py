@@ -15,7 +15,7 @@ import pytest
 
 from fault_injectors.plan import HostCommand, Role
 from ffctl.agent.config import AgentConfig
-from ffctl.errors import BadInput, NoRequeue
+from ffctl.exits import BadInput, NoRequeue
 from ffctl.backends.slurm import SlurmNodes
 from ffctl.backends.slurm_cluster import (
     allocation,

@@ -12,7 +12,7 @@ import pytest
 from fault_injectors.plan import HostCommand
 from fault_injectors.transport import CommandResult, LocalTransport, TransportError
 from ffctl.agent.config import CONFIG_ENV, AgentConfig
-from ffctl.errors import BadInput, InfraError
+from ffctl.exits import BadInput, InfraError
 from ffctl.hosts.hostfile import HostEntry
 from ffctl.backends.ssh import MAKE_RUN_DIR, SSHNodes
 from ffctl.hosts.ssh import preflight as ssh_preflight

@@ -6,7 +6,7 @@ IdentityFile, IdentitiesOnly, UserKnownHostsFile; the hostfile's user and port w
 against known_hosts: an unknown host key is refused unless the caller asked to accept new keys
 (then it is appended, the file otherwise untouched), a changed key is always refused. Every
 failure is an `SSHError` (a `TransportError`) whose message is one line starting with the host it
-is about. `ffctl.hosts.ssh.transport.SSHTransport` holds one such connection per host.
+is about. `ffctl.hosts.ssh.remote.SSHTransport` holds one such connection per host.
 """
 from __future__ import annotations
 

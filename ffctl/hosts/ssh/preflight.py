@@ -23,10 +23,10 @@ from typing import Any, Callable, Sequence
 
 from fault_injectors.transport import TransportError
 from ffctl import __version__
-from ffctl.errors import BadInput, InfraError
+from ffctl.exits import BadInput, InfraError
 from ffctl.hosts.doctor import clock_offset
 from ffctl.hosts.hostfile import HostEntry, HostfileError, parse_hostfile
-from ffctl.hosts.ssh.transport import (
+from ffctl.hosts.ssh.remote import (
     AuthFailed,
     HostKeyChanged,
     HostKeyUnknown,

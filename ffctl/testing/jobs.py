@@ -230,7 +230,7 @@ class Job:
         if self.proc.poll() is None:
             self.stop()
         if os.geteuid() == 0:  # without root no run can have set rules or namespaces up
-            from ffctl.errors import BadInput, InfraError
+            from ffctl.exits import BadInput, InfraError
             from ffctl.launch.cleanup import revert_everything
 
             for rid in self.run_ids:
