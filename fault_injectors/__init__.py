@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from fault_injectors.plan import FaultPlan, HostCommand, NodePlace, RankPlace, Topology
 from fault_injectors.planner import PlanError, make_plan, run_commands
-from fault_injectors.spec import FaultKind, FaultSpec, FaultSpecError, Target, TargetMode, Trigger, parse_spec
+from wire.fault_spec import FaultKind, FaultSpec, FaultSpecError, Target, TargetMode, Trigger, parse_spec
 from fault_injectors.transport import CommandResult, LocalTransport, Transport, TransportError
 
 __all__ = [

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from fault_injectors.plan import FaultPlan, HostCommand, Topology
 from fault_injectors.process import DROP_FAULT_SCRIPT
-from fault_injectors.spec import FaultSpec, FaultSpecError
+from wire.fault_spec import FaultSpec, FaultSpecError
 from runs.shm import agent_fault_path, slot_path
 
 # The most slots a rank writes (step % 2, or step % 3 under --verify-restore: recovery.slots); a

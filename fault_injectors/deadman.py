@@ -36,7 +36,7 @@ from dataclasses import replace
 from typing import Callable
 
 from fault_injectors.plan import FaultPlan, HostCommand, Role, run_commands
-from fault_injectors.spec import FaultSpec
+from wire.fault_spec import FaultSpec
 from fault_injectors.transport import CommandResult, Transport
 
 DEADMAN_PREFIX = "ffctl-deadman"

@@ -18,7 +18,7 @@ import re
 
 from fault_injectors.plan import FaultPlan, HostCommand, Topology
 from fault_injectors.process import in_step_command
-from fault_injectors.spec import FaultFamily, FaultKind, FaultSpec, FaultSpecError
+from wire.fault_spec import FaultFamily, FaultKind, FaultSpec, FaultSpecError
 
 # Xid 79: "GPU has fallen off the bus", the classic unrecoverable one.
 XID_CODE = 79

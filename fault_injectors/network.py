@@ -30,7 +30,7 @@ from typing import Callable, Sequence
 
 from fault_injectors.deadman import duration_of, fault_id, guard, owner_tag, safe_id
 from fault_injectors.plan import FaultPlan, HostCommand, NodePlace, Topology
-from fault_injectors.spec import FaultFamily, FaultKind, FaultSpec, FaultSpecError
+from wire.fault_spec import FaultFamily, FaultKind, FaultSpec, FaultSpecError
 from fault_injectors.transport import CommandResult, Transport
 
 CHAIN_PREFIX = "FFCTL-"

@@ -8,7 +8,7 @@ the run and the fault, so that the launch's end and `ffctl inject revert --all` 
 from __future__ import annotations
 
 from fault_injectors.plan import FaultPlan, HostCommand, Role, Topology, pid_arg
-from fault_injectors.spec import FaultKind, FaultSpec
+from wire.fault_spec import FaultKind, FaultSpec
 from runs.shm import node_prefix
 
 

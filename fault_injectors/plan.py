@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Callable
 
-from fault_injectors.spec import FaultSpec, FaultSpecError
+from wire.fault_spec import FaultSpec, FaultSpecError
 from fault_injectors.transport import CommandResult, Transport
 
 

@@ -8,7 +8,7 @@ from typing import Callable
 
 from fault_injectors import corruption, gpu, network, node, process, straggler
 from fault_injectors.plan import FaultPlan, PlanError, Topology, run_commands
-from fault_injectors.spec import FaultFamily, FaultSpec, FaultSpecError
+from wire.fault_spec import FaultFamily, FaultSpec, FaultSpecError
 from fault_injectors.targets import resolve
 
 Planner = Callable[[FaultSpec, Topology, tuple[int, ...], tuple[int, ...]], FaultPlan]

@@ -9,7 +9,7 @@ from outside can aim at (a step's collective lasts milliseconds).
 from __future__ import annotations
 
 from fault_injectors.plan import FaultPlan, HostCommand, Role, Topology, pid_arg
-from fault_injectors.spec import FaultKind, FaultSpec
+from wire.fault_spec import FaultKind, FaultSpec
 from runs.shm import fault_path
 
 SIGNALS = {FaultKind.KILL_RANK: "KILL", FaultKind.TERM_RANK: "TERM", FaultKind.HANG_RANK: "STOP"}

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 from typing import Iterator
 
-from fault_injectors.spec import (
+from wire.fault_spec import (
     MAX_DURATION_S, MAX_SEED, MAX_T_S, REQUIRED_OPTIONS, REVERTIBLE, FaultKind, FaultSpec, FaultSpecError, Target, TargetMode, Trigger,
     parse_kind,
 )

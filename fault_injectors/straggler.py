@@ -19,7 +19,7 @@ from dataclasses import replace
 from fault_injectors.deadman import duration_of
 from fault_injectors.plan import FaultPlan, Topology
 from fault_injectors.process import in_step_command
-from fault_injectors.spec import FaultFamily, FaultSpec, FaultSpecError, slow_factor
+from wire.fault_spec import FaultFamily, FaultSpec, FaultSpecError, slow_factor
 
 OFF = "slow:off"
 

@@ -6,7 +6,7 @@ import math
 import random
 
 from fault_injectors.plan import Topology
-from fault_injectors.spec import FaultSpec, FaultSpecError, TargetMode
+from wire.fault_spec import FaultSpec, FaultSpecError, TargetMode
 
 
 def resolve(spec: FaultSpec, topo: Topology) -> tuple[tuple[int, ...], tuple[int, ...]]:

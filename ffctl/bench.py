@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterable
 from ffctl.exits import BadInput, InfraError
 from ffctl.workload.sizes import MODELS
 from fault_injectors.schedule import fault_seed, iter_mtbf
-from fault_injectors.spec import FaultKind
+from wire.fault_spec import FaultKind
 from runs.events import Event, EventKind
 from runs.store import iter_events
 
@@ -504,7 +504,7 @@ class BenchSpec:
 
 def parse_kinds(text: str) -> tuple[FaultKind, ...]:
     """`--kinds kill-rank,kill-node` (`|` separates as well, as in a chaos spec)."""
-    from fault_injectors.spec import FaultSpecError, parse_kind
+    from wire.fault_spec import FaultSpecError, parse_kind
 
     names = [w.strip() for w in text.replace("|", ",").split(",")]
     kinds: list[FaultKind] = []

@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fault_injectors.spec import MAX_DURATION_S, MAX_SEED, FaultSpec, FaultSpecError
+from wire.fault_spec import MAX_DURATION_S, MAX_SEED, FaultSpec, FaultSpecError
 from fault_injectors.targets import check_in_job
 from wire.jobenv import Strategy
 from wire.messages import MAX_COPIES

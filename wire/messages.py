@@ -25,6 +25,7 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, NamedTuple, TypeVar
 
 from runs.events import RestoreHow, RestoreSource, StepPhase
+from wire.fault_spec import FaultSpec, FaultSpecError, parse_injection
 
 if TYPE_CHECKING:
     from typing import dataclass_transform
@@ -242,8 +243,19 @@ def _endpoints(v: Any, lim: Limits | None) -> bool:
 
 
 def _plain(value: Any) -> Any:
-    """A field's value as JSON holds it: tuples (of a converted field) as lists."""
+    """A field's value as JSON holds it: tuples (of a converted field) as lists, a fault as the
+    text its parser reads."""
+    if isinstance(value, FaultSpec):
+        return value.to_text()
     return [_plain(v) for v in value] if isinstance(value, tuple) else value
+
+
+def _as_fault(v: Any, _: Limits | None) -> FaultSpec:
+    """A fault to inject now, from its text, by the one parser every fault spec goes through."""
+    try:
+        return parse_injection(v, scheduled=False)
+    except FaultSpecError as exc:
+        raise DecodeError(str(exc)) from None
 
 
 def _as_endpoints(v: Any, _: Limits | None) -> tuple[tuple[str, int], ...]:
@@ -610,9 +622,11 @@ class Inventory(Message):
 
 @_report(Kind.INJECT_REQUEST)
 class InjectRequest(Message):
-    """`ffctl inject` asks for a fault; the answer, an `InjectReply`, goes to `inject_reply_key(req)`."""
+    """`ffctl inject` asks for a fault; the answer, an `InjectReply`, goes to `inject_reply_key(req)`.
+    The fault travels as the text of its spec and is decoded by its parser: a request whose fault
+    does not parse is refused like any malformed message (`ffctl inject` parsed it first)."""
 
-    spec: str = _field(_str)
+    fault: FaultSpec = _field(_str, _as_fault)
     req: str = _field(_req)
     dry_run: bool | None = _optional(_bool)
 

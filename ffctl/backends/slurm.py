@@ -40,7 +40,7 @@ from fault_injectors.deadman import DEADMAN_PREFIX, RECORD_NAME, safe_id
 from fault_injectors.node import DRAIN_REASON_PREFIX, is_node_drain, is_node_kill, resume_argv
 from fault_injectors.plan import HostCommand
 from fault_injectors.revert import SHM_SWEEP
-from fault_injectors.spec import FaultKind
+from wire.fault_spec import FaultKind
 from fault_injectors.transport import LocalTransport, Transport
 from ffctl.agent.config import AgentConfig
 from ffctl.backends.protocol import AgentLaunch

@@ -8,7 +8,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from fault_injectors import FaultSpecError
-from fault_injectors.spec import MAX_DURATION_S, parse_injection, parse_kind
+from wire.fault_spec import MAX_DURATION_S, parse_injection, parse_kind
 from fault_injectors.targets import check_in_job
 from ffctl.render import make_console
 from ffctl.exits import EXIT_INFRA, EXIT_OK, BadInput
@@ -81,7 +81,7 @@ def register(app: typer.Typer) -> None:
         from ffctl.controller import client as inject_client
 
         try:
-            reply = inject_client.request(record, spec_text, dry_run)
+            reply = inject_client.request(record, spec, dry_run)
         except RunStoreError as exc:  # its events are garbage: no status to go by
             raise BadInput(f"run {run}: unreadable record: {exc}") from None
         if dry_run:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Optional
 import typer
 
 from fault_injectors import FaultSpecError
-from fault_injectors.spec import parse_injection
+from wire.fault_spec import parse_injection
 from ffctl.render import make_console
 from ffctl.backends import REQUEUED, backend_name
 from ffctl.exits import EXIT_EXPECTATION, EXIT_INTERRUPTED, EXIT_NO_REQUEUE, EXIT_OK, BadInput

@@ -13,12 +13,13 @@ import time
 
 from ffctl.exits import BadInput, InfraError
 from wire import control, messages
+from wire.fault_spec import FaultSpec
 from runs.events import RunStatus
 from runs.store import RunStore
 
 
-def request(record: RunStore, spec_text: str, dry_run: bool, timeout: float = 30.0) -> messages.InjectReply:
-    """Ask the run's controller to inject `spec_text` (or with `dry_run` to plan it); its answer.
+def request(record: RunStore, fault: FaultSpec, dry_run: bool, timeout: float = 30.0) -> messages.InjectReply:
+    """Ask the run's controller to inject `fault` (or with `dry_run` to plan it); its answer.
     BadInput when the run cannot take it or the controller found the spec wrong for the job,
     InfraError when the controller cannot be reached or does not answer in `timeout` seconds."""
     if record.status() is not RunStatus.RUNNING:
@@ -36,7 +37,7 @@ def request(record: RunStore, spec_text: str, dry_run: bool, timeout: float = 30
         raise BadInput(f"run {record.run_id!r}: cannot read its token file ({exc.strerror})") from None
     sealer, opener = control.Sealer(token, "inject"), control.Opener(token)
     req = secrets.token_hex(8)
-    blocked = control.send(store, control.CTL_QUEUE, messages.InjectRequest(spec=spec_text, req=req, dry_run=dry_run),
+    blocked = control.send(store, control.CTL_QUEUE, messages.InjectRequest(fault=fault, req=req, dry_run=dry_run),
                            sealer)
     if blocked is not None:
         raise InfraError(f"controller of run {record.run_id!r}: request not sent ({blocked.reason})")

@@ -11,7 +11,7 @@ from typing import Iterator
 from fault_injectors import FaultSpec, FaultSpecError, deadman, make_plan
 from fault_injectors.plan import FaultPlan, Topology
 from fault_injectors.schedule import ChaosSpec, iter_mtbf
-from fault_injectors.spec import FaultFamily
+from wire.fault_spec import FaultFamily
 from fault_injectors.targets import resolve
 
 

@@ -27,6 +27,7 @@ from ffctl.controller.stragglers import Finding, Replace, StragglerDetector, Str
 from ffctl.controller.watchdog import Watchdog
 from recovery import disk
 from wire import control, messages
+from wire.fault_spec import FaultSpecError
 from runs.events import EventKind
 
 
@@ -264,10 +265,8 @@ class Inbox:
         self.job.fail(Failure("process-exit", {rank}, t=now, detail=f"exit code {code}", rank_failures={rank: rf}))
 
     def _on_inject_request(self, msg: messages.InjectRequest) -> None:
-        from fault_injectors.spec import FaultSpecError, parse_spec
-
+        spec = msg.fault  # parsed by the decoder: what can still be wrong is the job's (a rank it lacks)
         try:
-            spec = parse_spec(msg.spec)
             if msg.dry_run:
                 reply = messages.InjectReply(req=msg.req, ok=True, plan=self.injector.plan(spec).describe())
             else:

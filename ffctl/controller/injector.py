@@ -20,7 +20,7 @@ from fault_injectors import FaultSpec, FaultSpecError, PlanError, Transport, Tra
 from fault_injectors.plan import FaultPlan, HostCommand, Role
 from fault_injectors.schedule import parse_chaos
 from fault_injectors.process import in_step_fault_path
-from fault_injectors.spec import PHASE_LEAD_STEPS, FaultFamily, FaultKind
+from wire.fault_spec import PHASE_LEAD_STEPS, FaultFamily, FaultKind
 from ffctl.controller.cluster import FaultCluster
 from ffctl.controller.faultplan import chaos_faults, plan_fault
 from ffctl.controller.state import JobState

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from fault_injectors import FaultSpecError, NodePlace, RankPlace, Target, TargetMode, Topology
 from fault_injectors.network import preflight
 from fault_injectors.schedule import parse_chaos
-from fault_injectors.spec import FaultSpec
+from wire.fault_spec import FaultSpec
 from fault_injectors.transport import LocalTransport
 from ffctl import __version__
 from ffctl.backends import BACKENDS, backend_name

@@ -53,7 +53,7 @@ from typing import Any
 
 from fault_injectors import FaultSpecError
 from fault_injectors.schedule import parse_chaos
-from fault_injectors.spec import MAX_DURATION_S, MAX_SEED, parse_injection
+from wire.fault_spec import MAX_DURATION_S, MAX_SEED, parse_injection
 from ffctl.hosts.hostfile import read_user_file
 from ffctl.launch.torchrun import FLAGS as TORCHRUN_FLAGS
 from ffctl.launch.torchrun import VALUE_DEFAULTS as TORCHRUN_VALUES

@@ -178,7 +178,7 @@ class Job:
         """Inject a fault now, as `ffctl inject KIND --run ID ...` does (the job's controller
         applies and records it); the fault's id. Options are the kind's own (rate="2mbit")."""
         from ffctl.controller import client
-        from fault_injectors.spec import parse_injection
+        from wire.fault_spec import parse_injection
         from runs.store import open_run
 
         fields = [f"{k}={v}" for k, v in (("rank", rank), ("node", node), ("host", host)) if v is not None]
@@ -186,8 +186,8 @@ class Job:
             fields.append(f"duration={duration:.6f}".rstrip("0").rstrip("."))
         fields += [f"{k}={v}" for k, v in options.items()]
         spec_text = kind + (":" + ",".join(fields) if fields else "")
-        parse_injection(spec_text, scheduled=False)  # a bad spec fails here, with its own message
-        reply = client.request(open_run(self.runs_dir, self.run_id), spec_text, False, timeout=timeout)
+        spec = parse_injection(spec_text, scheduled=False)  # a bad spec fails here, with its own message
+        reply = client.request(open_run(self.runs_dir, self.run_id), spec, False, timeout=timeout)
         if not reply.ok:
             raise JobError(f"run {self.run_id}: inject {spec_text} refused: {reply.error}")
         return str(reply.fault_id)

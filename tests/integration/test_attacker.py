@@ -159,7 +159,7 @@ def test_an_unauthenticated_store_client_can_neither_read_a_secret_nor_control_t
         control.send_dict(attacker, control.CTL_QUEUE,
                           {"type": "step", "rank": 0, "node": 0, "gen": 0, "step": STEPS, "loss": 0.0, "dt": 0.1})
         control.send_dict(attacker, control.CTL_QUEUE,
-                          {"type": "inject_request", "spec": "kill-node:node=1", "req": "evil", "dry_run": False})
+                          {"type": "inject_request", "fault": "kill-node:node=1", "req": "evil", "dry_run": False})
         idx = attacker.add(f"{control.CTL_QUEUE}/n", 1)
         attacker.set(f"{control.CTL_QUEUE}/{idx}", b"\xde\xad\xbe\xef not json at all")
         attacker.set(control.gen_abort_key(0, 0), "1")

@@ -22,7 +22,7 @@ from ffctl.cli.app import main
 from ffctl.exits import BadInput
 from ffctl.render.bench_results import bench_progress, render_bench, render_strategies
 from fault_injectors.schedule import iter_mtbf
-from fault_injectors.spec import FaultKind
+from wire.fault_spec import FaultKind
 from runs.metrics import compute
 from tests.helpers.events import StreamBuilder
 

@@ -15,7 +15,7 @@ import pytest
 from fault_injectors import make_plan, parse_spec
 from fault_injectors.deadman import with_fault_id
 from fault_injectors.plan import NodePlace, RankPlace, Topology
-from fault_injectors.spec import FaultFamily, FaultKind
+from wire.fault_spec import FaultFamily, FaultKind
 from fault_injectors.corruption import CONTENT_OFFSET, SLOTS
 from recovery.slots import ACK, ACK_OFFSET, DATA_OFFSET, HEADER, MAGIC, VALID, read_slot
 from runs.shm import slot_path

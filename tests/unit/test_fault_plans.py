@@ -18,7 +18,7 @@ from fault_injectors.plan import FaultPlan, NodePlace, RankPlace, Topology
 from fault_injectors.process import in_step_fault_path
 from fault_injectors.revert import revert_all_plan
 from fault_injectors.schedule import ChaosSpec, fault_seed, iter_mtbf, mtbf_schedule, parse_chaos
-from fault_injectors.spec import FaultKind, FaultSpecError, TargetMode
+from wire.fault_spec import FaultKind, FaultSpecError, TargetMode
 from fault_injectors.targets import resolve
 from fault_injectors.transport import CommandResult
 

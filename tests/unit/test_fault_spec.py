@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from fault_injectors.plan import NodePlace, RankPlace, Topology
-from fault_injectors.spec import (
+from wire.fault_spec import (
     FaultFamily,
     FaultKind,
     FaultSpec,

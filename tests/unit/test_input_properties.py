@@ -15,11 +15,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fault_injectors.schedule import MIN_MTBF_S, ChaosSpec, parse_chaos
-from fault_injectors.spec import (
+from wire.fault_spec import (
     MAX_DURATION_S, MAX_INDEX, MAX_SEED, MAX_STEP, MAX_T_S, REVERTIBLE, FaultKind, FaultSpec, FaultSpecError,
     TargetMode, allowed_keys, parse_injection, parse_spec,
 )
 from ffctl.launch_spec import LaunchSpec, SpecError
+from wire.messages import InjectRequest
 from ffctl.launch.scenario import EXPECT_SCHEMA, LAUNCH_SCHEMA, Scenario, ScenarioError, loads
 
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -131,6 +132,24 @@ def near_valid_specs(draw: st.DrawFn) -> str:
 @given(near_valid_specs())
 def test_near_valid_specs_are_valid_or_name_the_one_bad_value(text: str) -> None:
     check_spec_text(text)
+
+
+@SETTINGS
+@given(near_valid_specs())
+def test_a_spec_s_text_reads_back_as_the_same_spec(text: str) -> None:
+    # `ffctl inject` sends a fault as its text (InjectRequest): what the controller decodes must
+    # be the spec the user's command line gave, field for field.
+    try:
+        spec = parse_spec(text)
+    except FaultSpecError:
+        return
+    assert parse_spec(spec.to_text()) == spec, spec.to_text()
+    try:
+        now = parse_injection(text, scheduled=False)
+    except FaultSpecError:
+        return
+    request = InjectRequest(fault=now, req="r1")
+    assert InjectRequest.from_dict(json.loads(json.dumps(request.to_dict()))) == request
 
 
 @SETTINGS

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from fault_injectors.planner import PLANNERS
-from fault_injectors.spec import FaultFamily
+from wire.fault_spec import FaultFamily
 from fault_injectors.transport import CommandResult
 from ffctl.agent.config import AgentConfig
 from ffctl.backends import BACKENDS

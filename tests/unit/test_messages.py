@@ -20,6 +20,7 @@ from ffctl.agent.workers import WorkerSupervisor
 from ffctl.controller.inbox import Inbox
 from ffctl.controller.plane import ControlPlane
 from wire import control, messages
+from wire.fault_spec import parse_injection
 from wire.messages import CommandKind, DecodeError, Kind
 from runs.events import EventKind, RestoreHow, RestoreSource, RunStatus
 from tests.helpers.store import loopback_store
@@ -56,7 +57,7 @@ REPORTS: dict[Kind, dict[str, Any]] = {
     Kind.REPLICAS_CORRUPTED: {"node": 0, "rank": 2, "steps": [11, 12]},
     Kind.REPLICATED: {"node": 0, "step": 9, "ranks": [0, 1]},
     Kind.INVENTORY: {"node": 0, "req": 3, "local": {"0": [8, 9], "1": [9]}, "replica": {"2": [9]}},
-    Kind.INJECT_REQUEST: {"spec": "kill-rank:rank=1", "req": "a1b2c3", "dry_run": True},
+    Kind.INJECT_REQUEST: {"fault": "kill-rank:rank=1", "req": "a1b2c3", "dry_run": True},
     Kind.REJECTED: {"where": "agent/0/0/q", "reason": "bad MAC", "raw": "b'x'", "index": 4, "node": 0},
 }
 COMMANDS: dict[CommandKind, dict[str, Any]] = {
@@ -139,8 +140,15 @@ def _step(**change: Any) -> dict[str, Any]:
     (_wire(Kind.SPAWNED, {**REPORTS[Kind.SPAWNED], "pids": {"\u0661": 1}}), "spawned: bad pids"),  # Arabic 1
     (_wire(Kind.SPAWNED, {**REPORTS[Kind.SPAWNED], "pids": [1]}), "spawned: bad pids"),
     (_wire(Kind.INVENTORY, {**REPORTS[Kind.INVENTORY], "local": {"0": [1, "2"]}}), "inventory: bad local"),
-    (_wire(Kind.INJECT_REQUEST, {"spec": "x", "req": "../../x"}), "inject_request: bad req"),
-    (_wire(Kind.INJECT_REQUEST, {"spec": "x", "req": "a", "dry_run": 1}), "inject_request: bad dry_run=1"),
+    (_wire(Kind.INJECT_REQUEST, {"fault": "kill-rank:rank=1", "req": "../../x"}), "inject_request: bad req"),
+    (_wire(Kind.INJECT_REQUEST, {"fault": "kill-rank:rank=1", "req": "a", "dry_run": 1}),
+     "inject_request: bad dry_run=1"),
+    (_wire(Kind.INJECT_REQUEST, {"fault": "kill-rnak:rank=1", "req": "a"}),
+     "inject_request: fault: unknown fault kind 'kill-rnak'"),
+    (_wire(Kind.INJECT_REQUEST, {"fault": "kill-rank:rank=1,step=5", "req": "a"}),
+     "inject_request: fault: step='5': an injection into a running job applies now"),
+    (_wire(Kind.INJECT_REQUEST, {"fault": {"kind": "kill-rank"}, "req": "a"}), "inject_request: bad fault="),
+    (_wire(Kind.INJECT_REQUEST, {"spec": "kill-rank:rank=1", "req": "a"}), "inject_request: missing field 'fault'"),
     (_wire(Kind.AGENT_UP, {**REPORTS[Kind.AGENT_UP], "peer_port": 70000}), "agent_up: bad peer_port=70000"),
     (_wire(Kind.AGENT_UP, {**REPORTS[Kind.AGENT_UP], "time": math.nan}), "agent_up: bad time=nan"),
     (_wire(Kind.RANK_EXITED, {**REPORTS[Kind.RANK_EXITED], "log_tail": "Killed"}), "rank_exited: bad log_tail"),
@@ -496,7 +504,8 @@ def test_the_inject_client_takes_only_a_sealed_well_formed_answer_to_its_own_req
                     {"type": "inject_reply", "req": "other", "ok": True, "fault_id": "f9"},
                     {"type": "inject_reply", "req": "req1", "ok": True, "fault_id": "f2"})
     server.set(key, b"not sealed")
-    got = client.request(_Record(server.port, token), "kill-rank:rank=0", False, timeout=20)
+    got = client.request(_Record(server.port, token), parse_injection("kill-rank:rank=0", scheduled=False), False,
+                         timeout=20)
     thread.join()
     assert got == messages.InjectReply(req="req1", ok=True, fault_id="f2")
     assert server.check([key]) is False  # taken away once read
@@ -504,9 +513,11 @@ def test_the_inject_client_takes_only_a_sealed_well_formed_answer_to_its_own_req
     thread = answer({"type": "inject_reply", "req": "req1", "ok": False, "error": "rank 9 does not exist",
                      "bad_input": True})
     with pytest.raises(BadInput, match="rank 9 does not exist"):
-        client.request(_Record(server.port, token), "kill-rank:rank=9", False, timeout=20)
+        client.request(_Record(server.port, token), parse_injection("kill-rank:rank=9", scheduled=False), False,
+                       timeout=20)
     thread.join()
     thread = answer({"type": "inject_reply", "req": "req1", "ok": "sure"})
     with pytest.raises(InfraError, match="did not answer within 1s .*malformed.*ok"):
-        client.request(_Record(server.port, token), "kill-rank:rank=0", False, timeout=1)
+        client.request(_Record(server.port, token), parse_injection("kill-rank:rank=0", scheduled=False), False,
+                       timeout=1)
     thread.join()

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from fault_injectors.spec import FaultKind
+from wire.fault_spec import FaultKind
 from runs.events import Event, EventKind, RestoreSource, RunStatus
 from runs.metrics import BREAKDOWN_KEYS, FaultMetrics, RunMetrics, compute, final_losses
 from tests.helpers.events import STEP_TIME_S, StreamBuilder, loss_at

@@ -18,7 +18,7 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from fault_injectors.spec import parse_injection
+from wire.fault_spec import parse_injection
 from ffctl.cli.app import main
 from ffctl.render.live import LiveView, _table, step_text
 from ffctl.render.report import markdown_report, render_comparison, render_report

@@ -317,7 +317,7 @@ def test_a_spare_node_slurm_takes_out_is_no_longer_a_spare(fakes: Path, tmp_path
 def test_kill_node_drain_option_is_checked_and_planned_after_the_kill() -> None:
     from fault_injectors.node import plan as node_plan
     from fault_injectors.plan import NodePlace, Topology
-    from fault_injectors.spec import FaultSpecError, parse_injection
+    from wire.fault_spec import FaultSpecError, parse_injection
 
     spec = parse_injection("kill-node:node=1,step=5,drain=yes", scheduled=True)
     topo = Topology("r1", (NodePlace(0, "n1", "10.0.0.1", 11), NodePlace(1, "n2", "10.0.0.2", 12)), ())

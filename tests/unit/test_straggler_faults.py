@@ -11,7 +11,7 @@ from fault_injectors import deadman, make_plan, parse_spec
 from fault_injectors.deadman import with_fault_id
 from fault_injectors.plan import FaultPlan, NodePlace, RankPlace, Topology
 from fault_injectors.process import in_step_fault_path
-from fault_injectors.spec import FaultFamily, FaultKind, FaultSpecError, parse_injection
+from wire.fault_spec import FaultFamily, FaultKind, FaultSpecError, parse_injection
 from fault_injectors.targets import check_in_job
 from recovery import faults as rank_faults
 from recovery.faults import BASE_STEPS, InStepFaults

@@ -1,6 +1,8 @@
 """Fault specifications: kinds, targets and triggers, parsed from `KIND:key=value,...`.
 
-A spec says what to break and when; `fault_injectors.planner` turns it into commands.
+A spec says what to break and when; `fault_injectors.planner` turns it into commands. It is
+part of the wire: `ffctl inject` sends one to the controller (`messages.InjectRequest`), its text
+(`FaultSpec.to_text`) decoded by this one parser.
 Parsing errors are `FaultSpecError` with one line naming the bad value. Every key is checked
 against the kind (an option another kind reads is refused, not ignored), given once, and every
 number is ASCII digits, finite and within its bound; `parse_injection` further wants what a user
@@ -135,6 +137,27 @@ class FaultSpec:
 
     def __str__(self) -> str:
         return f"{self.kind.value} {self.target} {self.trigger}"
+
+    def to_text(self) -> str:
+        """The spec as `parse_spec` reads it back, equal field for field (the fault id aside:
+        no text sets it). Seconds are plain decimals, as the grammar takes no exponent."""
+        t = self.target
+        fields = [f"{t.mode.value}={t.value}" if t.mode in (TargetMode.RANK, TargetMode.NODE, TargetMode.HOST)
+                  else f"mode={t}"]
+        if self.trigger.step is not None:
+            fields.append(f"step={self.trigger.step}")
+        if self.trigger.t is not None:
+            fields.append(f"t={_decimal(self.trigger.t)}")
+        if self.duration is not None:
+            fields.append(f"duration={_decimal(self.duration)}")
+        if self.seed and t.mode not in (TargetMode.RANK, TargetMode.NODE, TargetMode.HOST):
+            fields.append(f"seed={self.seed}")
+        fields += [f"{k}={v}" for k, v in self.options]
+        return f"{self.kind.value}:{','.join(fields)}"
+
+
+def _decimal(seconds: float) -> str:
+    return f"{seconds:.9f}".rstrip("0").rstrip(".")
 
 
 # ASCII only: `\d` and float() also take other scripts' digits ("١", "５"), which a user would
