@@ -58,8 +58,8 @@ def plan(spec: FaultSpec, topo: Topology, ranks: tuple[int, ...], nodes: tuple[i
                                  role=Role.NODE_KILL))
         if spec.option("drain") == "yes":
             # After the kill: the node's steps are gone, and the scheduler gives it no new work.
-            apply.append(HostCommand(n, place.host, drain_argv(place.host, drain_reason(topo.run_id, spec.fault_id or "f?")),
-                                     role=Role.NODE_DRAIN))
+            reason = drain_reason(topo.run_id, spec.fault_id or "f?")
+            apply.append(HostCommand(n, place.host, drain_argv(place.host, reason), role=Role.NODE_DRAIN, about=reason))
         if spec.kind is FaultKind.REBOOT_NODE:
             apply.append(
                 HostCommand(

@@ -78,9 +78,10 @@ class Role(str, Enum):
     """The commands of a plan that something looks for."""
 
     NODE_KILL = "node-kill"  # a node's agent and workers SIGKILLed (a Slurm step is cancelled instead)
-    NODE_DRAIN = "node-drain"  # the scheduler told to give the node no more work
+    NODE_DRAIN = "node-drain"  # the scheduler told to give the node no more work; `about`: the reason
     IN_STEP = "in-step"  # a fault file for the step hook of rank `about`
     DEADMAN = "deadman"  # a dead man's switch; `about` is its owner tag
+    SWEEP = "sweep"  # a step of `ffctl inject revert --all`; `about` names it (fault_injectors.revert.Sweep)
 
 
 @dataclass(frozen=True)
@@ -92,7 +93,8 @@ class HostCommand:
     allow_fail: bool = False  # e.g. killing a process that already exited
     # What the command is, for whoever looks for one in a plan (a backend that kills nodes its
     # own way, the injector cleaning up, a switch's cancel): never guessed from its argv.
-    # `about` says which: the rank of an in-step command, the owner tag of a switch.
+    # `about` says which: the rank of an in-step command, the owner tag of a switch, a drain's
+    # reason, the step of a sweep.
     role: Role | None = field(default=None, compare=False)
     about: str | None = field(default=None, compare=False)
 

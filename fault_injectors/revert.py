@@ -16,10 +16,11 @@ idempotent. Run it once per host and once per sandbox namespace (`netns=`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 from typing import Callable
 
 from fault_injectors import deadman, network
-from fault_injectors.plan import HostCommand
+from fault_injectors.plan import HostCommand, Role
 from fault_injectors.transport import CommandResult, Transport
 from runs.shm import SHM_ROOT
 
@@ -99,13 +100,30 @@ exit "$rc"
 """
 
 
+class Sweep(str, Enum):
+    """The steps of a revert-everything plan, each command's `about` (role `SWEEP`)."""
+
+    DEADMEN = "deadmen"
+    IPTABLES = "iptables"
+    TC = "tc"
+    LINKS = "links"
+    SHM = "shm"
+
+
+SCRIPTS = {Sweep.DEADMEN: FIRE_DEADMEN, Sweep.IPTABLES: IPTABLES_SWEEP, Sweep.TC: TC_SWEEP, Sweep.LINKS: LINK_SWEEP,
+           Sweep.SHM: SHM_SWEEP}
 STEP_NAMES = {
-    FIRE_DEADMEN: "dead man's switches",
-    IPTABLES_SWEEP: "iptables chains",
-    TC_SWEEP: "tc qdiscs",
-    LINK_SWEEP: "downed links",
-    SHM_SWEEP: "shared memory of dead runs",
+    Sweep.DEADMEN: "dead man's switches",
+    Sweep.IPTABLES: "iptables chains",
+    Sweep.TC: "tc qdiscs",
+    Sweep.LINKS: "downed links",
+    Sweep.SHM: "shared memory of dead runs",
 }
+
+
+def sweep_of(cmd: HostCommand) -> Sweep | None:
+    """Which step of a revert-everything plan `cmd` is (None: not one)."""
+    return Sweep(cmd.about) if cmd.role is Role.SWEEP and cmd.about in STEP_NAMES else None
 
 
 class RevertError(RuntimeError):
@@ -119,24 +137,25 @@ def revert_all_plan(host: str, netns: str | None = None, run_id: str | None = No
     removed to one run's; chains, qdiscs and downed links are removed whatever run they belong
     to. Shared memory is the host's, swept from the host (not from each namespace).
     """
-    def cmd(script: str, *args: str, where: str | None = netns) -> HostCommand:
-        return HostCommand(HOST_NODE, host, ("sh", "-c", script, "sh", *args), netns=where)
+    def cmd(sweep: Sweep, *args: str, where: str | None = netns) -> HostCommand:
+        return HostCommand(HOST_NODE, host, ("sh", "-c", SCRIPTS[sweep], "sh", *args), netns=where, role=Role.SWEEP,
+                           about=sweep.value)
 
     plan = [
         # Processes are seen from every namespace: the switches are fired from the host's own.
-        cmd(FIRE_DEADMEN, deadman.pattern(run_id), where=None),
-        cmd(IPTABLES_SWEEP, network.CHAIN_PREFIX),
-        cmd(TC_SWEEP, network.QDISC_HANDLE),
-        cmd(LINK_SWEEP, network.LINK_TAG_PREFIX),
+        cmd(Sweep.DEADMEN, deadman.pattern(run_id), where=None),
+        cmd(Sweep.IPTABLES, network.CHAIN_PREFIX),
+        cmd(Sweep.TC, network.QDISC_HANDLE),
+        cmd(Sweep.LINKS, network.LINK_TAG_PREFIX),
     ]
     if netns is None:
-        plan.append(cmd(SHM_SWEEP, SHM_ROOT, run_id or ""))
+        plan.append(cmd(Sweep.SHM, SHM_ROOT, run_id or ""))
     return plan
 
 
 def removed_lines(cmd: HostCommand, result: CommandResult) -> list[str]:
     """What a step says it removed (the shared-memory sweep's lines)."""
-    if cmd.argv[2] != SHM_SWEEP:
+    if sweep_of(cmd) is not Sweep.SHM:
         return []
     return [line for line in result.stdout.splitlines() if line.startswith("removed ")]
 
@@ -167,7 +186,8 @@ def revert_all(
         if not result.ok:
             lines = (result.stderr or result.stdout).strip().splitlines()
             detail = lines[-1] if lines else f"exit {result.returncode}"
-            failed.append(f"on {where}: removing {STEP_NAMES[command.argv[2]]} failed: {detail}")
+            sweep = sweep_of(command)
+            failed.append(f"on {where}: removing {STEP_NAMES[sweep] if sweep else 'something'} failed: {detail}")
     if failed:
         raise RevertError(failed[0] + (f" (and {len(failed) - 1} more)" if len(failed) > 1 else ""))
     return RevertOutcome(tuple(results))

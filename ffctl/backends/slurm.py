@@ -437,7 +437,7 @@ class SlurmNodes:
         if is_node_drain(cmd) and cmd.host in hosts:
             # scontrol runs here (the batch step); the launch's end resumes the node, and if the
             # launch dies first, the switch does.
-            self.drained[cmd.host] = cmd.argv[-1].partition("=")[2]
+            self.drained[cmd.host] = cmd.about or ""
             if cmd.host not in self._switches and self.log_dir is not None:
                 self._switches[cmd.host] = drain_switch(self._popen, self.log_dir / str(max(cmd.node, 0)),
                                                         self.run_id, cmd.host, self.drained[cmd.host])

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Callable
 
 from fault_injectors.node import resume_argv
 from fault_injectors.plan import HostCommand
-from fault_injectors.revert import FIRE_DEADMEN, SHM_SWEEP, STEP_NAMES, RevertError, removed_lines, revert_all_plan
+from fault_injectors.revert import STEP_NAMES, RevertError, Sweep, removed_lines, revert_all_plan, sweep_of
 from fault_injectors.transport import LocalTransport, Transport, TransportError
 from ffctl.exits import BadInput, InfraError
 
@@ -85,7 +85,7 @@ def _commands(host: str, netns: str | None, run_id: str | None) -> tuple[HostCom
     owner tags mark."""
     plan = revert_all_plan(host, netns, run_id)
     if run_id is not None and netns is None:
-        plan = [c for c in plan if c.argv[2] in (FIRE_DEADMEN, SHM_SWEEP)]
+        plan = [c for c in plan if sweep_of(c) in (Sweep.DEADMEN, Sweep.SHM)]
     return tuple(plan)
 
 
@@ -125,7 +125,8 @@ def _run_place(place: Place, transport_for: Callable[[HostCommand], Transport]) 
         if not result.ok and not cmd.allow_fail:
             lines = (result.stderr or result.stdout).strip().splitlines()
             detail = lines[-1] if lines else f"exit {result.returncode}"
-            failed.append(f"on {where}: {STEP_NAMES.get(cmd.argv[2], 'a revert step')} failed: {detail}")
+            sweep = sweep_of(cmd)
+            failed.append(f"on {where}: {STEP_NAMES[sweep] if sweep else 'a revert step'} failed: {detail}")
     if failed:
         raise RevertError(failed[0] + (f" (and {len(failed) - 1} more)" if len(failed) > 1 else ""))
     return removed

@@ -548,8 +548,15 @@ def test_commands_others_look_for_carry_their_role_never_guessed_from_argv() -> 
     # The same words without the role are someone else's command: not a node kill to cancel.
     assert not is_node_kill(HostCommand(kill.node, kill.host, kill.argv, kill.netns, allow_fail=True))
     assert not is_node_drain(HostCommand(drain.node, drain.host, drain.argv))
+    assert drain.about is not None and drain.about.startswith("ffctl:")  # the reason, resumed by it later
     (crash,) = plan_of("crash-rank:rank=3").apply
     assert crash.role is Role.IN_STEP and crash.about == "3"
+    # The steps of `ffctl inject revert --all` say which they are: none is found by its script.
+    from fault_injectors.revert import STEP_NAMES, Sweep, revert_all_plan, sweep_of
+
+    plan = revert_all_plan("h1", None, "r1")
+    assert [sweep_of(c) for c in plan] == list(Sweep) and all(c.role is Role.SWEEP for c in plan)
+    assert sweep_of(HostCommand(0, "h1", plan[0].argv)) is None and set(STEP_NAMES) == set(Sweep)
     plan = guard(plan_of("net-partition:node=1,duration=5"), "run1")
     assert plan.deadman and all(c.role is Role.DEADMAN and tag_of(c) == c.about == "ffctl-deadman:run1:f1"
                                 for c in plan.deadman)

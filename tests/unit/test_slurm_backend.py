@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from fault_injectors.node import drain_argv
 from fault_injectors.plan import HostCommand, Role
 from ffctl.agent.config import AgentConfig
 from ffctl.exits import BadInput, NoRequeue
@@ -294,8 +295,7 @@ def test_a_node_slurm_drains_is_a_node_fault_its_agent_leaves(fakes: Path, tmp_p
 
 def test_a_drain_of_ours_runs_here_is_not_news_and_is_resumed_at_the_end(fakes: Path, tmp_path: Path) -> None:
     nodes = _nodes(tmp_path)
-    drain = HostCommand(1, "n2", ("scontrol", "update", "nodename=n2", "state=drain", "reason=ffctl:r1:f1"),
-                        role=Role.NODE_DRAIN)
+    drain = HostCommand(1, "n2", drain_argv("n2", "ffctl:r1:f1"), role=Role.NODE_DRAIN, about="ffctl:r1:f1")
     transport = nodes.transport_for(drain)
     assert not isinstance(transport, SlurmTransport) and transport.run(drain.argv, timeout=10.0).ok
     record = _Record(tmp_path)
