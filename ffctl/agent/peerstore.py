@@ -23,10 +23,10 @@ record. A refusal closes that one connection and nothing else.
 """
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import socketserver
-import sys
 import threading
 import time
 import zlib
@@ -39,6 +39,8 @@ from recovery.peer import (
 )
 from recovery.slots import SlotContent, read_slot
 from recovery.throttle import Throttle
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -186,7 +188,7 @@ class PeerStore:
 
     def note_refusal(self, why: str) -> None:
         """Log a refusal and hand it to `on_refused` (a few a second; never raises)."""
-        print(f"ffctl snapshot channel: refused {why}", file=sys.stderr, flush=True)
+        log.warning("ffctl snapshot channel: refused %s", why)
         self.refused.append(why)
         del self.refused[:-16]  # a few kept
         held = self.reports.admit()
