@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import Callable
+from typing import Callable, Iterable
 
 from fault_injectors import deadman, network
 from fault_injectors.plan import HostCommand, Role
@@ -169,6 +169,25 @@ class RevertOutcome:
         return all(r.ok for r in self.results)
 
 
+def run_steps(commands: Iterable[HostCommand], transport_for: Callable[[HostCommand], Transport], where: str,
+              timeout: float = 60.0) -> list[CommandResult]:
+    """Run every step of a revert even when one fails (a command that may fail aside), then
+    `RevertError` naming the first failure and how many more there were."""
+    results = []
+    failed = []
+    for command in commands:
+        result = transport_for(command).run(command.argv, timeout=timeout)
+        results.append(result)
+        if not result.ok and not command.allow_fail:
+            lines = (result.stderr or result.stdout).strip().splitlines()
+            detail = lines[-1] if lines else f"exit {result.returncode}"
+            sweep = sweep_of(command)
+            failed.append(f"on {where}: removing {STEP_NAMES[sweep] if sweep else 'something'} failed: {detail}")
+    if failed:
+        raise RevertError(failed[0] + (f" (and {len(failed) - 1} more)" if len(failed) > 1 else ""))
+    return results
+
+
 def revert_all(
     host: str,
     transport_for: Callable[[HostCommand], Transport],
@@ -177,17 +196,5 @@ def revert_all(
     timeout: float = 60.0,
 ) -> RevertOutcome:
     """Run `revert_all_plan`; every step runs even if one fails, then `RevertError` if any did."""
-    results = []
-    failed = []
     where = host + (f" (netns {netns})" if netns else "")
-    for command in revert_all_plan(host, netns, run_id):
-        result = transport_for(command).run(command.argv, timeout=timeout)
-        results.append(result)
-        if not result.ok:
-            lines = (result.stderr or result.stdout).strip().splitlines()
-            detail = lines[-1] if lines else f"exit {result.returncode}"
-            sweep = sweep_of(command)
-            failed.append(f"on {where}: removing {STEP_NAMES[sweep] if sweep else 'something'} failed: {detail}")
-    if failed:
-        raise RevertError(failed[0] + (f" (and {len(failed) - 1} more)" if len(failed) > 1 else ""))
-    return RevertOutcome(tuple(results))
+    return RevertOutcome(tuple(run_steps(revert_all_plan(host, netns, run_id), transport_for, where, timeout)))

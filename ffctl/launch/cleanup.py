@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Callable
 
 from fault_injectors.node import resume_argv
 from fault_injectors.plan import HostCommand
-from fault_injectors.revert import STEP_NAMES, RevertError, Sweep, removed_lines, revert_all_plan, sweep_of
+from fault_injectors.revert import RevertError, Sweep, removed_lines, revert_all_plan, run_steps, sweep_of
 from fault_injectors.transport import LocalTransport, Transport, TransportError
 from ffctl.exits import BadInput, InfraError
 
@@ -116,20 +116,9 @@ def plan_revert(hostfile: Path | None, run_id: str | None = None) -> RevertPlan:
 def _run_place(place: Place, transport_for: Callable[[HostCommand], Transport]) -> list[str]:
     """Every command runs even when one fails; then RevertError names the first failure. Returns
     what the steps say they removed."""
-    failed = []
-    removed: list[str] = []
     where = place.host + (f" (netns {place.netns})" if place.netns else "")
-    for cmd in place.commands:
-        result = transport_for(cmd).run(cmd.argv, timeout=60.0)
-        removed += removed_lines(cmd, result)
-        if not result.ok and not cmd.allow_fail:
-            lines = (result.stderr or result.stdout).strip().splitlines()
-            detail = lines[-1] if lines else f"exit {result.returncode}"
-            sweep = sweep_of(cmd)
-            failed.append(f"on {where}: {STEP_NAMES[sweep] if sweep else 'a revert step'} failed: {detail}")
-    if failed:
-        raise RevertError(failed[0] + (f" (and {len(failed) - 1} more)" if len(failed) > 1 else ""))
-    return removed
+    results = run_steps(place.commands, transport_for, where)
+    return [line for cmd, result in zip(place.commands, results) for line in removed_lines(cmd, result)]
 
 
 def _outcome(name: str, removed: list[str]) -> str:
