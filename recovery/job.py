@@ -15,13 +15,15 @@ step, repeating only the collective (`Job._collective`); any other rank trains i
 """
 from __future__ import annotations
 
+import contextlib
+import faulthandler
 import os
 import random
 import sys
 import threading
 import time
 import traceback
-from typing import TYPE_CHECKING, Any, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Iterator, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -51,6 +53,10 @@ CONTINUED = RestoreHow.CONTINUED  # a survivor kept its state and goes on with t
 # 15 s). Past twice that the rank gives up and exits with the reason, a failure the controller
 # sees, rather than wait on a plan a stranger may be keeping from it.
 PLAN_TIMEOUT = 180.0
+# A join (rendezvous, agreement, restore) that takes longer than this is stuck somewhere: the
+# rank writes every thread's Python stack to its error log, once, so a recovery that runs into
+# the controller's phase timeout (120 s) leaves the place where each rank waited.
+JOIN_STALL_S = 60.0
 ACK_TIMEOUT = 2.0
 ACK_POLL_S = 0.001
 ERROR_TRACE_LINES = 20
@@ -63,6 +69,24 @@ def _rng_state() -> dict[str, Any]:
 def _set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
+
+
+@contextlib.contextmanager
+def _stall_dump() -> Iterator[None]:
+    """Have every thread's stack written to the rank's error log if the block (waiting for a
+    plan, joining, restoring) outlasts JOIN_STALL_S. Nothing where stderr is no file."""
+    try:
+        err = sys.__stderr__
+        armed = err is not None
+        if err is not None:
+            faulthandler.dump_traceback_later(JOIN_STALL_S, repeat=False, file=err)
+    except (ValueError, OSError, AttributeError):
+        armed = False
+    try:
+        yield
+    finally:
+        if armed:
+            faulthandler.cancel_dump_traceback_later()
 
 
 class Job:
@@ -325,10 +349,11 @@ class Job:
         process_group.on_collective(lambda: self.faults.at(StepPhase.COLLECTIVE, self._step))
         self._send(messages.Training, gen=self.env.gen, api=self.api)
         try:
-            gen, plan = control.newest_plan(self.store, self.env.gen, PLAN_TIMEOUT, self._opener,
-                                            self._rejected, reader=self._plans)
             try:
-                start, _ = self._join(gen, plan)
+                with _stall_dump():
+                    gen, plan = control.newest_plan(self.store, self.env.gen, PLAN_TIMEOUT, self._opener,
+                                                    self._rejected, reader=self._plans)
+                    start, _ = self._join(gen, plan)
             except PeerFailure as exc:
                 start, _ = self._recover(exc)
             while True:
@@ -365,12 +390,13 @@ class Job:
             # Restart strategies tear every rank down; exit and let the agent respawn.
             raise RecoveryError(str(exc)) from None
         while True:
-            self._settle_snapshot()
-            self._send(messages.Aborted, gen=exc.gen, step=self.last_committed, reason=exc.reason)
-            gen, plan = control.newest_plan(self.store, exc.gen + 1, PLAN_TIMEOUT, self._opener,
-                                            self._rejected, reader=self._plans)
             try:
-                return self._join(gen, plan, in_step)
+                with _stall_dump():
+                    self._settle_snapshot()
+                    self._send(messages.Aborted, gen=exc.gen, step=self.last_committed, reason=exc.reason)
+                    gen, plan = control.newest_plan(self.store, exc.gen + 1, PLAN_TIMEOUT, self._opener,
+                                                    self._rejected, reader=self._plans)
+                    return self._join(gen, plan, in_step)
             except PeerFailure as again:
                 exc = again
 
