@@ -574,13 +574,16 @@ class Spares(Message):
 
 @_report(Kind.SPAWNED)
 class Spawned(Message):
-    """Ranks started for generation `gen`: their pids, how each started and how long it took."""
+    """Ranks started for generation `gen`: their pids, how each started and how long it took.
+    `dropped`: ranks of the generation's spawn that a `Kill` reached before they were started
+    (held while the template warmed up): never started, and nothing of theirs to wait for."""
 
     node: int = _field(_node)
     gen: int = _field(_nat)
     pids: dict[str, int] = _field(_pids)
     how: dict[str, str] | None = _optional(_rank_words)
     start_s: dict[str, float] | None = _optional(_rank_seconds)
+    dropped: list[int] | None = _optional(_ranks)
 
 
 @_report(Kind.RANK_EXITED)

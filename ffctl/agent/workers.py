@@ -106,9 +106,13 @@ class WorkerSupervisor:
         self.spawn(gen, ranks)
 
     def drop_held(self, ranks: set[int]) -> None:
-        """A held worker told to stop is never started."""
-        for _, held, _ in self._held:
-            held[:] = [spec for spec in held if int(spec["rank"]) not in ranks]
+        """A held worker told to stop is never started; the controller, which waits for every
+        rank it asked for to start or to be dropped before it opens the next generation, is told."""
+        for gen, held, _ in self._held:
+            dropped = sorted(int(spec["rank"]) for spec in held if int(spec["rank"]) in ranks)
+            if dropped:
+                held[:] = [spec for spec in held if int(spec["rank"]) not in ranks]
+                self.report(messages.Spawned, gen=gen, pids={}, dropped=dropped)
 
     def spawn_held(self) -> None:
         """Start the held workers once the template is warm (or died, or took too long)."""

@@ -54,7 +54,7 @@ NODE_RESTART_DELAY_S = 0.0
 # root cause shows its exit code and the traceback it printed.
 EXIT_WAIT_S = 3.0
 # How long a lost node's agent that still runs is given to stop by itself before it is killed
-# (see `_fence`): it is stopped, wedged or cut off, so it is not expected to answer.
+# (see `fence`): it is stopped, wedged or cut off, so it is not expected to answer.
 FENCE_STOP_S = 0.5
 
 
@@ -135,6 +135,23 @@ class RecoveryOutcome:
     fault_ids: tuple[str, ...]
     attempts: int  # recoveries started, the last one completed
     restarts: int  # of the --max-restarts budget, spent in the whole run so far
+
+
+def fence(job: JobState, nodes: set[int]) -> None:
+    """End the agents of `nodes`, which a recovery counts as lost, with their ranks, before the
+    next generation opens. A node lost by its heartbeat is not necessarily dead: an agent that is
+    SIGSTOPped, wedged or cut off stops beating, but its ranks (which a stopped agent does
+    not stop) run on. Left alone they see the abort like any survivor and join generation
+    g+1 under the same rank numbers as their replacements: two processes per rank in one
+    rendezvous, a job that hangs at once, and a recovery from that hang whose survivors'
+    copies share no step. Stopping the agent (the node is restarted later anyway, which
+    stops it too; `stop` is idempotent) ends them: a local agent's workers die with it
+    (PR_SET_PDEATHSIG), a remote agent's host wrapper ends its whole process group. An agent
+    that already exited returns at once."""
+    for n in sorted(nodes):
+        st = job.nodes.get(n)
+        if st is not None and st.proc.poll() is None:
+            st.proc.stop(timeout=FENCE_STOP_S)
 
 
 class RecoveryCoordinator:
@@ -241,35 +258,25 @@ class RecoveryCoordinator:
         raise FatalRun(reason, cause)
 
     def _kill(self, ranks: set[int], grace: float = 3.0) -> None:
-        """Ask the agents to stop these ranks. Their pids stay known until the agents report the
-        exits: a next generation must not open while an old process could still join it."""
+        """Ask the agents to stop these ranks, those still on their way too (an agent holds a
+        spawn while its template warms up: left alone, it would start them into a generation
+        that is over, to join the next one beside their replacements). Their pids stay known
+        until the agents report the exits, and a spawn until the agent says it is dropped: a
+        next generation must not open while an old process could still join it."""
         job = self.job
         by_node: dict[int, list[int]] = {}
         for r in ranks:
             if job.pids.get(r):
                 by_node.setdefault(job.members[r], []).append(r)
+            elif r in job.spawning:
+                by_node.setdefault(job.spawning[r][1], []).append(r)
         for node, rs in by_node.items():
             if job.nodes[node].up:
-                self.cluster.send(node, messages.Kill(ranks=rs, grace=grace))
+                self.cluster.send(node, messages.Kill(ranks=sorted(rs), grace=grace))
             else:
                 for r in rs:
                     job.pids[r] = None  # no agent left to stop or report it
-
-    def _fence(self, nodes: set[int]) -> None:
-        """End the agents of nodes this recovery counts as lost, with their ranks, before the next
-        generation opens. A node lost by its heartbeat is not necessarily dead: an agent that is
-        SIGSTOPped, wedged or cut off stops beating, but its ranks (which a stopped agent does
-        not stop) run on. Left alone they see the abort like any survivor and join generation
-        g+1 under the same rank numbers as their replacements: two processes per rank in one
-        rendezvous, a job that hangs at once, and a recovery from that hang whose survivors'
-        copies share no step. Stopping the agent (the node is restarted later anyway, which
-        stops it too; `stop` is idempotent) ends them: a local agent's workers die with it
-        (PR_SET_PDEATHSIG), a remote agent's host wrapper ends its whole process group. An agent
-        that already exited returns at once."""
-        for n in sorted(nodes):
-            st = self.job.nodes.get(n)
-            if st is not None and st.proc.poll() is None:
-                st.proc.stop(timeout=FENCE_STOP_S)
+                    job.spawning.pop(r, None)
 
     def _recover_once(self, failure: Failure, ids: list[str]) -> tuple[Decision, list[int]]:
         job, cluster = self.job, self.cluster
@@ -277,7 +284,8 @@ class RecoveryCoordinator:
         lost_nodes = set(failure.nodes) | {n for n, st in job.nodes.items() if not st.up}
         for n in lost_nodes:
             job.nodes[n].up = False
-        self._fence(set(failure.nodes))
+        job.forget_spawns(lost_nodes)
+        fence(job, set(failure.nodes))
         cluster.wire_ring()  # survivors must not wait on a dead neighbour's copy
         lost = set(failure.ranks) | {r for r, n in job.members.items() if n in lost_nodes}
         lost |= {r for r, pid in job.pids.items() if pid is None}
@@ -291,14 +299,15 @@ class RecoveryCoordinator:
             newly = {n for n, st in job.nodes.items() if not st.up} - lost_nodes
             if newly:
                 lost_nodes |= newly
+                job.forget_spawns(newly)
                 self._failures = lost_meanwhile(cluster, newly, ids, old_gen, self._failures, self._handling)
-                self._fence(newly)
+                fence(job, newly)
                 cluster.wire_ring()
                 for r, n in job.members.items():
                     if n in newly:
                         lost.add(r)
                         job.pids[r] = None
-            self._kill({r for r in lost if job.pids.get(r)})  # e.g. a rank whose restore failed
+            self._kill({r for r in lost if not job.stopped(r)})  # e.g. a rank whose restore failed
         else:
             lost = set(job.members)
             self._kill(lost)
@@ -320,7 +329,7 @@ class RecoveryCoordinator:
         if decision is None:
             # Without a lost rank, "no copy survives" would be false and name no one: every rank
             # still holds its own slots, and they share no step only when the generation held
-            # processes it should not have (e.g. a lost node's ranks that ran on, see `_fence`).
+            # processes it should not have (e.g. a lost node's ranks that ran on, see `fence`).
             what = (f"no copy of the state of rank(s) {sorted(lost)} survives" if lost else
                     "the ranks' memory copies hold no step in common")
             reason = f"{what} and there is no complete disk checkpoint: the job stops"
@@ -359,9 +368,9 @@ class RecoveryCoordinator:
                 job.deferred_restarts[n] = time.monotonic() + NODE_RESTART_DELAY_S
         if needed:
             cluster.wait_agents(needed)
-        wait_dead = lambda: all(job.pids.get(r) is None for r in respawn)  # noqa: E731
+        wait_dead = lambda: all(job.stopped(r) for r in respawn)  # noqa: E731
         if not cluster.wait_for(wait_dead, 15.0, "teardown", abandon_on_failure=False):
-            raise FatalRun(f"rank(s) {[r for r in respawn if job.pids.get(r)]} did not stop within 15s")
+            raise FatalRun(f"rank(s) {[r for r in respawn if not job.stopped(r)]} did not stop within 15s")
         if job.pending is not None:
             if job.pending.ranks <= set(respawn) and job.pending.nodes <= lost_nodes:
                 job.pending = None  # exits of ranks we are replacing anyway

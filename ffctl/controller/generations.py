@@ -77,6 +77,8 @@ class Generations:
         for r in ranks:
             by_node.setdefault(self.job.members[r], []).append(r)
         for node, rs in by_node.items():
+            for r in rs:
+                self.job.spawning[r] = (gen, node)
             self.send(node, messages.Spawn(gen=gen, ranks=[{"rank": r, "env": self.rank_env(r, gen)} for r in rs]))
 
     def open(self, gen: int, decision: Decision | None, respawn: list[int]) -> None:

@@ -146,6 +146,9 @@ class Inbox:
                         template=st.template)
 
     def _on_spawned(self, msg: messages.Spawned) -> None:
+        for settled in [*(int(r) for r in msg.pids), *(msg.dropped or [])]:
+            if self.job.spawning.get(settled, (None, None))[0] == msg.gen:
+                del self.job.spawning[settled]
         for r, pid in msg.pids.items():
             self.job.pids[int(r)] = pid
         self.job.reports.add(Report.SPAWNED, msg.gen, (int(r) for r in msg.pids))

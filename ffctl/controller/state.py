@@ -102,6 +102,9 @@ class NodeState:
 class JobState:
     members: dict[int, int]  # rank -> the node it runs on
     pids: dict[int, int | None]  # rank -> its live process, None while it has none
+    # rank -> (gen, node): asked to start there, not yet said started (or dropped) by the agent.
+    # An agent holds a spawn while its template warms up: a rank in here may start any time.
+    spawning: dict[int, tuple[int, int]] = field(default_factory=dict)
     nodes: dict[int, NodeState] = field(default_factory=dict)
     gen: int = 0
     phase: Phase = Phase.STARTING
@@ -128,6 +131,16 @@ class JobState:
     def for_world(cls, world_size: int, nproc_per_node: int) -> JobState:
         members = {r: r // nproc_per_node for r in range(world_size)}
         return cls(members=members, pids={r: None for r in members}, home=dict(members))
+
+    def stopped(self, rank: int) -> bool:
+        """Whether `rank` has no process and none on its way (the next generation may open)."""
+        return self.pids.get(rank) is None and rank not in self.spawning
+
+    def forget_spawns(self, nodes: set[int]) -> None:
+        """Spawns asked of the agents of `nodes`, which are gone: nothing of them will start."""
+        for r, (_, node) in list(self.spawning.items()):
+            if node in nodes:
+                del self.spawning[r]
 
     def enter(self, phase: Phase) -> None:
         """Move to `phase`; a transition the table does not allow is a bug (ValueError)."""

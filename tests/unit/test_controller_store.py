@@ -129,3 +129,15 @@ def test_a_failing_store_call_is_recorded_and_the_connection_opened_again() -> N
     control.send_dict(plane.store, control.CTL_QUEUE, {"type": "junk"})  # the new connection works
     ctl.pump()
     assert plane.failing_since is None
+
+
+def test_a_spawn_is_settled_by_the_agent_s_answer_for_its_own_generation_only() -> None:
+    ctl, _ = _controller()
+    job = ctl.job
+    job.spawning = {0: (3, 0), 1: (3, 1)}
+    # A late answer of an older generation's spawn settles nothing of this one.
+    ctl.inbox.dispatch(messages.Spawned(node=1, gen=2, pids={}, dropped=[1]))
+    assert job.spawning == {0: (3, 0), 1: (3, 1)} and not job.stopped(1)
+    ctl.inbox.dispatch(messages.Spawned(node=0, gen=3, pids={"0": 700}))
+    ctl.inbox.dispatch(messages.Spawned(node=1, gen=3, pids={}, dropped=[1]))
+    assert job.spawning == {} and job.pids[0] == 700 and not job.stopped(0) and job.stopped(1)

@@ -49,7 +49,7 @@ REPORTS: dict[Kind, dict[str, Any]] = {
     Kind.AGENT_ERROR: {"node": 1, "error": "spawn: OSError: no memory"},
     Kind.SPARES: {"node": 0, "count": 1, "total": 2, "template": True},
     Kind.SPAWNED: {"node": 1, "gen": 2, "pids": {"2": 501, "3": 502}, "how": {"2": "spare", "3": "cold"},
-                   "start_s": {"2": 0.01, "3": 1.5}},
+                   "start_s": {"2": 0.01, "3": 1.5}, "dropped": [1]},
     Kind.HEARTBEAT: {"node": 1, "incarnation": 2, "beat": 40},
     Kind.RANK_EXITED: {"node": 1, "rank": 3, "gen": 2, "pid": 502, "exitcode": -9, "expected": False,
                        "host": "h1", "log_tail": ["step 4", "Killed"], "err_tail": ["Traceback"]},
@@ -139,6 +139,7 @@ def _step(**change: Any) -> dict[str, Any]:
     (_wire(Kind.SPAWNED, {**REPORTS[Kind.SPAWNED], "pids": {"9": 1}}), "spawned: bad pids"),  # rank 9 of 4
     (_wire(Kind.SPAWNED, {**REPORTS[Kind.SPAWNED], "pids": {"\u0661": 1}}), "spawned: bad pids"),  # Arabic 1
     (_wire(Kind.SPAWNED, {**REPORTS[Kind.SPAWNED], "pids": [1]}), "spawned: bad pids"),
+    (_wire(Kind.SPAWNED, {**REPORTS[Kind.SPAWNED], "dropped": [9]}), "spawned: bad dropped"),  # rank 9 of 4
     (_wire(Kind.INVENTORY, {**REPORTS[Kind.INVENTORY], "local": {"0": [1, "2"]}}), "inventory: bad local"),
     (_wire(Kind.INJECT_REQUEST, {"fault": "kill-rank:rank=1", "req": "../../x"}), "inject_request: bad req"),
     (_wire(Kind.INJECT_REQUEST, {"fault": "kill-rank:rank=1", "req": "a", "dry_run": 1}),
@@ -410,7 +411,7 @@ def _spawn(gen: int, *ranks: int) -> dict[str, Any]:
 
 
 def test_the_first_workers_wait_for_the_template_s_first_warm_up_and_a_killed_one_never_starts() -> None:
-    agent, _ = _agent()
+    agent, reported = _agent()
     template = _WarmingTemplate()
     agent.workers.template = template  # type: ignore[assignment]
     started: list[tuple[int, list[int]]] = []
@@ -420,6 +421,8 @@ def test_the_first_workers_wait_for_the_template_s_first_warm_up_and_a_killed_on
     agent.workers.spawn_held()
     assert started == []  # held while the template imports torch
     agent.handle({"type": "kill", "ranks": [1], "grace": 0.5})
+    # The controller waits for every rank it asked for to start or be dropped: it is told.
+    assert reported == [messages.Spawned(node=0, gen=0, pids={}, dropped=[1])]
     template.ready = True
     agent.workers.spawn_held()
     assert started == [(0, [0])]  # forked once warm; the killed rank never started

@@ -58,6 +58,7 @@ class FakeCluster:
         self.on_await: dict[int, Callable[[], None]] = {}
         self.blame: list[list[str]] = []  # fault ids for each failure, in order
         self.stuck: set[int] = set()  # ranks that never acknowledge an abort
+        self.spawns_kept: set[int] = set()  # held spawns an agent keeps starting whatever it is told
         # Ranks deep in a step: their watcher says abort_seen at once, their training thread
         # acknowledges only during the coordinator's second wait.
         self.busy: set[int] = set()
@@ -85,6 +86,8 @@ class FakeCluster:
         if isinstance(msg, messages.Kill):
             for r in msg.ranks:  # the agent stops them and reports the (expected) exits
                 self.job.pids[r] = None
+                if r in self.job.spawning and self.job.spawning[r][1] == node and r not in self.spawns_kept:
+                    del self.job.spawning[r]  # a held spawn, dropped (`Spawned.dropped`)
         elif isinstance(msg, messages.InventoryRequest):
             local, replica = self.held.get(node, ({}, {}))
             self.job.inventories[(node, msg.req)] = messages.Inventory(
@@ -620,3 +623,35 @@ def test_a_rank_killed_away_from_home_stays_where_it_can_start_at_once(why: str)
     job.fail(_rank_exit(job, 2))
     outcome = _coordinator(cluster).recover()
     assert outcome.ranks == (2,) and job.members[2] == 0
+
+
+def _spawn_held_on_node_1() -> tuple[JobState, FakeCluster]:
+    """Generation 1 opened with ranks 2 and 3 sent to node 1, whose agent (just restarted) holds
+    them while its template warms up; then node 0 is lost."""
+    job = _job()
+    cluster = _cluster(job)
+    job.gen = 1
+    for r in (2, 3):
+        job.pids[r] = None
+        job.spawning[r] = (1, 1)
+    job.nodes[0].up = False
+    job.fail(Failure(Cause.NODE_LOST, nodes={0}))
+    return job, cluster
+
+
+def test_a_spawn_held_by_an_agent_is_called_off_before_the_next_generation_opens() -> None:
+    # Left alone, the agent would start ranks 2 and 3 into generation 1 once its template is
+    # warm: after generation 2 opened, beside their replacements (a job that could not stop
+    # them: "did not stop within 15s").
+    job, cluster = _spawn_held_on_node_1()
+    outcome = _coordinator(cluster).recover()
+    assert (1, [2, 3]) in cluster.kills()
+    assert not job.spawning and outcome.gen == 2 and set(outcome.ranks) == {0, 1, 2, 3}
+
+
+def test_the_next_generation_waits_for_a_spawn_the_agent_has_not_called_off() -> None:
+    job, cluster = _spawn_held_on_node_1()
+    cluster.spawns_kept = {3}
+    with pytest.raises(FatalRun, match=r"rank\(s\) \[3\] did not stop within 15s"):
+        _coordinator(cluster).recover()
+    assert not cluster.opened
