@@ -15,11 +15,11 @@ from typing import Callable
 from fault_injectors import NodePlace, RankPlace, Topology
 from ffctl.agent.config import TERM_GRACE_S, AgentConfig
 from ffctl.backends.protocol import NodeBackend
-from ffctl.controller.cluster import FatalRun
+from ffctl.controller.cluster import FatalRun, RecoveryAbandoned
 from ffctl.controller.decide import ring_holders
 from ffctl.controller.plane import ControlPlane
 from ffctl.controller.protection import Protection
-from ffctl.controller.state import JobState, NodeState
+from ffctl.controller.state import JobState, NodeState, Phase
 from ffctl.launch_spec import LaunchSpec
 from wire import control, messages
 from wire.jobenv import Strategy
@@ -92,8 +92,17 @@ class Fleet:
                                          hb_raw=st.hb_raw if st is not None else None)
 
     def wait(self, nodes: list[int]) -> None:
+        # An agent that said it was up and is lost again before the others are (its beats held
+        # back on a loaded host, or killed) is started again by the recovery it interrupts, not
+        # waited for until the timeout stops the job.
+        lost_again = lambda: self.job.pending is not None and bool(self.job.pending.nodes & set(nodes))  # noqa: E731
         settled = lambda: all(self.job.nodes[n].up or self.job.nodes[n].failed for n in nodes)  # noqa: E731
-        ok = self.wait_for(settled, AGENT_START_TIMEOUT, "agents starting", abandon_on_failure=False)
+        ok = self.wait_for(lambda: settled() or lost_again(), AGENT_START_TIMEOUT, "agents starting",
+                           abandon_on_failure=False)
+        if lost_again() and not settled():
+            if self.job.phase is not Phase.RECOVERING:  # the job's own start: nothing to go back to
+                raise FatalRun(f"node(s) {sorted(self.job.pending.nodes & set(nodes))} lost while the agents started")  # type: ignore[union-attr]
+            raise RecoveryAbandoned("agents starting")
         for n in nodes:
             if self.job.nodes[n].failed:
                 raise FatalRun(f"node {n}: {self.job.nodes[n].failed}")

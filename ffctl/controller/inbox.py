@@ -132,6 +132,7 @@ class Inbox:
                     clock_offset_s=offset, clock_offset_source="ntp" if measured is not None else "receipt",
                     agent_up_at=self.fleet.agent_time(st.node, float(msg.time)))
         st.hb_seen, st.hb_first = time.monotonic(), False
+        st.up_at = st.hb_seen
         if self.job.phase != "starting":
             self.fleet.wire_ring()  # a node came back: it holds replicas again
 

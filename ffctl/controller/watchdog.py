@@ -20,6 +20,8 @@ from runs.events import EventKind
 
 STARTUP_HANG_S = 120.0
 STARTUP_HEARTBEAT_S = 10.0
+# How long an agent started again keeps the start-up limit while its worker template warms up.
+RESTART_WARMUP_S = 30.0
 # How often each node's heartbeat key is read (its agent beats every 0.2 s); with many nodes, at
 # most one key per HEARTBEAT_READ_PER_NODE_S (0.2 s per key at 1,024 nodes: about 5,000 reads a
 # second, a tenth of a core, where every 0.05 s would be 20,000 and more time than there is).
@@ -119,9 +121,14 @@ class Watchdog:
         # started again (a node back after a kill or a reboot) until its first beat: it starts
         # on a host busy with the recovery (every rank restoring, a template importing torch),
         # and taking it for lost a second after it said it was up (seen in a chaos run, again
-        # and again) fails a recovery over a node that is fine. One that dies meanwhile is seen
-        # at once by its exit; one that hangs, by the longer limit.
+        # and again) fails a recovery over a node that is fine. And after its first beat, for as
+        # long as its template imports torch (at most RESTART_WARMUP_S): a chaos soak's host,
+        # with three jobs' nodes coming back at once, held a new agent's beats back for over a
+        # second then, and the recovery waiting for it stopped the job. One that dies meanwhile
+        # is seen at once by its exit; one that hangs, by the longer limit.
         if (self.job.gen == 0 and not self.job.progress.started(0)) or not st.hb_first:
+            return max(self.heartbeat_timeout, STARTUP_HEARTBEAT_S)
+        if st.incarnation > 0 and not st.template and time.monotonic() - st.up_at < RESTART_WARMUP_S:
             return max(self.heartbeat_timeout, STARTUP_HEARTBEAT_S)
         return self.heartbeat_timeout
 

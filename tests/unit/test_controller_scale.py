@@ -8,11 +8,16 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
+from ffctl.controller import fleet as fleet_mod
 from ffctl.controller import watchdog as watchdog_mod
+from ffctl.controller.cluster import FatalRun, RecoveryAbandoned
 from ffctl.controller.decide import Inventory, decide
+from ffctl.controller.failures import Cause, Failure
 from ffctl.controller.fleet import Fleet
 from ffctl.controller.protection import Protection
-from ffctl.controller.state import JobState, NodeState
+from ffctl.controller.state import JobState, NodeState, Phase
 from ffctl.controller.watchdog import Watchdog
 from wire import messages
 from wire.jobenv import Strategy
@@ -173,3 +178,55 @@ def test_an_agent_started_again_has_the_start_up_limit_until_its_first_beat() ->
     st.hb_seen = time.monotonic() - 2.0  # beaten once, then silent past the limit: lost
     dog.check_nodes()
     assert not st.up and [f.nodes for f in lost] == [{1}]
+
+
+def test_an_agent_started_again_keeps_the_start_up_limit_while_its_template_warms_up() -> None:
+    # Three jobs' nodes coming back at once on one host: a new agent beat once, then its beats
+    # were held back for over a second while its template imported torch, and the recovery
+    # waiting for it stopped the job.
+    dog, _ = _watchdog(2)
+    job = dog.job
+    job.gen = 3
+    st = job.nodes[1]
+    st.incarnation, st.hb_first, st.up_at = 1, False, time.monotonic()
+    dog.heartbeat(messages.Heartbeat(node=1, incarnation=1, beat=1))
+    assert st.hb_first and not st.template
+    assert dog.heartbeat_limit(st) == watchdog_mod.STARTUP_HEARTBEAT_S
+    lost: list[Any] = []
+    job.fail = lost.append  # type: ignore[method-assign]
+    st.hb_seen = time.monotonic() - 2.0
+    dog.check_nodes()
+    assert st.up and not lost
+    st.template = True  # warm: the usual limit
+    assert dog.heartbeat_limit(st) == 1.0
+    st.template, st.up_at = False, time.monotonic() - watchdog_mod.RESTART_WARMUP_S - 1  # or past the warm-up
+    assert dog.heartbeat_limit(st) == 1.0
+    st.up_at, st.incarnation = time.monotonic(), 0  # the job's own first agents: the job-start rule only
+    assert dog.heartbeat_limit(st) == 1.0
+
+
+@pytest.mark.parametrize("phase", [Phase.RECOVERING, Phase.STARTING])
+def test_an_agent_lost_again_while_the_agents_start_is_not_waited_for(phase: Phase) -> None:
+    # Node 1's new agent said it was up, then its beats stopped while node 0's agent was still
+    # starting: the recovery starts over (node 1 again among the nodes to start), rather than
+    # waiting out the 60 s for an agent that will never be up and stopping the job.
+    fleet, _ = _fleet(2)
+    job = fleet.job
+    job.phase = phase
+    job.nodes[0].up = False
+    job.nodes[1].up = False  # taken for lost by the watchdog ...
+    waited: list[float] = []
+
+    def wait_for(cond: Any, timeout: float, what: str, abandon_on_failure: bool = True) -> bool:
+        job.fail(Failure(Cause.NODE_LOST, nodes={1}))  # ... while the wait runs
+        waited.append(timeout)
+        return bool(cond())
+
+    fleet.wait_for = wait_for
+    if phase is Phase.RECOVERING:
+        with pytest.raises(RecoveryAbandoned, match="agents starting"):
+            fleet.wait([0, 1])
+    else:
+        with pytest.raises(FatalRun, match=r"node\(s\) \[1\] lost while the agents started"):
+            fleet.wait([0, 1])
+    assert waited == [fleet_mod.AGENT_START_TIMEOUT]
