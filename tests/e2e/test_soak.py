@@ -63,6 +63,18 @@ def _around(faults: list[dict[str, object]], events: list[dict[str, object]]) ->
     return "\n".join([json.dumps(f) for f in faults] + [json.dumps(e) for e in near])
 
 
+def _stalls(runs: Path, run_id: str) -> str:
+    """The stacks ranks wrote when a recovery of theirs stalled (`recovery.job.JOIN_STALL_S`):
+    where each waited, for a job that ran into a phase timeout."""
+    out = []
+    for err in sorted((runs / run_id / "logs").glob("*/*.err")):
+        text = err.read_text(errors="replace")
+        at = text.find("Timeout (")
+        if at >= 0:
+            out.append(f"--- {err.relative_to(runs)}\n{text[at:at + 3000]}")
+    return "\n".join(out)
+
+
 def test_three_seeded_soaks_of_sixty_faults_match_the_fault_free_run(tmp_path: Path) -> None:
     procs = {"free": _start(tmp_path, "free", *COMMON)}
     for seed in SEEDS:
@@ -74,9 +86,10 @@ def test_three_seeded_soaks_of_sixty_faults_match_the_fault_free_run(tmp_path: P
             proc.kill()
             proc.wait()
         raise
-    for name, code in codes.items():
-        assert code == 0, f"{name}: " + (tmp_path / f"{name}.out").read_text(errors="replace")[-5000:]
     runs = tmp_path / "runs"
+    for name, code in codes.items():
+        assert code == 0, (f"{name}: " + (tmp_path / f"{name}.out").read_text(errors="replace")[-5000:]
+                           + _stalls(runs, name))
     free = _losses(runs, "free")
     assert len(free) == STEPS
     for seed in SEEDS:
