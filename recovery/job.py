@@ -75,13 +75,13 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 def _stall_dump() -> Iterator[None]:
     """Have every thread's stack written to the rank's error log if the block (waiting for a
     plan, joining, restoring) outlasts JOIN_STALL_S. Nothing where stderr is no file."""
-    try:
-        err = sys.__stderr__
-        armed = err is not None
-        if err is not None:
+    err, armed = sys.__stderr__, False
+    if err is not None:
+        try:
             faulthandler.dump_traceback_later(JOIN_STALL_S, repeat=False, file=err)
-    except (ValueError, OSError, AttributeError):
-        armed = False
+            armed = True
+        except (ValueError, OSError, AttributeError):  # a stderr with no file descriptor
+            pass
     try:
         yield
     finally:

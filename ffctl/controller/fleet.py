@@ -95,13 +95,17 @@ class Fleet:
         # An agent that said it was up and is lost again before the others are (its beats held
         # back on a loaded host, or killed) is started again by the recovery it interrupts, not
         # waited for until the timeout stops the job.
-        lost_again = lambda: self.job.pending is not None and bool(self.job.pending.nodes & set(nodes))  # noqa: E731
+        def lost_again() -> set[int]:
+            pending = self.job.pending
+            return pending.nodes & set(nodes) if pending is not None else set()
+
         settled = lambda: all(self.job.nodes[n].up or self.job.nodes[n].failed for n in nodes)  # noqa: E731
-        ok = self.wait_for(lambda: settled() or lost_again(), AGENT_START_TIMEOUT, "agents starting",
+        ok = self.wait_for(lambda: settled() or bool(lost_again()), AGENT_START_TIMEOUT, "agents starting",
                            abandon_on_failure=False)
-        if lost_again() and not settled():
+        gone = lost_again()
+        if gone and not settled():
             if self.job.phase is not Phase.RECOVERING:  # the job's own start: nothing to go back to
-                raise FatalRun(f"node(s) {sorted(self.job.pending.nodes & set(nodes))} lost while the agents started")  # type: ignore[union-attr]
+                raise FatalRun(f"node(s) {sorted(gone)} lost while the agents started")
             raise RecoveryAbandoned("agents starting")
         for n in nodes:
             if self.job.nodes[n].failed:
