@@ -87,6 +87,65 @@ def _to_dtensors(state: Any, mesh: Any) -> Any:
     return state
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    local = getattr(t, "_local_tensor", t)  # a DTensor's shard; asked per tensor per step, so no isinstance import
+    return local if isinstance(local, torch.Tensor) else t
+
+
+def model_identity(model: torch.nn.Module) -> tuple[Any, ...]:
+    """What a model's state dict refers to: each parameter and buffer object and the memory of
+    its (local) tensor. Equal between two calls when every tensor torch's state dict would hand
+    out is still the one it handed out before (updated in place, as optimizers do)."""
+    return tuple((id(t), _local(t).data_ptr()) for t in (*model.parameters(), *model.buffers()))
+
+
+def optimizer_identity(optimizer: torch.optim.Optimizer) -> tuple[Any, ...]:
+    """What an optimizer's state dict refers to: its parameters, each one's state dict and the
+    objects in it, and every value of that state that is not a tensor (a count kept as a Python
+    number changes the dict without touching any tensor)."""
+    params = tuple(id(p) for g in optimizer.param_groups for p in g["params"])
+    state = tuple((id(p), id(st), tuple((k, id(v), _local(v).data_ptr()) if isinstance(v, torch.Tensor) else (k, repr(v))
+                                         for k, v in st.items()))
+                  for p, st in optimizer.state.items())
+    return params, state
+
+
+def with_live_groups(state: dict[str, Any], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """An optimizer state dict with its param groups' settings (the learning rate a scheduler
+    moves each step) read again from the live optimizer; their parameter names kept."""
+    groups = [{**{k: v for k, v in live.items() if k != "params"}, "params": kept["params"]}
+              for kept, live in zip(state["param_groups"], optimizer.param_groups)]
+    return {**state, "param_groups": groups}
+
+
+class LiveStateDict:
+    """torch's distributed state dict of a model or optimizer (`get_model_state_dict`,
+    `get_optimizer_state_dict`), taken once and handed out again while it still refers to the
+    live tensors.
+
+    Taking it costs milliseconds of Python on every call (it walks the module tree, maps
+    parameters to names, wraps each shard again), and the snapshot asks for it after every step;
+    what it returns refers to the tensors themselves, which the optimizer updates in place. So
+    it is taken again only when `identity` (which objects, which memory, which non-tensor values
+    it would hand out) changed: a parameter replaced, an optimizer state created or loaded.
+    `refresh` reads again what changes beside the tensors (an optimizer's learning rate)."""
+
+    def __init__(self, take: Callable[[], Any], identity: Callable[[], Any],
+                 refresh: Callable[[Any], Any] = lambda state: state) -> None:
+        self.take, self.identity, self.refresh = take, identity, refresh
+        self.state: Any = None
+        self.key: Any = None
+        self.taken = 0  # how many times it was taken afresh
+
+    def __call__(self) -> Any:
+        if self.state is None or self.identity() != self.key:
+            self.state = self.take()
+            self.key = self.identity()  # after the take: the first one creates an optimizer's state
+            self.taken += 1
+            return self.state
+        return self.refresh(self.state)
+
+
 class Guard:
     """Unwinds a step whose collective failed, before the optimizer moves any parameter."""
 
@@ -125,8 +184,9 @@ def attach(job: Host, model: torch.nn.Module, optimizer: torch.optim.Optimizer, 
     def load_optimizer(state: Any) -> None:
         dcp.set_optimizer_state_dict(model, optimizer, _to_dtensors(state, mesh))
 
-    get_model: Callable[[], Any] = lambda: dcp.get_model_state_dict(model)  # noqa: E731
-    get_optimizer: Callable[[], Any] = lambda: dcp.get_optimizer_state_dict(model, optimizer)  # noqa: E731
+    get_model = LiveStateDict(lambda: dcp.get_model_state_dict(model), lambda: model_identity(model))
+    get_optimizer = LiveStateDict(lambda: dcp.get_optimizer_state_dict(model, optimizer),
+                                  lambda: optimizer_identity(optimizer), lambda sd: with_live_groups(sd, optimizer))
     replicas = replica_group(mesh)
     job.register("model", get_model, load_model, sharded=True, replicas=replicas)
     job.register("optimizer", get_optimizer, load_optimizer, sharded=True, replicas=replicas)
