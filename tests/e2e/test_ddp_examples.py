@@ -106,7 +106,8 @@ def test_under_torchrun_the_library_stops_early_and_every_run_ends_cleanly(workd
     script.write_text(STOPS_EARLY)
     argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2", str(script), "3"]
     for attempt in range(6):
-        proc = subprocess.run(argv, cwd=workdir, capture_output=True, text=True, timeout=TIMEOUT, env=launcher_env())
+        proc = subprocess.run(argv, cwd=workdir, capture_output=True, text=True, timeout=TIMEOUT,
+                              env=launcher_env(workdir))
         assert proc.returncode == 0, f"run {attempt + 1}: " + proc.stdout[-2000:] + proc.stderr[-3000:]
         assert TORCH_EXIT_ABORT not in proc.stderr
         # torchrun's workers share its stdout: two lines may interleave.

@@ -153,18 +153,21 @@ def shm_left(run_id: str) -> list[Path]:
 TORCH_EXIT_ABORT = "terminate called without an active exception"
 
 
-def launcher_env() -> dict[str, str]:
+def launcher_env(tmpdir: Path | None = None) -> dict[str, str]:
     """This environment without what would give torchrun or ffctl launch a layout of its own
-    (this machine's PET_* or a worker's variables), for tests that compare the two."""
+    (this machine's PET_* or a worker's variables), for tests that compare the two. `tmpdir`:
+    torchrun's, whose agent leaves a `torchelastic_*` directory behind in it after every run."""
     drop = ("PET_", "TORCHELASTIC_", "OMP_NUM_THREADS", "RANK", "WORLD_SIZE", "MASTER_", "LOCAL_")
-    return {k: v for k, v in os.environ.items() if not k.startswith(drop)}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
+    return env | ({"TMPDIR": str(tmpdir)} if tmpdir is not None else {})
 
 
 def _retrying_exit_abort(argv: Callable[[], list[str]], whole: Callable[[str], bool],
-                         cwd: Path, attempts: int = 5) -> subprocess.CompletedProcess[str]:
+                         cwd: Path, attempts: int = 5, tmpdir: Path | None = None) -> subprocess.CompletedProcess[str]:
     """Run `argv()` again while a run failed only by torch's abort at exit, its stdout `whole`."""
     for _ in range(attempts):
-        proc = subprocess.run(argv(), cwd=cwd, capture_output=True, text=True, timeout=TIMEOUT, env=launcher_env())
+        proc = subprocess.run(argv(), cwd=cwd, capture_output=True, text=True, timeout=TIMEOUT,
+                              env=launcher_env(tmpdir))
         if proc.returncode == 0 or TORCH_EXIT_ABORT not in proc.stdout + proc.stderr or not whole(proc.stdout):
             break
     return proc
@@ -172,7 +175,8 @@ def _retrying_exit_abort(argv: Callable[[], list[str]], whole: Callable[[str], b
 
 def torchrun_script(cwd: Path, argv: list[str], whole: Callable[[str], bool]) -> subprocess.CompletedProcess[str]:
     """`torchrun ARGV` in `cwd`, as a user runs it (see TORCH_EXIT_ABORT)."""
-    return _retrying_exit_abort(lambda: [sys.executable, "-m", "torch.distributed.run", *argv], whole, cwd)
+    return _retrying_exit_abort(lambda: [sys.executable, "-m", "torch.distributed.run", *argv], whole, cwd,
+                                tmpdir=cwd)
 
 
 def ffctl_launch_script(cwd: Path, prefix: str, argv: list[str],
