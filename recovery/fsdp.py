@@ -146,6 +146,15 @@ class LiveStateDict:
         return self.refresh(self.state)
 
 
+def live_state_dicts(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[LiveStateDict, LiveStateDict]:
+    """The model's and the optimizer's state dicts as the snapshot takes them, each step."""
+    from torch.distributed.checkpoint import state_dict as dcp
+
+    return (LiveStateDict(lambda: dcp.get_model_state_dict(model), lambda: model_identity(model)),
+            LiveStateDict(lambda: dcp.get_optimizer_state_dict(model, optimizer), lambda: optimizer_identity(optimizer),
+                          lambda sd: with_live_groups(sd, optimizer)))
+
+
 class Guard:
     """Unwinds a step whose collective failed, before the optimizer moves any parameter."""
 
@@ -184,9 +193,7 @@ def attach(job: Host, model: torch.nn.Module, optimizer: torch.optim.Optimizer, 
     def load_optimizer(state: Any) -> None:
         dcp.set_optimizer_state_dict(model, optimizer, _to_dtensors(state, mesh))
 
-    get_model = LiveStateDict(lambda: dcp.get_model_state_dict(model), lambda: model_identity(model))
-    get_optimizer = LiveStateDict(lambda: dcp.get_optimizer_state_dict(model, optimizer),
-                                  lambda: optimizer_identity(optimizer), lambda sd: with_live_groups(sd, optimizer))
+    get_model, get_optimizer = live_state_dicts(model, optimizer)
     replicas = replica_group(mesh)
     job.register("model", get_model, load_model, sharded=True, replicas=replicas)
     job.register("optimizer", get_optimizer, load_optimizer, sharded=True, replicas=replicas)

@@ -1,4 +1,4 @@
-"""The FSDP path's state dicts (`recovery.fsdp.LiveStateDict`): taken from torch once, handed out
+"""The FSDP path's state dicts (`recovery.fsdp.live_state_dicts`): taken from torch once, handed out
 again while they still refer to the live shards, and equal at every step to what torch's
 `get_model_state_dict` / `get_optimizer_state_dict` would return afresh: after optimizer steps,
 with a scheduler moving the learning rate, and after a load.
@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from recovery.fsdp import LiveStateDict, model_identity, optimizer_identity, with_live_groups
+from recovery.fsdp import live_state_dicts
 
 
 @pytest.fixture
@@ -76,9 +76,7 @@ def test_the_cached_state_dicts_equal_torchs_own_at_every_step_and_after_a_load(
     from torch.distributed.checkpoint import state_dict as dcp
 
     model, opt, sched = fsdp
-    get_model = LiveStateDict(lambda: dcp.get_model_state_dict(model), lambda: model_identity(model))
-    get_opt = LiveStateDict(lambda: dcp.get_optimizer_state_dict(model, opt), lambda: optimizer_identity(opt),
-                            lambda sd: with_live_groups(sd, opt))
+    get_model, get_opt = live_state_dicts(model, opt)
     _train(model, opt, sched, 1)
     saved_model, saved_opt = _plain(get_model()), _plain(get_opt())
     for _ in range(3):
@@ -106,12 +104,8 @@ def test_the_cached_state_dicts_equal_torchs_own_at_every_step_and_after_a_load(
 
 
 def test_a_replaced_tensor_or_a_changed_count_takes_the_state_dict_afresh(fsdp: Any) -> None:
-    from torch.distributed.checkpoint import state_dict as dcp
-
     model, opt, sched = fsdp
-    get_model = LiveStateDict(lambda: dcp.get_model_state_dict(model), lambda: model_identity(model))
-    get_opt = LiveStateDict(lambda: dcp.get_optimizer_state_dict(model, opt), lambda: optimizer_identity(opt),
-                            lambda sd: with_live_groups(sd, opt))
+    get_model, get_opt = live_state_dicts(model, opt)
     _train(model, opt, sched, 1)
     get_model(), get_opt()
     model.register_buffer("seen", torch.zeros(2))  # a new tensor in the state dict
