@@ -37,7 +37,7 @@ import torch
 
 from recovery import process_group
 from recovery.ddp import Batches, Host, mean_over_ranks, register_schedule_and_data
-from recovery.snapshot import LocalShard
+from recovery.snapshot import LocalShard, local_tensor
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
@@ -87,16 +87,11 @@ def _to_dtensors(state: Any, mesh: Any) -> Any:
     return state
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    local = getattr(t, "_local_tensor", t)  # a DTensor's shard; asked per tensor per step, so no isinstance import
-    return local if isinstance(local, torch.Tensor) else t
-
-
 def model_identity(model: torch.nn.Module) -> tuple[Any, ...]:
     """What a model's state dict refers to: each parameter and buffer object and the memory of
     its (local) tensor. Equal between two calls when every tensor torch's state dict would hand
     out is still the one it handed out before (updated in place, as optimizers do)."""
-    return tuple((id(t), _local(t).data_ptr()) for t in (*model.parameters(), *model.buffers()))
+    return tuple((id(t), local_tensor(t).data_ptr()) for t in (*model.parameters(), *model.buffers()))
 
 
 def optimizer_identity(optimizer: torch.optim.Optimizer) -> tuple[Any, ...]:
@@ -104,7 +99,7 @@ def optimizer_identity(optimizer: torch.optim.Optimizer) -> tuple[Any, ...]:
     objects in it, and every value of that state that is not a tensor (a count kept as a Python
     number changes the dict without touching any tensor)."""
     params = tuple(id(p) for g in optimizer.param_groups for p in g["params"])
-    state = tuple((id(p), id(st), tuple((k, id(v), _local(v).data_ptr()) if isinstance(v, torch.Tensor) else (k, repr(v))
+    state = tuple((id(p), id(st), tuple((k, id(v), local_tensor(v).data_ptr()) if isinstance(v, torch.Tensor) else (k, repr(v))
                                          for k, v in st.items()))
                   for p, st in optimizer.state.items())
     return params, state

@@ -113,16 +113,23 @@ def _dtensor_type() -> type[DTensor] | None:
     return _DTENSOR
 
 
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (any other tensor as it is), from its field where torch has one:
+    `to_local()` is an autograd function, a tenth of a millisecond per tensor, and the snapshot
+    asks for every tensor of the state every step; only its bytes are read (detached)."""
+    local = getattr(t, "_local_tensor", None)
+    if isinstance(local, torch.Tensor):
+        return local
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def _flatten(obj: Any, out: list[torch.Tensor]) -> Any:
     if isinstance(obj, torch.Tensor):
         dtensor = _dtensor_type()
         if dtensor is not None and isinstance(obj, dtensor):
             # Its local tensor only: anything that looks at the DTensor as a whole (a reshape,
-            # a view as bytes) would be a collective. The field itself where torch has it:
-            # `to_local()` is an autograd function, a tenth of a millisecond per tensor, and
-            # only the bytes are read (detached) here.
-            local = getattr(obj, "_local_tensor", None)
-            out.append(local if isinstance(local, torch.Tensor) else obj.to_local())
+            # a view as bytes) would be a collective.
+            out.append(local_tensor(obj))
             return _ShardRef(len(out) - 1, tuple(obj.placements), tuple(obj.shape), tuple(obj.stride()))
         out.append(obj)
         return _TensorRef(len(out) - 1)
