@@ -8,7 +8,8 @@ waited for it), and its factor is its step time over that step time less the exc
 longer the step took than it would have with this rank as fast as the others). A rank is slow at
 a step when its factor is at least `SLOW_RATIO` and its excess at least `MIN_EXCESS_S`;
 `ONSET_STEPS` slow steps in a row lasting `ONSET_S` in all make it a straggler, and `END_STEPS`
-normal ones in a row end it. The excesses of its slow steps add up to the time the slowdown lost. With `--straggler
+normal ones in a row end it. The first `WARMUP_STEPS` steps of a generation after a recovery are not
+judged (see there). The excesses of its slow steps add up to the time the slowdown lost. With `--straggler
 replace`, a rank whose factor reaches the policy's for the policy's number of steps in a row is
 handed back as one to replace.
 
@@ -32,6 +33,12 @@ END_STEPS = 2  # normal steps in a row that end it
 # An excess below this is timer and scheduling noise (a page fault, a context switch), whatever
 # factor it makes of a step of a few milliseconds.
 MIN_EXCESS_S = 0.005
+# Steps of a generation after the first that are not judged. A rank started again warms up in its
+# first steps (its restored state paged in, the allocator and autograd's lazy set-up), most of all
+# on a host loaded by other work, and the survivors wait for it: that is the recovery's cost, and
+# the report already bills it to the fault recovered from (its lost time runs until the job is back
+# at pace), not a straggler of its own. A rank still slow after these steps is named as usual.
+WARMUP_STEPS = 10
 # Steps kept while waiting for every rank's report; older incomplete steps are dropped (a rank
 # that stopped reporting is the failure detectors' business, not this one's).
 KEEP_STEPS = 32
@@ -112,6 +119,7 @@ class StragglerDetector:
         self.gen = -1
         self._steps: dict[int, _Step] = {}
         self._done = 0  # the newest step evaluated in this generation
+        self._judged_from = 0  # the first step of this generation that is judged (WARMUP_STEPS)
         self._open: dict[int, _Episode] = {}  # rank -> its slowdown under way
 
     def report(self, gen: int, step: int, rank: int, dt: float, wait: float | None, t: float) -> list[Finding]:
@@ -123,7 +131,9 @@ class StragglerDetector:
             # A new generation replays from its restore step and may have replaced the
             # straggler: measurements start over (an episode under way ends with what it had).
             ended = self._close_all()
+            after_recovery = self.gen >= 0  # the first generation has no recovery to bill a warm-up to
             self.gen, self._steps, self._done = gen, {}, 0
+            self._judged_from = step + WARMUP_STEPS if after_recovery else 0
             return ended + self.report(gen, step, rank, dt, wait, t)
         if step <= self._done:
             return []
@@ -156,7 +166,7 @@ class StragglerDetector:
         return out
 
     def _evaluate(self, step: int, entry: _Step) -> list[Finding]:
-        if self.world_size < 2:
+        if self.world_size < 2 or step < self._judged_from:
             return []
         out: list[Finding] = []
         excess: dict[int, float] = {}

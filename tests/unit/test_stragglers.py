@@ -10,6 +10,7 @@ from ffctl.controller.stragglers import (
     ONSET_STEPS,
     Recovered,
     Replace,
+    WARMUP_STEPS,
     StragglerDetector,
     Straggling,
 )
@@ -120,6 +121,23 @@ def test_a_new_generation_closes_what_was_open_and_starts_over() -> None:
     found, _ = feed(det, range(5, 9), {}, world=2, gen=1, t0=t)  # replayed from step 4, at pace
     assert [type(f) for f in found] == [Recovered]
     assert det.report(0, 9, 0, 1.0, 0.0, t) == []  # the old generation is not heard any more
+
+
+def test_a_replacement_warming_up_after_a_recovery_is_not_a_straggler_but_one_slow_beyond_it_is() -> None:
+    det = StragglerDetector(4)
+    _, t = feed(det, range(1, 21), {})
+    # Generation 1 replays from step 16: rank 1 was started again and is three times slower for
+    # its first steps (well over ONSET_S), as on a loaded host. The recovery's cost, not a straggler.
+    found, t = feed(det, range(17, 17 + WARMUP_STEPS), {1: 3.0}, gen=1, t0=t)
+    assert found == []
+    found, t = feed(det, range(17 + WARMUP_STEPS, 40), {}, gen=1, t0=t)
+    assert found == []
+    # Slow past its warm-up: named, from the first step judged.
+    det = StragglerDetector(4)
+    _, t = feed(det, range(1, 21), {})
+    found, _ = feed(det, range(17, 40), {1: 3.0}, gen=1, t0=t)
+    named = [f for f in found if isinstance(f, Straggling)]
+    assert [(f.rank, f.onset_step, f.gen) for f in named] == [(1, 17 + WARMUP_STEPS, 1)]
 
 
 def test_a_script_without_wait_times_is_left_alone() -> None:
