@@ -51,8 +51,10 @@ ANSWERS_MAX_S = 60.0
 # that moved share one node, and a second fault of that node would lose both copies of them.
 NODE_RESTART_DELAY_S = 0.0
 # How long a stopping job waits for a rank that reported an error to exit by itself, so that the
-# root cause shows its exit code and the traceback it printed.
-EXIT_WAIT_S = 3.0
+# root cause shows its exit code and the traceback it printed. Only a failing job waits, and a rank
+# that exits promptly ends the wait: generous, since on a loaded host a rank tearing down its process
+# group and printing its traceback took over 3 s (the root cause then lacked its exit code).
+EXIT_WAIT_S = 10.0
 # How long a lost node's agent that still runs is given to stop by itself before it is killed
 # (see `fence`): it is stopped, wedged or cut off, so it is not expected to answer.
 FENCE_STOP_S = 0.5
