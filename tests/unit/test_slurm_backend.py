@@ -71,7 +71,9 @@ def fakes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     bin_dir = tmp_path / "bin"
     calls = tmp_path / "calls"
     calls.mkdir()
-    record = f'f=$(mktemp "{calls}/$(basename "$0")-XXXXXX"); for a in "$@"; do printf "%s\\n" "$a" >> "$f"; done\n'
+    # Named by the time of the call (in ns): a file's mtime has the kernel's coarse tick, and two
+    # calls within one tick would otherwise come back in a random order.
+    record = f'f=$(mktemp "{calls}/$(basename "$0")-$(date +%s%N)-XXXXXX"); for a in "$@"; do printf "%s\\n" "$a" >> "$f"; done\n'
     _fake(bin_dir, "scontrol", record + 'case "$2" in hostnames) echo n1; echo n2; echo n3 ;; '
                                         'node) echo "NodeName=$3 Arch=x86_64 NodeAddr=127.0.0.1 NodeHostName=$3 State=DOWN+DRAIN '
                                         'Reason=Not responding [slurm@2026-01-01] Comment=(null)" ;; esac\n')
@@ -94,7 +96,7 @@ echo "scancel: error: Kill job error on job id 7.x: Invalid job id specified" >&
 
 
 def _calls(calls: Path, tool: str) -> list[list[str]]:
-    return [p.read_text().splitlines() for p in sorted(calls.glob(f"{tool}-*"), key=lambda p: p.stat().st_mtime_ns)]
+    return [p.read_text().splitlines() for p in sorted(calls.glob(f"{tool}-*"))]
 
 
 def test_allocation_from_scontrol_or_the_parser(fakes: Path, monkeypatch: pytest.MonkeyPatch) -> None:
