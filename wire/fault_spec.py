@@ -223,8 +223,10 @@ CRASH_SIGNALS = ("exception", "segv")
 # the snapshot of the step (its collectives done: peers may commit it).
 PHASES = tuple(p.value for p in StepPhase)
 # A fault at phase= reaches the rank this many committed steps before its step, so it is armed
-# when the step begins.
-PHASE_LEAD_STEPS = 2
+# when the step begins. Two were too few on a loaded host: the controller sees commits late and
+# the fault's command takes a shell's start-up, and a job of 0.1 s steps ran 2 steps past it. An
+# early arming costs nothing: the rank waits for its step.
+PHASE_LEAD_STEPS = 6
 ACTIONS = ("drop", "reject")
 COPIES = ("local", "replica")  # corrupt-snapshot's copy=
 
