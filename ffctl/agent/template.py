@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import builtins
 import ctypes
+import faulthandler
 import importlib.machinery
 import importlib.util
 import io
@@ -52,6 +53,11 @@ READY = b"ready\n"
 REPARENT_TIMEOUT_S = 5.0
 # Set in a spare forked from the template (ffctl.agent.spare): the FIFO its assignment comes on.
 SPARE_FIFO_ENV = "FFCTL_SPARE_FIFO"
+# Makes a worker write every thread's Python stack to its stderr log (`faulthandler`, which works
+# while the main thread is stuck in C++ holding the GIL). The exit barrier sends it to a rank
+# before stopping it, so that the root cause says where the rank was stuck. A real-time signal:
+# torch, gloo and scripts leave these alone.
+STACKS_SIGNAL = signal.SIGRTMIN + 2
 
 
 def _prctl(option: int, value: int) -> bool:
@@ -212,6 +218,7 @@ def run_assignment(job: Assignment) -> None:
 
         hand_token(job.token)
     _unbuffered_stdio()
+    faulthandler.register(STACKS_SIGNAL, file=2, all_threads=True)  # fd 2: its stderr log, set above
     main, code, argv, path0 = _main_module(job.argv)
     sys.argv = argv
     if sys.path and _path0 and sys.path[0] == _path0[0]:

@@ -27,7 +27,7 @@ from ffctl.agent.config import AgentConfig
 from ffctl.agent.proctree import as_processes, kill_tree
 from ffctl.agent.sparepool import SparePool
 from ffctl.agent.stepwatch import StepWatch
-from ffctl.agent.template import Assignment, ForkedSpare, ForkedWorker, Template, TemplateError
+from ffctl.agent.template import STACKS_SIGNAL, Assignment, ForkedSpare, ForkedWorker, Template, TemplateError
 from wire import messages
 from wire.jobenv import ERROR_FILE_ENV
 
@@ -38,7 +38,21 @@ FIRST_WARMUP_WAIT_S = 30.0
 # What of a failed rank's log goes to the controller with its exit.
 LOG_TAIL_LINES = 20
 LOG_TAIL_BYTES = 16384
+# How long a rank is given to write its stacks (`STACKS_SIGNAL`) before it is stopped.
+STACKS_WRITE_S = 0.5
 LOG_LINE_CHARS = 400
+
+
+def _stacks_then_kill(procs: list[psutil.Process], grace: float) -> None:
+    """Have each rank write its Python stacks to its stderr log (where it was stuck, for the
+    tail its exit reports), then end it as `kill_tree` does."""
+    for proc in procs:
+        try:
+            proc.send_signal(STACKS_SIGNAL)
+        except psutil.Error:
+            pass
+    time.sleep(STACKS_WRITE_S)
+    kill_tree(procs, grace)
 
 
 @dataclass
@@ -195,7 +209,7 @@ class WorkerSupervisor:
                 w.expected_exit = True
                 w.report_tail = tail
         procs = as_processes([w.proc.pid for w in targets])
-        threading.Thread(target=kill_tree, args=(procs, grace), daemon=True).start()
+        threading.Thread(target=_stacks_then_kill if tail else kill_tree, args=(procs, grace), daemon=True).start()
 
     def reap(self) -> None:
         with self.lock:

@@ -20,6 +20,24 @@ EXIT_NOTICE_S = 5.0
 EXIT_STOP_WAIT_S = 15.0
 
 
+def python_stacks(lines: list[str]) -> list[str]:
+    """The last stack dump in `lines` (what `faulthandler` writes: a "Thread 0x..." or "Current
+    thread 0x..." header per thread, then its frames), or nothing."""
+    starts = [i for i, line in enumerate(lines) if line.startswith(("Thread 0x", "Current thread 0x"))]
+    if not starts:
+        return []
+    # The dump's first header: the headers before it that belong to the same dump are contiguous
+    # blocks of frames ("  File ...") and blank lines.
+    first = starts[-1]
+    for i in reversed(starts[:-1]):
+        if all(not x.strip() or x.startswith("  File ") or x.startswith(("Thread 0x", "Current thread 0x"))
+               for x in lines[i:first]):
+            first = i
+        else:
+            break
+    return lines[first:]
+
+
 def rank_list(ranks: list[int]) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
 
@@ -38,11 +56,14 @@ class ExitBarrier:
         # (gen, since when some of its ranks finished, whether that was said)
         self.waiting: tuple[int, float, bool] | None = None
         self.lingering: dict[int, list[str] | None] = {}  # rank stopped by the barrier -> its log's end
+        self.stacks: dict[int, list[str]] = {}  # ... and the Python stacks it wrote when stopped
 
-    def exited(self, rank: int, tail: list[str], expected: bool) -> None:
-        """A rank's exit: one the barrier stopped brings the end of its log (what it was doing)."""
+    def exited(self, rank: int, tail: list[str], expected: bool, err_tail: list[str] | None = None) -> None:
+        """A rank's exit: one the barrier stopped brings the end of its log (what it was doing)
+        and of its stderr log, where it wrote its stacks before it was stopped."""
         if rank in self.lingering and expected:
             self.lingering[rank] = tail
+            self.stacks[rank] = python_stacks(err_tail or []) or python_stacks(tail)
 
     def check(self, world: set[int]) -> None:
         """Some ranks of the generation finished (exit 0) while others still run: say so after
@@ -86,7 +107,7 @@ class ExitBarrier:
         summary = f"rank {rank} (node {node}): {error}; its last line: {last!r}"
         cause = {"cause": "exit-barrier", "t": time.time(), "rank": rank, "node": node, "host": self.host(node),
                  "ranks": left, "finished": finished, "lingered_s": round(waited, 3), "last_line": last,
-                 "error": error, "summary": summary, "tail": tail[-20:],
+                 "error": error, "summary": summary, "tail": tail[-20:], "stacks": self.stacks.get(rank, []),
                  "others": [f"rank {r} (node {job.members[r]}) still running too" for r in left[1:]]}
         raise FatalRun(f"exit barrier: {rank_list(left)} still running {waited:.0f}s after the others finished",
                        root_cause=cause)

@@ -243,7 +243,7 @@ class Inbox:
                     gen=msg.gen, expected=bool(msg.expected), **({"log_tail": tail} if tail else {}),
                     **({"err_tail": err_tail} if err_tail else {}),
                     **({"error_file": msg.error} if msg.error else {}))
-        self.barrier.exited(rank, tail, bool(msg.expected))
+        self.barrier.exited(rank, tail, bool(msg.expected), err_tail)
         if self.job.pids.get(rank) != pid:
             return  # a process of an earlier generation, already replaced
         self.job.pids[rank] = None

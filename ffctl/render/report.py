@@ -516,6 +516,10 @@ def root_cause_lines(cause: dict[str, Any], title: str) -> list[str]:
         if tail:
             lines.append("  last lines of its error or log:")
             lines += [f"    {x}" for x in tail]
+        stacks = [str(x) for x in cause.get("stacks") or []]
+        if stacks:
+            lines.append("  its Python stacks when it was stopped:")
+            lines += [f"    {x}" for x in stacks]
     others = cause.get("others") or []
     if others:
         lines.append(rule)

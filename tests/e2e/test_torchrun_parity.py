@@ -20,9 +20,11 @@ LINGER = textwrap.dedent("""
     import os, time
     rank = int(os.environ["RANK"])
     print(f"rank {rank} trained")
+    def wait_for_peer():
+        time.sleep(600)
     if rank == 1:
         print("waiting for a peer that already left")
-        time.sleep(600)
+        wait_for_peer()
 """)
 
 CHDIR_THEN_FAIL = textwrap.dedent("""
@@ -66,6 +68,10 @@ def test_a_rank_lingering_after_the_others_finished_is_stopped_and_named(tmp_pat
     assert end.get("status") == "failed" and cause["rank"] == 1 and cause["cause"] == "exit-barrier"
     assert cause["last_line"] == "waiting for a peer that already left"
     assert 6 <= cause["lingered_s"] < 60
+    # Where it was stuck: its Python stacks, written when it was stopped, in the root cause.
+    stacks = cause["stacks"]
+    assert any("linger.py" in line and "in wait_for_peer" in line for line in stacks), stacks
+    assert "its Python stacks when it was stopped:" in res.stderr and "in wait_for_peer" in res.stderr, res.stderr
     assert_nothing_left(tmp_path)
 
 
