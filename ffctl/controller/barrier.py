@@ -20,22 +20,21 @@ EXIT_NOTICE_S = 5.0
 EXIT_STOP_WAIT_S = 15.0
 
 
+_HEADERS = ("Thread 0x", "Current thread 0x")
+
+
 def python_stacks(lines: list[str]) -> list[str]:
     """The last stack dump in `lines` (what `faulthandler` writes: a "Thread 0x..." or "Current
-    thread 0x..." header per thread, then its frames), or nothing."""
-    starts = [i for i, line in enumerate(lines) if line.startswith(("Thread 0x", "Current thread 0x"))]
+    thread 0x..." header per thread, each followed by its "  File ..." frames and a blank line),
+    or nothing."""
+    starts = [i for i, line in enumerate(lines) if line.startswith(_HEADERS)]
     if not starts:
         return []
-    # The dump's first header: the headers before it that belong to the same dump are contiguous
-    # blocks of frames ("  File ...") and blank lines.
     first = starts[-1]
-    for i in reversed(starts[:-1]):
-        if all(not x.strip() or x.startswith("  File ") or x.startswith(("Thread 0x", "Current thread 0x"))
-               for x in lines[i:first]):
-            first = i
-        else:
-            break
-    return lines[first:]
+    while first > 0 and (not lines[first - 1].strip() or lines[first - 1].startswith(("  File ", *_HEADERS))):
+        first -= 1
+    # Frames just above the dump may be another traceback's: the dump starts at a header.
+    return lines[min(i for i in starts if i >= first):]
 
 
 def rank_list(ranks: list[int]) -> str:
