@@ -18,14 +18,14 @@ import threading
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
-
-import torch
+from typing import TYPE_CHECKING, Callable
 
 from recovery.doorbell import Ringer
-from recovery.snapshot import Capture
 from runs import shm
 from runs.shm import claim_path, slot_path
+
+if TYPE_CHECKING:
+    from recovery.snapshot import Capture
 
 MAGIC = b"FFS1"
 HEADER = struct.Struct("<4sIqQQIQ")  # magic, state, step, meta_len, shard_len, crc, seq
@@ -202,6 +202,10 @@ class SlotWriter:
         mm[DATA_OFFSET : DATA_OFFSET + len(cap.meta)] = cap.meta
         base = DATA_OFFSET + len(cap.meta)
         if cap.shard_len:
+            # Here, not at the top: the agent reads these slots without torch (only a rank,
+            # which has it, writes them).
+            import torch
+
             dst = torch.frombuffer(mm, dtype=torch.uint8, count=cap.shard_len, offset=base)
             for off, src in cap.shard_pieces():
                 dst[off : off + src.numel()].copy_(src)

@@ -42,13 +42,21 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, TypeGuard
-
-import torch.distributed as dist
+from typing import TYPE_CHECKING, Any, Callable, Literal, TypeGuard, Union
 
 # Limits is re-exported: a queue's consumer checks its messages against the job's shape.
 from wire.messages import DecodeError, Limits as Limits, Message
 from wire.generation_plan import GenerationPlan, decode_plan
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+    from wire.storeclient import StoreClient
+
+    # What the calls here take: torch's store (the controller and the ranks, which have torch
+    # anyway), or the plain-Python client of it (the agents and `ffctl inject`, which do not
+    # import torch: `wire.storeclient`).
+    Store = Union[dist.Store, StoreClient]
 
 CTL_QUEUE = "ctl/q"
 GEN_KEY = "gen/current"
@@ -79,7 +87,10 @@ def pg_prefix(gen: int) -> str:
 
 
 def connect(host: str, port: int, timeout: float = 30.0) -> dist.TCPStore:
-    """A client connection to the controller's store; every call on it times out after `timeout`."""
+    """torch's client connection to the controller's store, for a process that has torch anyway
+    (a process without it uses `wire.storeclient.connect`); every call times out after `timeout`."""
+    import torch.distributed as dist
+
     return dist.TCPStore(
         host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False
     )
@@ -90,17 +101,17 @@ def connect(host: str, port: int, timeout: float = 30.0) -> dist.TCPStore:
 # take bytes as well as str for every value (a C++ string either way) and do have `multi_set`.
 # Sealed values are bytes: they are written through these, so that disagreement with the stubs
 # is stated once.
-def store_set(store: dist.Store, key: str, value: bytes | str) -> None:
+def store_set(store: Store, key: str, value: bytes | str) -> None:
     store.set(key, value)  # type: ignore[arg-type]  # the stub says str; the binding takes bytes too
 
 
-def store_compare_set(store: dist.Store, key: str, expected: bytes, desired: bytes) -> bytes:
+def store_compare_set(store: Store, key: str, expected: bytes, desired: bytes) -> bytes:
     """The value torch's `compare_set` answers (what it means: `read`, `_reserve`)."""
     return bytes(store.compare_set(key, expected, desired))  # type: ignore[arg-type]  # as store_set
 
 
-def store_multi_set(store: dist.Store, keys: list[str], values: list[bytes] | list[str]) -> None:
-    store.multi_set(keys, values)  # type: ignore[attr-defined]  # in the binding, not in the stub
+def store_multi_set(store: Store, keys: list[str], values: list[bytes] | list[str]) -> None:
+    store.multi_set(keys, values)  # type: ignore[union-attr]  # in the binding, not in the stub
 
 
 # -- sealing -------------------------------------------------------------------------------------
@@ -204,7 +215,7 @@ def _is_int(v: object) -> TypeGuard[int]:
 _ABSENT = b"\x00ffctl-absent\x00" + secrets.token_hex(8).encode()
 
 
-def read(store: dist.Store, key: str) -> bytes | None:
+def read(store: Store, key: str) -> bytes | None:
     """The value at `key`, or None when there is none: at once, whatever anyone did to the key.
 
     A `get` of a missing key blocks for the connection's whole timeout (a stranger deleting a
@@ -248,7 +259,7 @@ class Blocked:
     raw: bytes
 
 
-def _reserve(store: dist.Store, queue: str, tag: str, wait: float | None = None) -> int | Blocked:
+def _reserve(store: Store, queue: str, tag: str, wait: float | None = None) -> int | Blocked:
     """The next index of `queue`, reserved for this producer alone (`wait`: SEND_WAIT_S)."""
     counter = f"{queue}/n"
     # What this reservation writes must be its own: two threads of one process, or two
@@ -292,13 +303,13 @@ def _reserve(store: dist.Store, queue: str, tag: str, wait: float | None = None)
 _UNSEALED_TAG = f"unsealed/{secrets.token_hex(8)}"
 
 
-def send(store: dist.Store, queue: str, msg: Message, sealer: Sealer | None = None) -> Blocked | None:
+def send(store: Store, queue: str, msg: Message, sealer: Sealer | None = None) -> Blocked | None:
     """Append `msg` to `queue`, sealed by `sealer` (unsealed only where no job token exists).
     None once it is queued; `Blocked` when the queue's counter was tampered with and stayed so."""
     return send_dict(store, queue, msg.to_dict(), sealer)
 
 
-def send_dict(store: dist.Store, queue: str, msg: dict[str, Any], sealer: Sealer | None = None) -> Blocked | None:
+def send_dict(store: Store, queue: str, msg: dict[str, Any], sealer: Sealer | None = None) -> Blocked | None:
     """Append a value in wire form, unchecked: for what speaks the wire format directly (tests
     that forge a message, values that are not messages). Everything else sends a `Message`."""
     if sealer is None:
@@ -347,7 +358,7 @@ class Receiver:
     A value that does not open (with `opener`: sealing, sequence, window; without: JSON object)
     is handed to `on_reject` with the reason and dropped: what a queue holds never raises here."""
 
-    def __init__(self, store: dist.Store, queue: str, gap_timeout: float = 2.0,
+    def __init__(self, store: Store, queue: str, gap_timeout: float = 2.0,
                  opener: Opener | None = None, on_reject: RejectHook | None = None,
                  max_gap: int = 256) -> None:
         self.store = store
@@ -484,7 +495,7 @@ class Receiver:
         self.seen = skipped_to
 
 
-def publish_plan(store: dist.Store, gen: int, plan: GenerationPlan,
+def publish_plan(store: Store, gen: int, plan: GenerationPlan,
                  sealer: Sealer | None = None) -> dict[str, bytes]:
     """Publish generation `gen`'s plan and make it the current one. Returns what was written
     (key -> value), so the publisher can tell later whether someone changed it."""
@@ -531,7 +542,7 @@ class Reader:
         self._reported.add((key, raw))
         self.on_reject(key, -1, reason, raw)
 
-    def read(self, store: dist.Store, key: str, kind: str) -> dict[str, Any] | None:
+    def read(self, store: Store, key: str, kind: str) -> dict[str, Any] | None:
         raw = read(store, key)
         if raw is None:
             return None
@@ -558,7 +569,7 @@ class Reader:
             self._refuse(key, f"not a {kind}: {str(exc)[:80]}", raw)
         return None
 
-    def plan(self, store: dist.Store, gen: int) -> GenerationPlan | None:
+    def plan(self, store: Store, gen: int) -> GenerationPlan | None:
         """Generation `gen`'s genuine, well-formed plan, or None (not there, or refused). A plan
         that opens but does not decode (an unknown kind of source, a field missing or of the
         wrong type) is refused like a forged one: nothing of it is used."""
@@ -576,14 +587,14 @@ class Reader:
         return plan
 
 
-def current_gen(store: dist.Store, opener: Opener | None = None, on_reject: RejectHook | None = None,
+def current_gen(store: Store, opener: Opener | None = None, on_reject: RejectHook | None = None,
                 _reader: Reader | None = None) -> int:
     """The current generation as GEN_KEY says, or -1 (missing, refused, or older than one seen)."""
     msg = (_reader or Reader(opener, on_reject)).read(store, GEN_KEY, "gen")
     return -1 if msg is None else int(msg["gen"])
 
 
-def wait_plan(store: dist.Store, gen: int, timeout: float, opener: Opener | None = None,
+def wait_plan(store: Store, gen: int, timeout: float, opener: Opener | None = None,
               on_reject: RejectHook | None = None, _reader: Reader | None = None) -> GenerationPlan:
     """Block until a genuine plan of `gen` is published (or raise TimeoutError)."""
     deadline = time.monotonic() + timeout
@@ -602,7 +613,7 @@ def wait_plan(store: dist.Store, gen: int, timeout: float, opener: Opener | None
 PLAN_PROBE = 64
 
 
-def _newest_from(store: dist.Store, start: int, reader: Reader) -> tuple[int, GenerationPlan] | None:
+def _newest_from(store: Store, start: int, reader: Reader) -> tuple[int, GenerationPlan] | None:
     """The newest generation from `start` on whose genuine plan is published, and that plan."""
     found = None
     for gen in range(start, start + PLAN_PROBE):
@@ -613,7 +624,7 @@ def _newest_from(store: dist.Store, start: int, reader: Reader) -> tuple[int, Ge
     return found
 
 
-def newest_plan(store: dist.Store, at_least: int, timeout: float, opener: Opener | None = None,
+def newest_plan(store: Store, at_least: int, timeout: float, opener: Opener | None = None,
                 on_reject: RejectHook | None = None, reader: Reader | None = None) -> tuple[int, GenerationPlan]:
     """The newest generation >= `at_least` and its plan, waiting up to `timeout`. A `reader`
     kept across calls (a rank keeps one for its life) refuses a generation pointer older than

@@ -100,7 +100,7 @@ class SharedReader(control.Reader):
     _cache: dict[tuple[int, bytes], GenerationPlan] = {}
     _cache_lock = threading.Lock()
 
-    def plan(self, store: dist.Store, gen: int) -> GenerationPlan | None:
+    def plan(self, store: control.Store, gen: int) -> GenerationPlan | None:
         raw = control.read(store, control.gen_plan_key(gen))
         if raw is None:
             return None

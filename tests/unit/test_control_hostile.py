@@ -15,11 +15,11 @@ TOKEN = "d" * 64
 Q = "ctl/q"
 
 
-def _rx(store: control.dist.Store, reports: list[str]) -> control.Receiver:
+def _rx(store: control.Store, reports: list[str]) -> control.Receiver:
     return control.Receiver(store, Q, gap_timeout=0.3, on_reject=lambda q, i, reason, raw: reports.append(reason))
 
 
-def _send(store: control.dist.Store, i: int) -> control.Blocked | None:
+def _send(store: control.Store, i: int) -> control.Blocked | None:
     return control.send_dict(store, Q, {"i": i})
 
 

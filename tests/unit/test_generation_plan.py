@@ -11,6 +11,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch.distributed as dist
 
 from wire import control
 from recovery.job import Job
@@ -101,10 +102,10 @@ def test_a_plan_the_controller_makes_is_one_a_rank_accepts() -> None:
     with pytest.raises(DecodeError):
         GenerationPlan(gen=1, world_size=2, strategy=Strategy.PEER, restore_step=5, sources={0: Disk()})
     with pytest.raises(ValueError):
-        control.publish_plan(control.dist.HashStore(), 2, GenerationPlan.fresh(1, 2, "peer"))
+        control.publish_plan(dist.HashStore(), 2, GenerationPlan.fresh(1, 2, "peer"))
 
 
-def _rank(store: control.dist.Store, rank: int = 1) -> Job:
+def _rank(store: control.Store, rank: int = 1) -> Job:
     """A rank's `Job` with only what refusing a plan uses: its store, sealer and identity."""
     job = Job.__new__(Job)
     job.env = SimpleNamespace(rank=rank, node=0)  # type: ignore[assignment]

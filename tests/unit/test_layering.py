@@ -81,7 +81,8 @@ def test_runs_imports_no_other_package_of_the_project() -> None:
 def test_the_wire_formats_import_only_the_record_s_vocabulary() -> None:
     # Every process speaks them: the controller, the agents, the ranks. What they import, every
     # process loads; so only the run record's words, and torch's store client where the store
-    # protocol talks to it (`wire.control`), never the rank's library or the fault injectors.
+    # protocol talks to it (`wire.control`, inside `connect`: the agents load that module without
+    # torch, `tests/unit/test_storeclient.py`), never the rank's library or the fault injectors.
     bad = {m: sorted(i for i in GRAPH[m] if _owner(i) not in ("wire", "runs")) for m in GRAPH if _owner(m) == "wire"}
     assert not {m: v for m, v in bad.items() if v}
     heavy = {m: sorted(THIRD_PARTY[m] & {"torch", "psutil"}) for m in GRAPH if _owner(m) == "wire"}
