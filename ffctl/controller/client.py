@@ -12,7 +12,7 @@ import secrets
 import time
 
 from ffctl.exits import BadInput, InfraError
-from wire import control, messages
+from wire import control, messages, storeclient
 from wire.fault_spec import FaultSpec
 from runs.events import RunStatus
 from runs.store import RunStore
@@ -28,7 +28,7 @@ def request(record: RunStore, fault: FaultSpec, dry_run: bool, timeout: float = 
     if not ctl:
         raise BadInput(f"run {record.run_id!r} has no controller endpoint yet")
     try:
-        store = control.connect(ctl["address"], int(ctl["port"]), timeout=5.0)
+        store = storeclient.connect(ctl["address"], int(ctl["port"]), timeout=5.0)
     except Exception:
         raise InfraError(f"controller of run {record.run_id!r} at {ctl['address']}:{ctl['port']} is unreachable") from None
     try:
