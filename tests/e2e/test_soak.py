@@ -97,10 +97,13 @@ def test_three_seeded_soaks_of_sixty_faults_match_the_fault_free_run(tmp_path: P
         report = json.loads((runs / run_id / "report.json").read_text())
         assert report["status"] == "completed" and report["steps_completed"] == STEPS
         faults = report["faults"]
-        kinds = {f["kind"] for f in faults}
-        # Every fault of its schedule dealt, all six kinds, each recovered; nothing else failed.
-        assert len(faults) == FAULTS and len(kinds) == 6, (seed, [f["kind"] for f in faults])
         events = [json.loads(line) for line in (runs / run_id / "events.jsonl").read_text().splitlines()]
+        # Every fault of its schedule dealt, all six kinds, each recovered; nothing else failed
+        # (a failure no fault explains is a `detected` fault: shown with the record around it).
+        extra = [f for f in faults if f["kind"] == "detected"]
+        assert not extra, (seed, _around(extra, events))
+        assert len(faults) == FAULTS, (seed, len(faults), faults[-1])
+        assert {f["kind"] for f in faults} == set(KINDS.split("|")), seed
         assert all(f["recovered"] for f in faults), _around([f for f in faults if not f["recovered"]], events)
         assert not [e for e in events if e["event"] == "recovery_failed"]
         # Every step's loss, bit for bit: restores from memory, from disk and (a node fault
