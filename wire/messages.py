@@ -544,9 +544,12 @@ class AgentFailed(Message):
 
 @_report(Kind.AGENT_UP)
 class AgentUp(Message):
-    """The agent runs: its pid, host, clock (`time`) and the address of its snapshot store."""
+    """Incarnation `incarnation` of the node's agent runs: its pid, host, clock (`time`) and the
+    address of its snapshot store. (An agent the controller has since replaced may still say it
+    is up: the incarnation tells that one apart.)"""
 
     node: int = _field(_node)
+    incarnation: int = _field(_nat)
     pid: int = _field(_nat)
     host: str = _field(_str)
     time: float = _field(_time)

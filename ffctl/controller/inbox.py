@@ -121,6 +121,14 @@ class Inbox:
     def _on_agent_up(self, msg: messages.AgentUp) -> None:
         now = time.time()
         st = self.job.nodes[msg.node]
+        if msg.incarnation != st.incarnation:
+            # An agent replaced while it was starting (a recovery restarted its node again) may
+            # still get this far before it sees it is stopped. Taken for the current one, its pid
+            # became the node's: a kill-node then killed that stale process, the node's real
+            # agent went on, and the fault was never seen (a chaos soak). Its exit is its own.
+            self.record(EventKind.AGENT_STALE, t=now, node=msg.node, incarnation=msg.incarnation,
+                        current=st.incarnation, pid=msg.pid)
+            return
         st.pid, st.peer, st.up = msg.pid, (msg.peer_address, int(msg.peer_port)), True  # type: ignore[arg-type]
         # Events stay stamped on receipt with our clock; the offset is what converts the
         # agent's own stamps. Measured NTP-style before the start (SSH hosts) when we can,

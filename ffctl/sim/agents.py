@@ -428,7 +428,7 @@ class SimAgent:
         self._replicated = 0
 
     def start(self) -> None:
-        self.report(messages.AgentUp, pid=os.getpid(), host=f"sim{self.node}", time=time.time(),
+        self.report(messages.AgentUp, incarnation=self.cfg.incarnation, pid=os.getpid(), host=f"sim{self.node}", time=time.time(),
                     peer_address="127.0.0.1", peer_port=self.port)
         self.report(messages.Spares, count=0, total=0, template=True)
 

@@ -97,7 +97,7 @@ def test_a_timestamp_outside_the_window_is_refused(monkeypatch: pytest.MonkeyPat
     ({**_step(), "gen": "1"}, "bad gen"),
     ({**_step(), "loss": "low"}, "bad loss"),
     ({k: v for k, v in _step().items() if k != "dt"}, "missing field 'dt'"),
-    ({"type": "agent_up", "node": 2, "pid": 1, "host": "h", "time": 1.0, "peer_address": "a", "peer_port": 1}, "bad node"),
+    ({"type": "agent_up", "node": 2, "incarnation": 0, "pid": 1, "host": "h", "time": 1.0, "peer_address": "a", "peer_port": 1}, "bad node"),
     ({"type": "spawned", "node": 0, "gen": 0, "pids": {"x": 1}}, "bad pids"),
     ({"type": "inject_request", "fault": "kill-rank:rank=1", "req": "../../x"}, "bad req"),
 ])

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from ffctl.controller.controller import Controller
 from ffctl.controller.inbox import Inbox
 from ffctl.controller.plane import ControlPlane
-from ffctl.controller.state import JobState, NodeState
+from ffctl.controller.state import JobState, NodeState, Phase
 from ffctl.controller.watchdog import Watchdog
 from wire import control, messages
 from wire.generation_plan import GenerationPlan
@@ -141,3 +141,27 @@ def test_a_spawn_is_settled_by_the_agent_s_answer_for_its_own_generation_only() 
     ctl.inbox.dispatch(messages.Spawned(node=0, gen=3, pids={"0": 700}))
     ctl.inbox.dispatch(messages.Spawned(node=1, gen=3, pids={}, dropped=[1]))
     assert job.spawning == {} and job.pids[0] == 700 and not job.stopped(0) and job.stopped(1)
+
+
+def test_an_agent_replaced_while_it_started_is_not_taken_for_the_nodes_agent() -> None:
+    # A recovery started node 1 again (incarnation 1) while its previous agent was still starting;
+    # that one then says it is up. Taken for the node's agent, its pid would be what a kill-node
+    # kills, while the node's real agent runs on and the fault is never seen.
+    ctl, rec = _controller()
+    st = ctl.job.nodes[1] = NodeState(1, _Agent(), incarnation=1)  # type: ignore[arg-type]
+    ctl.inbox.fleet = SimpleNamespace(  # type: ignore[assignment]
+        launcher=SimpleNamespace(clock_offset=lambda node: None), clock_offsets={},
+        agent_time=lambda node, t: t, wire_ring=lambda: None)
+    ctl.job.phase = Phase.RUNNING
+
+    def up(incarnation: int, pid: int) -> None:
+        ctl.inbox.dispatch(messages.AgentUp(node=1, incarnation=incarnation, pid=pid, host="h", time=time.time(),
+                                            peer_address="127.0.0.1", peer_port=1))
+
+    up(0, 4242)
+    assert (st.up, st.pid) == (False, 0)
+    stale = [data for kind, data in rec.events if kind is EventKind.AGENT_STALE]
+    assert stale == [{"node": 1, "incarnation": 0, "current": 1, "pid": 4242}]
+    up(1, 4343)
+    assert (st.up, st.pid) == (True, 4343)
+    assert [data["pid"] for kind, data in rec.events if kind is EventKind.AGENT_STARTED] == [4343]

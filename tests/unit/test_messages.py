@@ -44,7 +44,7 @@ REPORTS: dict[Kind, dict[str, Any]] = {
                  "traceback": ["Traceback (most recent call last):", "RuntimeError: boom"]},
     Kind.CKPT: {"rank": 3, "node": 1, "step": 10},
     Kind.AGENT_FAILED: {"node": 1, "reason": "node 1 of run r is held by pid 77"},
-    Kind.AGENT_UP: {"node": 0, "pid": 100, "host": "h0", "time": 1.7e9, "peer_address": "10.0.0.1",
+    Kind.AGENT_UP: {"node": 0, "incarnation": 1, "pid": 100, "host": "h0", "time": 1.7e9, "peer_address": "10.0.0.1",
                     "peer_port": 40000},
     Kind.AGENT_ERROR: {"node": 1, "error": "spawn: OSError: no memory"},
     Kind.SPARES: {"node": 0, "count": 1, "total": 2, "template": True},

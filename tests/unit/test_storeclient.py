@@ -69,7 +69,7 @@ def test_the_control_planes_queue_works_from_either_client_to_the_other(server: 
                                                                          client: StoreClient) -> None:
     sealer, token = control.Sealer("t" * 64, "agent/0"), "t" * 64
     inbox = control.Receiver(server, control.CTL_QUEUE, opener=control.Opener(token))
-    sent = [messages.AgentUp(node=0, pid=100 + i, host="h", time=1.0, peer_address="127.0.0.1", peer_port=1)
+    sent = [messages.AgentUp(node=0, incarnation=0, pid=100 + i, host="h", time=1.0, peer_address="127.0.0.1", peer_port=1)
             for i in range(5)]
     for msg in sent:
         assert control.send(client, control.CTL_QUEUE, msg, sealer) is None
@@ -91,7 +91,7 @@ def test_threads_sharing_one_client_reserve_distinct_indices(server: dist.TCPSto
     def send(n: int) -> None:
         try:
             for i in range(40):
-                msg = messages.AgentUp(node=n, pid=i, host="h", time=1.0, peer_address="127.0.0.1", peer_port=1)
+                msg = messages.AgentUp(node=n, incarnation=0, pid=i, host="h", time=1.0, peer_address="127.0.0.1", peer_port=1)
                 assert control.send(client, control.CTL_QUEUE, msg, sealer) is None
         except BaseException as exc:  # reported below, not lost in the thread
             errors.append(exc)
