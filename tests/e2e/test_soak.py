@@ -6,7 +6,8 @@ Each job must complete with every step's loss equal, bit for bit, to the twin's;
 was dealt is in its report and recovered; no failure the faults do not explain and no recovery
 that failed. Three jobs and the twin at once load the host as a shared CI machine does, so this is
 also the heartbeat and detection paths under load: a node taken for lost that was fine shows as a
-`detected` fault and fails the test.
+`detected` fault and fails the test (a rank the load slowed for a moment, named a straggler and
+back at pace by itself, is reported and does not).
 """
 from __future__ import annotations
 
@@ -63,6 +64,18 @@ def _around(faults: list[dict[str, object]], events: list[dict[str, object]]) ->
     return "\n".join([json.dumps(f) for f in faults] + [json.dumps(e) for e in near])
 
 
+def _unexplained(faults: list[dict[str, object]]) -> list[dict[str, object]]:
+    """The faults of a report that are failures no injected fault explains.
+
+    A rank the straggler detector named is not one when it came back to pace by itself: four
+    jobs on two cores leave a rank descheduled for a second now and then (seen in the fault-free
+    twin too), the detector is right to name it, and it fails nothing. A straggler still slow at
+    the end, or any other detected fault (a node taken for lost, a rank's exit no fault
+    explains), is one."""
+    return [f for f in faults if f["kind"] == "detected"
+            and not (f.get("cause") == "straggler" and f.get("recovered"))]
+
+
 def _stalls(runs: Path, run_id: str) -> str:
     """The stacks ranks wrote when a recovery of theirs stalled (`recovery.job.JOIN_STALL_S`):
     where each waited, for a job that ran into a phase timeout."""
@@ -92,6 +105,8 @@ def test_three_seeded_soaks_of_sixty_faults_match_the_fault_free_run(tmp_path: P
                            + _stalls(runs, name))
     free = _losses(runs, "free")
     assert len(free) == STEPS
+    free_faults = json.loads((runs / "free" / "report.json").read_text())["faults"]
+    assert not _unexplained(free_faults), free_faults
     for seed in SEEDS:
         run_id = f"soak-{seed}"
         report = json.loads((runs / run_id / "report.json").read_text())
@@ -100,10 +115,11 @@ def test_three_seeded_soaks_of_sixty_faults_match_the_fault_free_run(tmp_path: P
         events = [json.loads(line) for line in (runs / run_id / "events.jsonl").read_text().splitlines()]
         # Every fault of its schedule dealt, all six kinds, each recovered; nothing else failed
         # (a failure no fault explains is a `detected` fault: shown with the record around it).
-        extra = [f for f in faults if f["kind"] == "detected"]
+        extra = _unexplained(faults)
         assert not extra, (seed, _around(extra, events))
-        assert len(faults) == FAULTS, (seed, len(faults), faults[-1])
-        assert {f["kind"] for f in faults} == set(KINDS.split("|")), seed
+        dealt = [f for f in faults if f["kind"] != "detected"]
+        assert len(dealt) == FAULTS, (seed, len(dealt), dealt[-1])
+        assert {f["kind"] for f in dealt} == set(KINDS.split("|")), seed
         assert all(f["recovered"] for f in faults), _around([f for f in faults if not f["recovered"]], events)
         assert not [e for e in events if e["event"] == "recovery_failed"]
         # Every step's loss, bit for bit: restores from memory, from disk and (a node fault
