@@ -585,4 +585,4 @@ class Job:
             report()
         if needs_disk:
             disk.save(self.env.ckpt_dir, cap)
-            self._send(messages.Ckpt, step=step)
+            self._send(messages.Ckpt, step=step, gen=gen, loss=loss, dt=dt)

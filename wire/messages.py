@@ -526,11 +526,18 @@ class ReplicasCorrupted(Message):
 
 @_report(Kind.CKPT)
 class Ckpt(Message):
-    """A rank wrote its disk checkpoint of `step`."""
+    """A rank wrote its disk checkpoint of `step`, which it committed in generation `gen` with
+    `loss` in `dt` seconds.
+    (A complete checkpoint commits the step to the record: its `step` report waits for the
+    snapshot's copy on the ring neighbour, and a node fault in between would otherwise restore
+    from a step whose loss the record never had.)"""
 
     rank: int = _field(_rank)
     node: int = _field(_node)
     step: int = _field(_nat)
+    gen: int | None = _optional(_nat)
+    loss: float | None = _optional(_num)
+    dt: float | None = _optional(_seconds)
 
 
 # Reports from an agent name its node.

@@ -207,6 +207,11 @@ class Inbox:
                 disk.mark_complete(self.checkpoints, msg.step)
             self.job.disk_step = max(self.job.disk_step or 0, msg.step)
             self.record(EventKind.SNAPSHOT_TAKEN, t=time.time(), step=msg.step, kind="disk", ranks=sorted(got))
+            if msg.loss is not None and msg.gen is not None:
+                rep = StepReport(msg.gen, msg.step, msg.rank, float(msg.loss), float(msg.dt or 0.0))
+                if self.job.progress.checkpointed(rep):
+                    self.record(EventKind.STEP, t=time.time(), step=rep.step, loss=rep.loss,
+                                step_time_s=rep.dt, gen=rep.gen, rank=rep.rank)
 
     def _on_replicated(self, msg: messages.Replicated) -> None:
         # Every agent says this about once a second: written without an fsync of its own (the

@@ -143,6 +143,17 @@ class Progress:
         self.step_times.append(rep.dt)
         return True
 
+    def checkpointed(self, rep: StepReport) -> bool:
+        """A step every rank wrote to disk (`rep`: the last rank's commit of it): True when it
+        is to be written as a STEP event, because no rank's report of it has been. It is
+        committed (a restore may start after it), but no rank is taken to hold it in memory:
+        that is what its own report says, once the snapshot is durable."""
+        if rep.gen != self.gen or rep.step <= self._recorded.get(rep.gen, -1):
+            return False
+        self._recorded[rep.gen] = rep.step
+        self.committed_step, self.last_loss = rep.step, rep.loss
+        return True
+
     def everywhere(self, ranks: list[int]) -> int:
         """The newest step every one of `ranks` has committed in this generation (of a script that
         reports its own steps: every one of them that reports steps at all)."""

@@ -56,3 +56,19 @@ def test_started_and_hang_limit() -> None:
         p.report(StepReport(0, step, 0, 1.0, dt))
     assert p.started() and p.started(0) and not p.started(1)
     assert p.hang_limit(5.0) == 8.0  # 10 x the median step time
+
+
+def test_a_step_every_rank_wrote_to_disk_is_recorded_once_and_held_by_no_rank() -> None:
+    # Step 40's disk checkpoint is complete while its reports still wait for the snapshot's copy
+    # on the ring neighbour; a node fault then restores from step 40, whose loss the record must
+    # have although no rank's report of it will come.
+    p = Progress()
+    for rank in (0, 1):
+        p.report(_rep(0, 39, rank=rank))
+    assert p.checkpointed(_rep(0, 40, rank=1, loss=2.5))
+    assert (p.committed_step, p.last_loss) == (40, 2.5)
+    assert not p.report(_rep(0, 40, rank=0))  # its report, come after all: not a second event
+    assert not p.checkpointed(_rep(0, 40, rank=0))
+    assert p.everywhere([0, 1]) == 39  # rank 1 has not said its snapshot of step 40 is durable
+    p.open(1, restore_step=20)
+    assert not p.checkpointed(_rep(0, 60))  # an older generation's checkpoint: its own reports decide
