@@ -18,7 +18,8 @@ and client.
 
 Every call is bounded by the client's timeout. A call that fails (the server gone, a timeout, an
 answer that is not one) raises `StoreError` and closes the connection, which the next call opens
-again: unlike torch's client, none is left out of step with the server by a timed-out call. One
+again, with one attempt: unlike torch's client, none is left out of step with the server by a
+timed-out call, and as with it, a server that is gone fails each call at once. One
 connection serves the process's threads one call at a time.
 """
 from __future__ import annotations
@@ -113,7 +114,7 @@ class StoreClient:
         with self._lock:
             deadline = time.monotonic() + self.timeout
             try:
-                sock = self._sock or self._open(deadline)
+                sock = self._sock or self._open(deadline, retry=False)
                 sock.settimeout(max(0.001, deadline - time.monotonic()))
                 sock.sendall(request)
                 if answer is None:
@@ -131,9 +132,12 @@ class StoreClient:
                 self._drop()
                 raise StoreError(f"store at {self.host}:{self.port}: {type(exc).__name__}: {exc}") from None
 
-    def _open(self, deadline: float) -> socket.socket:
-        """Connect (again while the server refuses, as torch's client does, until `deadline`),
-        validate, and make sure it is a store that answers."""
+    def _open(self, deadline: float, retry: bool = True) -> socket.socket:
+        """Connect, validate, and make sure it is a store that answers. `retry`: while the
+        server refuses, try again until `deadline`, as torch's client does when it first
+        connects. A call that connects again after a failure tries once: a server that has gone
+        away (the controller killed) must not hold every call of a stopping agent for its whole
+        timeout, which outlasted the deadline it is stopped by and left its shared memory behind."""
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -142,6 +146,8 @@ class StoreClient:
                 sock = socket.create_connection((self.host, self.port), timeout=left)
                 break
             except (ConnectionRefusedError, ConnectionResetError, socket.timeout):
+                if not retry:
+                    raise
                 time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

@@ -18,7 +18,7 @@ import pytest
 
 from runs.events import EventKind
 from tests.conftest import needs_root
-from tests.helpers.launch import stop_at_end, wait_event
+from tests.helpers.launch import shm_left, stop_at_end, wait_event
 from tests.helpers.multihost import (
     SETENV,
     Site,
@@ -217,8 +217,11 @@ def test_killed_controller_takes_every_agent_and_rank_with_it(site: Site, hosts:
             proc.kill()
             proc.wait()
     # The SSH connections die with the controller; each host's wrapper then stops its agent's
-    # process group (agent, ranks, spares).
+    # process group (agent, ranks, spares), and each agent removes its node's shared memory
+    # before the wrapper's deadline (a store call that waited out its timeout on the dead
+    # controller once outlasted it).
     assert_nothing_left(site, timeout=60.0)
+    assert not shm_left("orphaned")
 
 
 def timeline(site: Site, run_id: str) -> list[str]:

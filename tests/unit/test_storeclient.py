@@ -170,3 +170,32 @@ def test_the_agent_and_the_inject_client_do_not_import_torch() -> None:
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_once_the_server_is_gone_each_call_fails_at_once_not_after_its_timeout() -> None:
+    # A store that answers the handshake, then goes away (its controller killed). A stopping
+    # agent makes several calls; each held for the 10 s timeout outlasted the deadline the agent
+    # is stopped by, and the agent was killed before it removed its shared memory.
+    lsock = socket.socket()
+    lsock.bind(("127.0.0.1", 0))
+    lsock.listen()
+    port = lsock.getsockname()[1]
+
+    def serve() -> None:
+        conn, _ = lsock.accept()
+        with conn:
+            hello = b""
+            while len(hello) < 10:  # validate (1 + 4 bytes), then ping (1 + 4)
+                hello += conn.recv(10 - len(hello))
+            conn.sendall(hello[6:10])  # the ping's nonce, echoed
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    client = storeclient.connect("127.0.0.1", port, timeout=10.0)
+    thread.join(10)
+    lsock.close()  # nothing listens on the port any more
+    t0 = time.monotonic()
+    for _ in range(3):
+        with pytest.raises(StoreError):
+            client.compare_set("k", b"a", b"b")
+    assert time.monotonic() - t0 < 3.0
