@@ -97,6 +97,8 @@ class Eavesdropper:
         # which the server wakes the moment the key is written, rather than spinning (a spinning
         # poll starves the job's own processes of CPU on a loaded host). A timed-out wait leaves
         # torch's client connection out of step, so each timeout opens a fresh one.
+        # It follows the queue's head as `tail -f` would: one it cannot keep up with (the job's
+        # processes wrote before it started, or faster than it reads) it skips to the newest.
         store = _client(self.port)
         while not self._stop.is_set() and self.next < self.count:
             key = f"{self.queue}/{self.next}"
@@ -104,16 +106,19 @@ class Eavesdropper:
             if value != _ABSENT:
                 self.seen.append(value)
                 self.next += 1
-            elif (control.parse_counter(control.read(store, f"{self.queue}/n")) or 0) > self.next + 1:
-                # Written and consumed already (a later one is out): missed. The counter is read,
-                # never `add`ed to: it holds "<index>:<tag>", and an `add` on that breaks the
-                # connection.
-                self.next += 1
-            else:
-                try:
-                    store.wait([key], datetime.timedelta(seconds=0.5))
-                except Exception:  # not written within the wait
-                    store = _client(self.port)
+                continue
+            # The counter is read, never `add`ed to: it holds "<index>:<tag>", and an `add` on
+            # that breaks the connection.
+            reserved = control.parse_counter(control.read(store, f"{self.queue}/n")) or 0
+            if reserved > self.next:
+                self.next = reserved  # behind: the newest, still in flight or gone (found below)
+                continue
+            try:
+                store.wait([key], datetime.timedelta(seconds=0.5))
+            except Exception:  # not written within the wait
+                store = _client(self.port)
+                if reserved == self.next:
+                    self.next += 1  # reserved, and still not there: consumed before we looked
 
     def stop(self) -> None:
         self._stop.set()
