@@ -5,7 +5,7 @@ plane's calls (`wire.control`: `set`, `compare_set`, `multi_set`, `delete_key`).
 for them costs each process about two seconds of CPU and a few hundred MB of memory before it
 can say a word, and an agent is started again on every node fault: its replacement's start is
 part of the fault's recovery time, on a host whose CPUs the training wants. So they speak the
-store's wire protocol themselves, the five requests they need of it and nothing else.
+store's wire protocol themselves, the requests they need of it and nothing else.
 
 The protocol is torch's (c10d's `TCPStore`, the same for its libuv and classic servers): a
 request is a one-byte query type followed by its arguments, each string or value a 64-bit length
