@@ -130,15 +130,11 @@ class Progress:
         if rep.gen != self.gen:
             # Late: kept only when the current generation restored that very step (see above).
             late = rep.gen < self.gen and rep.step <= self.restore_step
-            if late and rep.step > self._recorded.get(rep.gen, -1):
-                self._recorded[rep.gen] = rep.step
-                return True
-            return False
+            return late and self._first_of(rep)
         self._rank_step[rep.rank] = max(rep.step, self._rank_step.get(rep.rank, 0))
         self.reporters.add(rep.rank)
-        if rep.step <= self._recorded.get(rep.gen, -1):
+        if not self._first_of(rep):
             return False
-        self._recorded[rep.gen] = rep.step
         self.committed_step, self.last_loss = rep.step, rep.loss
         self.step_times.append(rep.dt)
         return True
@@ -148,10 +144,17 @@ class Progress:
         is to be written as a STEP event, because no rank's report of it has been. It is
         committed (a restore may start after it), but no rank is taken to hold it in memory:
         that is what its own report says, once the snapshot is durable."""
-        if rep.gen != self.gen or rep.step <= self._recorded.get(rep.gen, -1):
+        if rep.gen != self.gen or not self._first_of(rep):
+            return False
+        self.committed_step, self.last_loss = rep.step, rep.loss
+        return True
+
+    def _first_of(self, rep: StepReport) -> bool:
+        """Whether `rep` is the first word of a step newer than its generation's recorded ones
+        (noted if so: the step is recorded once)."""
+        if rep.step <= self._recorded.get(rep.gen, -1):
             return False
         self._recorded[rep.gen] = rep.step
-        self.committed_step, self.last_loss = rep.step, rep.loss
         return True
 
     def everywhere(self, ranks: list[int]) -> int:
