@@ -43,9 +43,10 @@ class EventKind(str, Enum):
 
     RUN_STARTED = "run_started"  # world_size, strategy, nnodes, nproc_per_node, steps, seed
     AGENT_STARTED = "agent_started"  # node, host, pid, clock_offset_s
-    # An agent said it was up after the controller had started its node again (`incarnation`
-    # the stale one's, `current` the node's): it is stopping and is not the node's agent.
-    AGENT_STALE = "agent_stale"  # node, incarnation, current, pid
+    # A report (`kind`, the whole of it in `report`) from an agent the controller has since
+    # replaced by starting its node again (`incarnation` the stale one's, `current` the node's):
+    # it is stopping and is not the node's agent, so nothing it said is acted on.
+    AGENT_STALE = "agent_stale"  # node, incarnation, current, kind, report
     SPARES_HELD = "spares_held"  # node, count (warm spares now held on that node)
     STEP = "step"  # step, loss, step_time_s, gen, rank (the first rank to commit the step)
     SNAPSHOT_TAKEN = "snapshot_taken"  # step, kind ("memory" | "disk"), ranks

@@ -520,6 +520,7 @@ class ReplicasCorrupted(Message):
     none held: empty), after the checksum it verified when it kept them."""
 
     node: int = _field(_node)
+    incarnation: int | None = _optional(_nat)  # of the agent that sent it
     rank: int = _field(_rank)
     steps: list[int] = _field(_steps)
 
@@ -540,12 +541,14 @@ class Ckpt(Message):
     dt: float | None = _optional(_seconds)
 
 
-# Reports from an agent name its node.
+# Reports from an agent name its node and its incarnation (which start of the node's agent it
+# is): the controller acts only on the current one's (`Inbox.dispatch`).
 @_report(Kind.AGENT_FAILED)
 class AgentFailed(Message):
     """The agent could not start (its node is held by another live agent, ...)."""
 
     node: int = _field(_node)
+    incarnation: int | None = _optional(_nat)  # of the agent that sent it
     reason: str = _field(_str)
 
 
@@ -569,6 +572,7 @@ class AgentError(Message):
     """A command the agent accepted failed while it carried it out."""
 
     node: int = _field(_node)
+    incarnation: int | None = _optional(_nat)  # of the agent that sent it
     error: str = _field(_str)
 
 
@@ -577,6 +581,7 @@ class Spares(Message):
     """Warm spares the agent holds (`count`), of `total` started; whether its template is warm."""
 
     node: int = _field(_node)
+    incarnation: int | None = _optional(_nat)  # of the agent that sent it
     count: int = _field(_nat)
     total: int | None = _optional(_nat)
     template: bool | None = _optional(_bool)
@@ -589,6 +594,7 @@ class Spawned(Message):
     (held while the template warmed up): never started, and nothing of theirs to wait for."""
 
     node: int = _field(_node)
+    incarnation: int | None = _optional(_nat)  # of the agent that sent it
     gen: int = _field(_nat)
     pids: dict[str, int] = _field(_pids)
     how: dict[str, str] | None = _optional(_rank_words)
@@ -602,6 +608,7 @@ class RankExited(Message):
     stdout (`log_tail`) and of stderr (`err_tail`)."""
 
     node: int = _field(_node)
+    incarnation: int | None = _optional(_nat)  # of the agent that sent it
     rank: int = _field(_rank)
     gen: int = _field(_nat)
     pid: int = _field(_nat)
@@ -619,6 +626,7 @@ class Replicated(Message):
     """Every slot of `ranks` on the node is held off-node up to `step`."""
 
     node: int = _field(_node)
+    incarnation: int | None = _optional(_nat)  # of the agent that sent it
     step: int = _field(_nat)
     ranks: list[int] = _field(_ranks)
 
@@ -628,6 +636,7 @@ class Inventory(Message):
     """The answer to inventory request `req`: the steps held per rank, own and replicas."""
 
     node: int = _field(_node)
+    incarnation: int | None = _optional(_nat)  # of the agent that sent it
     req: int = _field(_int)
     local: dict[str, list[int]] = _field(_held)
     replica: dict[str, list[int]] = _field(_held)
@@ -673,6 +682,7 @@ class Refusal(Message):
     raw: str | None = _optional(_str)
     index: int | None = _optional(_int)
     node: int | None = _optional(_node)
+    incarnation: int | None = _optional(_nat)  # of the agent that sent it (a rank names none)
     rank: int | None = _optional(_rank)
     unreported: int | None = _optional(_nat)  # refused since the last report, not sent one by one
 
@@ -685,6 +695,16 @@ class Heartbeat(Message):
     node: int = _field(_node)
     incarnation: int = _field(_nat)
     beat: int = _field(_nat)
+
+
+def from_agent(kind: type[M], node: int, incarnation: int, **fields: Any) -> M:
+    """A report of `kind` from incarnation `incarnation` of node `node`'s agent. It names the
+    incarnation wherever its kind has one: a recovery may start a node's agent again while the
+    previous one still runs, and the controller acts on the current one's reports only. (A
+    `step` the agent reads from a script's output is the rank's, and names none.)"""
+    if "incarnation" in kind._spec.names:
+        fields["incarnation"] = incarnation
+    return kind(node=node, **fields)  # type: ignore[call-arg]  # a kind an agent sends
 
 
 # Commands to an agent.

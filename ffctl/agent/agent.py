@@ -71,7 +71,7 @@ class Agent:
         # in a tenth of the time, which a node fault's recovery waits for).
         self.store = storeclient.connect(cfg.store_host, cfg.store_port, timeout=10.0)
         sealer = control.Sealer(cfg.token, f"agent/{cfg.node}")
-        self.reporter = Reporter(self.store, sealer, cfg.node)
+        self.reporter = Reporter(self.store, sealer, cfg.node, cfg.incarnation)
         self.inbox = control.Receiver(self.store, control.agent_queue(cfg.node, cfg.incarnation),
                                       opener=control.Opener(cfg.token), on_reject=self.reporter.rejected)
         self.heartbeat = Heartbeat(self.store, sealer, cfg.node, cfg.incarnation, self.reporter)
@@ -109,7 +109,7 @@ class Agent:
             threading.Thread(target=self._watch_stdin, name="ffctl-stdin", daemon=True).start()
         signal.signal(signal.SIGTERM, lambda *_: self.stopping.set())
         signal.signal(signal.SIGINT, lambda *_: self.stopping.set())
-        self.reporter.report(messages.AgentUp, incarnation=self.cfg.incarnation, pid=os.getpid(), host=socket.gethostname(), time=time.time(),
+        self.reporter.report(messages.AgentUp, pid=os.getpid(), host=socket.gethostname(), time=time.time(),
                              peer_address=self.snapshots.peer.address, peer_port=self.snapshots.peer.port)
         # The first beat before anything that can take a while (the snapshot server, spares,
         # the first commands): until it comes the controller can only guess we are starting.

@@ -55,7 +55,7 @@ class Heartbeat:
         value = self.sealer.seal(key, beat.to_dict()).encode()
         self.store.set(key, value)
         if self._last is not None and found != self._last:
-            self.reporter.report(messages.Heartbeat, incarnation=self.incarnation, beat=self.beats)
+            self.reporter.report(messages.Heartbeat, beat=self.beats)
         self._last = value
 
     def run(self, period: float, stopping: threading.Event, loop_at: Callable[[], float]) -> None:

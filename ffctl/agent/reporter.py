@@ -1,7 +1,7 @@
 """The agent's reporter: every message an agent sends to the controller goes through it.
 
 Each report is sealed with the job token under the agent's own sender name and put on the
-controller's queue, naming the agent's node. A command or value the agent refuses is logged
+controller's queue, naming the agent's node and incarnation. A command or value the agent refuses is logged
 and reported as a sealed `rejected` message. When the controller's queue cannot take a message
 (its counter was tampered with and not repaired) nobody reads it: the agent's log is all that
 is left to tell.
@@ -19,14 +19,15 @@ log = logging.getLogger(__name__)
 class Reporter:
     """Sends one node's reports to the controller over the control store."""
 
-    def __init__(self, store: Any, sealer: control.Sealer, node: int) -> None:
+    def __init__(self, store: Any, sealer: control.Sealer, node: int, incarnation: int) -> None:
         self.store = store
         self.sealer = sealer
         self.node = node
+        self.incarnation = incarnation
 
     def report(self, kind: type[messages.Message], **fields: Any) -> None:
-        """Report a message of `kind` to the controller (every one from an agent names its node)."""
-        msg = kind(node=self.node, **fields)  # type: ignore[call-arg]
+        """Report a message of `kind` to the controller, naming our node and incarnation."""
+        msg = messages.from_agent(kind, self.node, self.incarnation, **fields)
         blocked = control.send(self.store, control.CTL_QUEUE, msg, self.sealer)
         if blocked is not None:
             # The controller's queue counter was tampered with and not repaired: the controller

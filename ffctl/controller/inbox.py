@@ -38,6 +38,22 @@ def _lines(value: Any, limit: int = 50) -> list[str]:
     return [line[:500] for line in value[-limit:] if isinstance(line, str)]
 
 
+def _replaced(job: JobState, msg: messages.Message) -> int | None:
+    """The node's current agent incarnation when `msg` comes from another one (its report is
+    recorded, and nothing acted on); None for the current one's and a rank's.
+
+    A recovery may start a node's agent again while the previous one still runs (it was still
+    starting, or cut off by a partition), and that one may report before it sees it is stopped.
+    Taken for the node's, its `agent_up` made its pid the one a kill-node kills (the node's real
+    agent ran on and the fault was never seen, in a chaos soak), and its `spares` said the node
+    held no template. Decided here, for every kind an agent sends, not in each handler."""
+    incarnation: int | None = getattr(msg, "incarnation", None)
+    if incarnation is None:  # a rank's report
+        return None
+    st = job.nodes.get(msg.node)  # type: ignore[attr-defined]  # every kind with an incarnation has one
+    return None if st is None or incarnation == st.incarnation else st.incarnation
+
+
 class Inbox:
     def __init__(self, job: JobState, record: Record, plane: ControlPlane, fleet: Fleet, watchdog: Watchdog,
                  barrier: ExitBarrier, injector: Injector, stragglers: StragglerDetector,
@@ -69,6 +85,16 @@ class Inbox:
         self.dispatch(msg)
 
     def dispatch(self, msg: messages.Message) -> None:
+        current = _replaced(self.job, msg)
+        if current is not None:
+            inc, report = msg.incarnation, msg.to_dict()  # type: ignore[attr-defined]  # `_replaced` saw it
+            if inc > current:  # the controller numbers them: no agent of ours says this
+                self.plane.rejected(control.CTL_QUEUE, -1, f"{msg.kind.value}: agent incarnation {inc} of node "
+                                    f"{report['node']}, which runs {current}", json.dumps(report)[:200].encode())
+            else:
+                self.record(EventKind.AGENT_STALE, t=time.time(), node=report["node"], incarnation=inc,
+                            current=current, kind=msg.kind.value, report=report)
+            return
         handler = self.HANDLERS.get(msg.kind)  # type: ignore[call-overload]
         if handler is None:
             # A valid message nobody here acts on is recorded, never dropped unseen.
@@ -120,15 +146,7 @@ class Inbox:
 
     def _on_agent_up(self, msg: messages.AgentUp) -> None:
         now = time.time()
-        st = self.job.nodes[msg.node]
-        if msg.incarnation != st.incarnation:
-            # An agent replaced while it was starting (a recovery restarted its node again) may
-            # still get this far before it sees it is stopped. Taken for the current one, its pid
-            # became the node's: a kill-node then killed that stale process, the node's real
-            # agent went on, and the fault was never seen (a chaos soak). Its exit is its own.
-            self.record(EventKind.AGENT_STALE, t=now, node=msg.node, incarnation=msg.incarnation,
-                        current=st.incarnation, pid=msg.pid)
-            return
+        st = self.job.nodes[msg.node]  # the current incarnation's (`_stale`)
         st.pid, st.peer, st.up = msg.pid, (msg.peer_address, int(msg.peer_port)), True  # type: ignore[arg-type]
         # Events stay stamped on receipt with our clock; the offset is what converts the
         # agent's own stamps. Measured NTP-style before the start (SSH hosts) when we can,

@@ -161,7 +161,44 @@ def test_an_agent_replaced_while_it_started_is_not_taken_for_the_nodes_agent() -
     up(0, 4242)
     assert (st.up, st.pid) == (False, 0)
     stale = [data for kind, data in rec.events if kind is EventKind.AGENT_STALE]
-    assert stale == [{"node": 1, "incarnation": 0, "current": 1, "pid": 4242}]
+    assert [(d["node"], d["incarnation"], d["current"], d["kind"], d["report"]["pid"]) for d in stale] == [
+        (1, 0, 1, "agent_up", 4242)]
     up(1, 4343)
     assert (st.up, st.pid) == (True, 4343)
     assert [data["pid"] for kind, data in rec.events if kind is EventKind.AGENT_STARTED] == [4343]
+
+
+def test_no_report_of_a_replaced_agent_is_acted_on_and_each_is_recorded() -> None:
+    # The stale agent's other reports went on landing on the node's state: its `spares` (no
+    # template, no spares) made placement see a warm node as cold until the real agent's next.
+    ctl, rec = _controller()
+    st = ctl.job.nodes[1] = NodeState(1, _Agent(), incarnation=2)  # type: ignore[arg-type]
+    st.spares, st.template = 1, True
+    ctl.job.pids[3] = 900
+    ctl.inbox.dispatch(messages.Spares(node=1, incarnation=1, count=0, total=0, template=False))
+    ctl.inbox.dispatch(messages.Spawned(node=1, incarnation=1, gen=0, pids={"3": 555}))
+    ctl.inbox.dispatch(messages.AgentFailed(node=1, incarnation=1, reason="node busy"))
+    assert (st.spares, st.template, st.failed, ctl.job.pids[3]) == (1, True, "", 900)
+    stale = [data for kind, data in rec.events if kind is EventKind.AGENT_STALE]
+    assert [(d["kind"], d["incarnation"], d["current"]) for d in stale] == [
+        ("spares", 1, 2), ("spawned", 1, 2), ("agent_failed", 1, 2)]
+    assert stale[2]["report"]["reason"] == "node busy"  # the record keeps what it said
+    # No agent of ours names an incarnation the controller has not started: refused.
+    ctl.inbox.dispatch(messages.Spares(node=1, incarnation=3, count=0))
+    assert st.spares == 1 and "agent incarnation 3 of node 1, which runs 2" in rec.rejected()[-1]["reason"]
+    # The current agent's reports, and a rank's refusal (which names no incarnation), are acted on.
+    ctl.inbox.dispatch(messages.Spares(node=1, incarnation=2, count=0, template=False))
+    assert (st.spares, st.template) == (0, False)
+    ctl.inbox.dispatch(messages.Refusal(node=1, rank=3, where="plan", reason="bad MAC"))
+    assert rec.rejected()[-1]["reason"] == "bad MAC"
+
+
+def test_every_report_an_agent_sends_names_its_incarnation() -> None:
+    # The controller can drop a replaced agent's reports only where they say whose they are.
+    for spec in messages.REPORTS.values():
+        if "node" in spec.names and "rank" not in spec.names:  # what an agent sends of its own
+            assert "incarnation" in spec.names, spec.cls.__name__
+    sent = messages.from_agent(messages.Spares, 4, 7, count=1)
+    assert (sent.node, sent.incarnation) == (4, 7)
+    step = messages.from_agent(messages.Step, 4, 7, rank=0, gen=0, step=1, dt=0.1)  # the rank's: none
+    assert not hasattr(step, "incarnation")

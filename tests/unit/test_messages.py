@@ -19,6 +19,7 @@ from ffctl.agent.commands import CommandHandler
 from ffctl.agent.workers import WorkerSupervisor
 from ffctl.controller.inbox import Inbox
 from ffctl.controller.plane import ControlPlane
+from ffctl.controller.state import JobState
 from wire import control, messages
 from wire.fault_spec import parse_injection
 from wire.messages import CommandKind, DecodeError, Kind
@@ -302,6 +303,7 @@ def _controller() -> tuple[Inbox, list[tuple[EventKind, dict[str, Any]]]]:
 
     inbox = Inbox.__new__(Inbox)
     inbox.record = record
+    inbox.job = JobState(members={}, pids={})  # no node started: no report is a replaced agent's
     inbox.plane = ControlPlane("127.0.0.1", "e" * 64, LIMITS.world_size, LIMITS.nnodes, record)
     inbox.plane.limits = LIMITS
     return inbox, recorded
