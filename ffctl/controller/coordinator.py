@@ -283,9 +283,12 @@ class RecoveryCoordinator:
     def _recover_once(self, failure: Failure, ids: list[str]) -> tuple[Decision, list[int]]:
         job, cluster = self.job, self.cluster
         old_gen = job.gen
-        lost_nodes = set(failure.nodes) | {n for n, st in job.nodes.items() if not st.up}
+        # A node whose agent is still starting is not lost: started again, the agent on its way
+        # would be replaced (16-18 times per chaos soak, each a start paid again on a busy host).
+        # The watchdog loses it if it exits or never comes up; a rank placed on it waits for it.
+        lost_nodes = set(failure.nodes) | {n for n, st in job.nodes.items() if st.lost}
         for n in lost_nodes:
-            job.nodes[n].up = False
+            job.nodes[n].declare_lost()
         job.forget_spawns(lost_nodes)
         fence(job, set(failure.nodes))
         cluster.wire_ring()  # survivors must not wait on a dead neighbour's copy
@@ -298,7 +301,7 @@ class RecoveryCoordinator:
             lost |= self._collect_survivors(old_gen, lost)
             # Nodes lost while survivors were acknowledging belong to this recovery too, and so
             # do their faults (two nodes killed in one step: the second seen meanwhile).
-            newly = {n for n, st in job.nodes.items() if not st.up} - lost_nodes
+            newly = {n for n, st in job.nodes.items() if st.lost} - lost_nodes
             if newly:
                 lost_nodes |= newly
                 job.forget_spawns(newly)
@@ -368,8 +371,11 @@ class RecoveryCoordinator:
                 # start-up does not compete with the recovery, and at once after that, so that
                 # it holds replicas again (see NODE_RESTART_DELAY_S).
                 job.deferred_restarts[n] = time.monotonic() + NODE_RESTART_DELAY_S
-        if needed:
-            cluster.wait_agents(needed)
+        # And the agents still starting that ranks are placed on (a recovery that waited for them
+        # was abandoned): waited for, not started again.
+        coming = sorted(set(needed) | {n for n in (job.members[r] for r in respawn) if job.nodes[n].starting})
+        if coming:
+            cluster.wait_agents(coming)
         wait_dead = lambda: all(job.stopped(r) for r in respawn)  # noqa: E731
         if not cluster.wait_for(wait_dead, 15.0, "teardown", abandon_on_failure=False):
             raise FatalRun(f"rank(s) {[r for r in respawn if not job.stopped(r)]} did not stop within 15s")
@@ -474,8 +480,9 @@ def place(job: JobState, ranks: list[int], lost_nodes: set[int], spare_nodes: in
         if home == job.members[r] or (isinstance(src, LocalSlot) and src.node != home):
             continue
         warm = st is not None and st.up and home not in lost_nodes and (st.template or st.spares_total > 0)
-        # A lost home is started again when a rank waits for it, as the rank's own lost node would be.
-        waits = job.members[r] in lost_nodes and home in lost_nodes
+        # A lost home is started again when a rank waits for it, as the rank's own lost node
+        # would be; one still starting is waited for.
+        waits = job.members[r] in lost_nodes and (home in lost_nodes or (st is not None and st.starting))
         if warm or waits:
             job.members[r] = home
     # A spare still warming up is further along than a node restart, so count it too.

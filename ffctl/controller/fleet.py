@@ -20,11 +20,11 @@ from ffctl.controller.decide import ring_holders
 from ffctl.controller.plane import ControlPlane
 from ffctl.controller.protection import Protection
 from ffctl.controller.state import JobState, NodeState, Phase
+from ffctl.controller.watchdog import AGENT_START_TIMEOUT
 from ffctl.launch_spec import LaunchSpec
 from wire import control, messages
 from wire.jobenv import Strategy
 
-AGENT_START_TIMEOUT = 60.0
 
 # Pump the control plane until `cond()` holds or `timeout` passes (`Cluster.wait_for`).
 WaitFor = Callable[..., bool]
@@ -103,6 +103,11 @@ class Fleet:
         ok = self.wait_for(lambda: settled() or bool(lost_again()), AGENT_START_TIMEOUT, "agents starting",
                            abandon_on_failure=False)
         gone = lost_again()
+        if gone and not settled():
+            # An agent that gives up starting says why just before it exits, and its exit may be
+            # seen first: a moment for its word, which names the cause (e.g. the node is busy).
+            self.wait_for(lambda: all(self.job.nodes[n].failed for n in gone), 1.0, "agents starting",
+                          abandon_on_failure=False)
         if gone and not settled():
             if self.job.phase is not Phase.RECOVERING:  # the job's own start: nothing to go back to
                 raise FatalRun(f"node(s) {sorted(gone)} lost while the agents started")

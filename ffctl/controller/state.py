@@ -87,7 +87,13 @@ class NodeState:
     incarnation: int = 0  # how many times the node's agent was started before this one
     pid: int = 0
     peer: tuple[str, int] | None = None
+    # A node's agent is starting (neither), up (said so), or lost (exited or went silent, or a
+    # recovery counted it lost): starting -> up -> lost, or starting -> lost. A node started
+    # again is a new NodeState, starting. A starting agent is not lost: a recovery waits for it
+    # rather than starting it again (see `starting`).
     up: bool = False
+    lost: bool = False
+    started_at: float = field(default_factory=time.monotonic)  # when this incarnation was started
     hb_raw: bytes | None = None  # the heartbeat key's value as last read
     hb_read_at: float = 0.0  # when it was last read (monotonic)
     hb_seen: float = field(default_factory=time.monotonic)  # the last genuine, newer beat
@@ -97,6 +103,14 @@ class NodeState:
     spares_total: int = 0  # including those still warming up
     template: bool = False  # its worker template is warm: it starts a replacement in milliseconds
     failed: str = ""  # why the agent gave up starting (its own words)
+
+    @property
+    def starting(self) -> bool:
+        """Started and not yet up, nor lost meanwhile."""
+        return not self.up and not self.lost
+
+    def declare_lost(self) -> None:
+        self.up, self.lost = False, True
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """The controller's failure detectors that watch rather than listen: lost nodes and hangs.
 
 A node is lost when its agent process exits or its heartbeat goes silent for longer than the
-heartbeat timeout (longer while the job starts); the heartbeat keys are read a share per pump,
+heartbeat timeout (longer while the job starts), or when its agent exits or takes too long while
+it starts; the heartbeat keys are read a share per pump,
 each once per period, so a thousand nodes never hold up the messages. The job hangs when the
 open generation commits no step for the hang limit. Each makes a failure pending in `JobState`;
 the recovery coordinator takes it from there. (A rank's exit and an error in a step arrive as
@@ -19,6 +20,8 @@ from wire import control, messages
 from runs.events import EventKind
 
 STARTUP_HANG_S = 120.0
+# How long an agent may take to say it is up (its host busy importing torch in every process).
+AGENT_START_TIMEOUT = 60.0
 STARTUP_HEARTBEAT_S = 10.0
 # How long an agent started again keeps the start-up limit while its worker template warms up.
 RESTART_WARMUP_S = 30.0
@@ -51,19 +54,37 @@ class Watchdog:
         now = time.monotonic()
         self.read_heartbeats(now)
         for n, st in self.job.nodes.items():
+            if st.lost:
+                continue
             if not st.up:
+                self.check_starting(st, now)
                 continue
             if st.proc.poll() is not None:
-                st.up = False
+                st.declare_lost()
                 self.record(EventKind.NODE_LOST, node=n, reason="agent-exit")
                 self.job.fail(Failure(Cause.NODE_LOST, nodes={n}, since_what="agent-exit"))
                 continue
             if now - st.hb_seen > self.heartbeat_limit(st):
-                st.up = False
+                st.declare_lost()
                 self.record(EventKind.NODE_LOST, node=n, reason="heartbeat")
                 # It began with the silence: the last genuine beat is the failure's onset.
                 self.job.fail(Failure(Cause.NODE_LOST, nodes={n}, since=wall(st.hb_seen),
                                       since_what="last-heartbeat"))
+
+    def check_starting(self, st: NodeState, now: float) -> None:
+        """A starting agent that exits, or is not up within AGENT_START_TIMEOUT, loses its node.
+        A recovery no longer starts such a node again in case (it waits for it), and one started
+        after a recovery, its ranks elsewhere, is waited for by nobody: unwatched, its death left
+        the node without an agent, and holding no replicas, for the rest of the run."""
+        if st.proc.poll() is not None:
+            reason = "agent-exit"
+        elif now - st.started_at > AGENT_START_TIMEOUT:
+            reason = "start-timeout"
+        else:
+            return
+        st.declare_lost()
+        self.record(EventKind.NODE_LOST, node=st.node, reason=reason, starting=True, agent_error=st.failed)
+        self.job.fail(Failure(Cause.NODE_LOST, nodes={st.node}, since_what=reason))
 
     def read_heartbeats(self, now: float) -> None:
         """Read the up nodes' heartbeat keys, each once per period, round the ring a share per

@@ -214,7 +214,7 @@ def test_an_agent_lost_again_while_the_agents_start_is_not_waited_for(phase: Pha
     job = fleet.job
     job.phase = phase
     job.nodes[0].up = False
-    job.nodes[1].up = False  # taken for lost by the watchdog ...
+    job.nodes[1].declare_lost()  # taken for lost by the watchdog ...
     waited: list[float] = []
 
     def wait_for(cond: Any, timeout: float, what: str, abandon_on_failure: bool = True) -> bool:
@@ -229,4 +229,32 @@ def test_an_agent_lost_again_while_the_agents_start_is_not_waited_for(phase: Pha
     else:
         with pytest.raises(FatalRun, match=r"node\(s\) \[1\] lost while the agents started"):
             fleet.wait([0, 1])
-    assert waited == [fleet_mod.AGENT_START_TIMEOUT]
+    # (then a moment for the lost agent's own word on why it gave up: it has none here)
+    assert waited == [fleet_mod.AGENT_START_TIMEOUT, 1.0]
+
+
+class _Exited:
+    def poll(self) -> int:
+        return -9
+
+
+def test_an_agent_that_dies_or_never_comes_up_while_it_starts_loses_its_node() -> None:
+    # A node started again after a recovery, its ranks elsewhere, is waited for by nobody: its
+    # agent killed while it started left the node without one, holding no replicas, for good.
+    events: list[tuple[Any, dict[str, Any]]] = []
+    dog = Watchdog(_job(3), None, lambda kind, **f: events.append((kind, f)), 1.0, 5.0, False)  # type: ignore[arg-type]
+    dog.read_heartbeat = lambda st: None  # type: ignore[method-assign]
+    job = dog.job
+    lost: list[Any] = []
+    job.fail = lost.append  # type: ignore[method-assign]
+    job.nodes[1] = NodeState(1, _Agent(), incarnation=1)  # type: ignore[arg-type]  # starting, in time
+    job.nodes[2] = NodeState(2, _Exited(), incarnation=1, failed="node busy")  # type: ignore[arg-type]
+    dog.check_nodes()
+    assert job.nodes[1].starting and not job.nodes[2].starting and job.nodes[2].lost
+    assert [(k.value, f["node"], f["reason"], f["starting"], f["agent_error"]) for k, f in events] == [
+        ("node_lost", 2, "agent-exit", True, "node busy")]
+    job.nodes[1].started_at -= watchdog_mod.AGENT_START_TIMEOUT + 1  # never says it is up
+    dog.check_nodes()
+    assert [f.nodes for f in lost] == [{2}, {1}] and events[-1][1]["reason"] == "start-timeout"
+    dog.check_nodes()  # a lost node is lost once
+    assert len(lost) == 2

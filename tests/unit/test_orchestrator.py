@@ -53,6 +53,7 @@ class FakeCluster:
         self.notices: list[str] = []
         self.aborted: list[int] = []
         self.started_agents: list[int] = []
+        self.waited_agents: list[int] = []
         self.opened: list[tuple[int, Decision | None, list[int]]] = []
         self.hooks: dict[str, list[Callable[[], None]]] = {}
         self.on_await: dict[int, Callable[[], None]] = {}
@@ -121,6 +122,7 @@ class FakeCluster:
         self.job.nodes[node] = NodeState(node, FakeProc())
 
     def wait_agents(self, nodes: list[int]) -> None:
+        self.waited_agents.extend(nodes)
         for n in nodes:
             self.job.nodes[n].up, self.job.nodes[n].peer = True, (f"10.0.0.{n}", 29400)
             self.held[n] = ({}, {})  # a restarted node holds nothing from before
@@ -165,7 +167,7 @@ def _node_1_lost_with_every_copy(disk_step: int | None = None) -> tuple[JobState
     job.disk_step = disk_step
     cluster = _cluster(job)
     cluster.held[0] = (cluster.held[0][0], {})  # node 0 lost its replicas of node 1's ranks
-    job.nodes[1].up = False
+    job.nodes[1].declare_lost()
     job.fail(Failure(Cause.NODE_LOST, nodes={1}))
     return job, cluster
 
@@ -398,7 +400,7 @@ def test_a_node_lost_while_survivors_acknowledge_moves_its_ranks_to_spares() -> 
     job.fail(_rank_exit(job, 1))
 
     def node_1_dies() -> None:
-        job.nodes[1].up = False
+        job.nodes[1].declare_lost()
         job.fail(Failure(Cause.NODE_LOST, nodes={1}, t=2.0))
 
     cluster.hooks["abort"] = [node_1_dies]
@@ -435,7 +437,7 @@ def test_a_node_lost_by_heartbeat_has_its_agent_stopped_before_the_next_generati
     cluster = _cluster(job)
     log: list[str] = []
     job.nodes[1].proc = StoppedAgent(log)
-    job.nodes[1].up = False
+    job.nodes[1].declare_lost()
     job.fail(Failure(Cause.NODE_LOST, nodes={1}))
     cluster.hooks["teardown"] = [lambda: log.append("teardown")]
     outcome = _coordinator(cluster).recover()
@@ -462,7 +464,7 @@ def test_a_lost_node_without_spares_goes_to_a_warm_template_on_a_cpu_host(gpu: b
     cluster = _cluster(job)
     cluster.gpu = gpu
     job.nodes[0].template = True  # node 0's worker template is warm
-    job.nodes[1].up = False
+    job.nodes[1].declare_lost()
     job.fail(Failure(Cause.NODE_LOST, nodes={1}, t=2.0))
     outcome = _coordinator(cluster).recover()
     assert outcome.ranks == (2, 3) and outcome.restore_source is RestoreSource.PEER_MEMORY
@@ -483,7 +485,7 @@ def test_a_lost_node_comes_back_on_a_spare_node_while_the_backend_holds_one(spar
     cluster = _cluster(job)
     cluster.spare_hosts = 1
     job.nodes[0].template = True
-    job.nodes[1].up = False
+    job.nodes[1].declare_lost()
     job.fail(Failure(Cause.NODE_LOST, nodes={1}, t=2.0))
     outcome = _coordinator(cluster).recover()
     assert outcome.ranks == (2, 3) and outcome.restore_source is RestoreSource.PEER_MEMORY
@@ -575,23 +577,42 @@ def _away(job: JobState) -> None:
     job.members[2] = job.members[3] = 0
 
 
-def test_ranks_started_again_after_a_node_fault_go_home_and_their_copies_leave_one_node() -> None:
-    # Every rank on node 0 and node 1 still starting (down): node 0 lost, every copy with it. The
-    # ranks wait for a restarted agent either way; those of node 1 wait for their own node's, so
-    # that the next node fault does not find all four in one place again.
+@pytest.mark.parametrize("node_1", ["starting", "lost"])
+def test_ranks_started_again_after_a_node_fault_go_home_and_their_copies_leave_one_node(node_1: str) -> None:
+    # Every rank on node 0, and node 1's agent not up: node 0 lost, every copy with it. The ranks
+    # wait for a restarted agent either way; those of node 1 wait for their own node's, so that
+    # the next node fault does not find all four in one place again. Node 1's agent is waited
+    # for while it is still starting, and started again only once it is lost.
     job = _job(spares=1)
     _away(job)
     job.disk_step = 5
     cluster = _cluster(job)
     cluster.held[1] = ({}, {})
     job.nodes[1].up = False
-    job.nodes[0].up = False
+    if node_1 == "lost":
+        job.nodes[1].declare_lost()
+    job.nodes[0].declare_lost()
     job.fail(Failure(Cause.NODE_LOST, nodes={0}))
     outcome = _coordinator(cluster).recover()
     assert outcome.restore_source is RestoreSource.DISK and outcome.ranks == (0, 1, 2, 3)
     (decided,) = cluster.recorded(EventKind.RECOVERY_DECIDED)
     assert decided["placement"] == {"0": 0, "1": 0, "2": 1, "3": 1}
-    assert sorted(cluster.started_agents) == [0, 1]
+    assert sorted(cluster.started_agents) == ([0] if node_1 == "starting" else [0, 1])
+    assert sorted(cluster.waited_agents) == [0, 1]
+
+
+def test_a_node_whose_agent_is_starting_is_not_started_again_by_a_recovery() -> None:
+    # Node 1 came back after a node fault (its ranks on node 0's spares) and its agent is still
+    # starting when rank 0 is killed. Started again, the agent on its way would be replaced: in a
+    # chaos soak 16-18 times per seed, each a start paid again on a busy host.
+    job = _job(spares=2)
+    _away(job)
+    cluster = _cluster(job)
+    job.nodes[1] = NodeState(1, FakeProc(), incarnation=1)  # started, not up yet
+    job.fail(_rank_exit(job, 0))
+    outcome = _coordinator(cluster).recover()
+    assert outcome.ranks == (0,) and cluster.started_agents == [] and cluster.waited_agents == []
+    assert job.nodes[1].starting and job.nodes[1].incarnation == 1 and 1 not in job.deferred_restarts
 
 
 def test_a_rank_killed_away_from_home_goes_home_with_the_replica_held_there() -> None:
@@ -618,7 +639,7 @@ def test_a_rank_killed_away_from_home_stays_where_it_can_start_at_once(why: str)
     if why == "no replica at home":
         cluster.held[1] = ({}, {})
     if why == "home down":
-        job.nodes[1].up = False
+        job.nodes[1].declare_lost()
         job.nodes[1].pid = 0
     job.fail(_rank_exit(job, 2))
     outcome = _coordinator(cluster).recover()
@@ -634,7 +655,7 @@ def _spawn_held_on_node_1() -> tuple[JobState, FakeCluster]:
     for r in (2, 3):
         job.pids[r] = None
         job.spawning[r] = (1, 1)
-    job.nodes[0].up = False
+    job.nodes[0].declare_lost()
     job.fail(Failure(Cause.NODE_LOST, nodes={0}))
     return job, cluster
 
