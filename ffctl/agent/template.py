@@ -104,11 +104,19 @@ def warm_up() -> None:
     # a replacement above all, would otherwise pay at its first step. The library itself loads
     # them only when used, so the CLI and the agents never do.
     import torch.distributed.tensor
+    # And torch's state-dict API, through which the library takes and loads an FSDP rank's
+    # state: its import and its first calls (which import more) are 50-100 ms that a replacement
+    # paid between joining and restoring. Taken on a plain module: no process group here.
+    from torch.distributed.checkpoint import state_dict as dcp
 
     p = torch.zeros(1, requires_grad=True)
     opt = torch.optim.AdamW([p], lr=1e-3, foreach=False)
     p.sum().backward()
     opt.step()
+    lin = torch.nn.Linear(1, 1)
+    lin_opt = torch.optim.AdamW(lin.parameters(), lr=1e-3, foreach=False)
+    dcp.set_model_state_dict(lin, dcp.get_model_state_dict(lin))
+    dcp.set_optimizer_state_dict(lin, lin_opt, dcp.get_optimizer_state_dict(lin, lin_opt))
 
 
 @dataclass(frozen=True)

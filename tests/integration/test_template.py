@@ -54,6 +54,8 @@ SCRIPT = textwrap.dedent("""
         "name": __name__, "argv": sys.argv, "rank": os.environ.get("RANK"),
         "template_only": os.environ.get("TEMPLATE_ONLY"), "cwd": os.getcwd(),
         "ppid": os.getppid(), "torch": "torch" in sys.modules, "threads": threading.active_count(),
+        "warm": sorted(m for m in ("torch.distributed.tensor", "torch.distributed.checkpoint.state_dict")
+                       if m in sys.modules),
     }), flush=True)
     if sys.argv[1] == "fail":
         raise RuntimeError("boom from the worker")
@@ -85,6 +87,8 @@ def test_a_forked_worker_runs_its_script_as_a_fresh_interpreter_would(tmp_path: 
     assert seen["rank"] == "3"  # the worker's own environment...
     assert seen["template_only"] is None  # ...and nothing of the template's
     assert seen["torch"] and seen["threads"] == 1
+    # What an FSDP replacement would otherwise import between joining and restoring.
+    assert seen["warm"] == ["torch.distributed.checkpoint.state_dict", "torch.distributed.tensor"]
     assert seen["cwd"] == str(tmp_path)
     # Its stderr in its own log, apart from its stdout, as torchrun keeps them.
     err = (tmp_path / "w1.err").read_text()
