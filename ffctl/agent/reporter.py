@@ -1,8 +1,8 @@
 """The agent's reporter: every message an agent sends to the controller goes through it.
 
 Each report is sealed with the job token under the agent's own sender name and put on the
-controller's queue, naming the agent's node and incarnation. A command or value the agent refuses is logged
-and reported as a sealed `rejected` message. When the controller's queue cannot take a message
+controller's queue, naming the agent's node and incarnation. A command or value the agent
+refuses is logged and reported as a sealed `rejected` message. When the controller's queue cannot take a message
 (its counter was tampered with and not repaired) nobody reads it: the agent's log is all that
 is left to tell.
 """

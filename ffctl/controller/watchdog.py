@@ -2,8 +2,8 @@
 
 A node is lost when its agent process exits or its heartbeat goes silent for longer than the
 heartbeat timeout (longer while the job starts), or when its agent exits or takes too long while
-it starts; the heartbeat keys are read a share per pump,
-each once per period, so a thousand nodes never hold up the messages. The job hangs when the
+it starts; the heartbeat keys are read a share per pump, each once per period, so a thousand
+nodes never hold up the messages. The job hangs when the
 open generation commits no step for the hang limit. Each makes a failure pending in `JobState`;
 the recovery coordinator takes it from there. (A rank's exit and an error in a step arrive as
 messages: `ffctl.controller.inbox`.)
@@ -73,9 +73,9 @@ class Watchdog:
 
     def check_starting(self, st: NodeState, now: float) -> None:
         """A starting agent that exits, or is not up within AGENT_START_TIMEOUT, loses its node.
-        A recovery no longer starts such a node again in case (it waits for it), and one started
-        after a recovery, its ranks elsewhere, is waited for by nobody: unwatched, its death left
-        the node without an agent, and holding no replicas, for the rest of the run."""
+        A recovery waits for a starting agent rather than start it again, and one started after a
+        recovery, its ranks elsewhere, is waited for by nobody: unwatched, its death left the node
+        without an agent, holding no replicas, for the rest of the run."""
         if st.proc.poll() is not None:
             reason = "agent-exit"
         elif now - st.started_at > AGENT_START_TIMEOUT:
