@@ -108,6 +108,9 @@ class Fleet:
             # seen first: a moment for its word, which names the cause (e.g. the node is busy).
             self.wait_for(lambda: all(self.job.nodes[n].failed for n in gone), 1.0, "agents starting",
                           abandon_on_failure=False)
+        for n in sorted(gone):
+            if self.job.nodes[n].failed:  # it gave up, and said why: as when every agent has settled
+                raise FatalRun(f"node {n}: {self.job.nodes[n].failed}")
         if gone and not settled():
             if self.job.phase is not Phase.RECOVERING:  # the job's own start: nothing to go back to
                 raise FatalRun(f"node(s) {sorted(gone)} lost while the agents started")

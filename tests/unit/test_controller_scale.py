@@ -258,3 +258,29 @@ def test_an_agent_that_dies_or_never_comes_up_while_it_starts_loses_its_node() -
     assert [f.nodes for f in lost] == [{2}, {1}] and events[-1][1]["reason"] == "start-timeout"
     dog.check_nodes()  # a lost node is lost once
     assert len(lost) == 2
+
+
+@pytest.mark.parametrize("phase", [Phase.RECOVERING, Phase.STARTING])
+def test_an_agent_that_gives_up_starting_is_stopped_in_its_own_words(phase: Phase) -> None:
+    # Two runs given one run id: node 1's agent finds the node held, says so and exits, and its
+    # exit may be seen before its word, while node 0's agent is still starting. The job stops
+    # naming the cause, not "lost while the agents started".
+    fleet, _ = _fleet(2)
+    job = fleet.job
+    job.phase = phase
+    job.nodes[0].up = job.nodes[1].up = False
+    waits: list[float] = []
+
+    def wait_for(cond: Any, timeout: float, what: str, abandon_on_failure: bool = True) -> bool:
+        waits.append(timeout)
+        if len(waits) == 1:
+            job.nodes[1].declare_lost()  # the watchdog saw the exit ...
+            job.fail(Failure(Cause.NODE_LOST, nodes={1}))
+        else:
+            job.nodes[1].failed = "run id 'ci' is in use on this host"  # ... then its word came
+        return bool(cond())
+
+    fleet.wait_for = wait_for
+    with pytest.raises(FatalRun, match="^node 1: run id 'ci' is in use on this host$"):
+        fleet.wait([0, 1])
+    assert waits == [fleet_mod.AGENT_START_TIMEOUT, 1.0]
