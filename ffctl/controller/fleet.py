@@ -113,7 +113,8 @@ class Fleet:
                 raise FatalRun(f"node {n}: {self.job.nodes[n].failed}")
         if gone and not settled():
             if self.job.phase is not Phase.RECOVERING:  # the job's own start: nothing to go back to
-                raise FatalRun(f"node(s) {sorted(gone)} lost while the agents started")
+                raise FatalRun(f"node(s) {sorted(gone)} lost while the agents started "
+                               f"(see {self.record_dir / 'logs'})")
             raise RecoveryAbandoned("agents starting")
         for n in nodes:
             if self.job.nodes[n].failed:

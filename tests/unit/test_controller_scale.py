@@ -5,6 +5,7 @@ decision's replicas gathered once. Each piece is built with only what these use.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -47,7 +48,7 @@ def _watchdog(nodes: int) -> tuple[Watchdog, list[int]]:
 def _fleet(nodes: int) -> tuple[Fleet, list[tuple[int, messages.Message]]]:
     spec = SimpleNamespace(recovery=Strategy.PEER, snapshot_copies=1)
     job = _job(nodes)
-    fleet = Fleet(spec, job, None, None, None, "r", None, "",  # type: ignore[arg-type]
+    fleet = Fleet(spec, job, None, None, None, "r", Path("runs/r"), "",  # type: ignore[arg-type]
                   Protection(job, lambda *a, **k: None, True))
     sent: list[tuple[int, messages.Message]] = []
     fleet.send = lambda node, msg: sent.append((node, msg))  # type: ignore[method-assign]
@@ -227,7 +228,7 @@ def test_an_agent_lost_again_while_the_agents_start_is_not_waited_for(phase: Pha
         with pytest.raises(RecoveryAbandoned, match="agents starting"):
             fleet.wait([0, 1])
     else:
-        with pytest.raises(FatalRun, match=r"node\(s\) \[1\] lost while the agents started"):
+        with pytest.raises(FatalRun, match=r"node\(s\) \[1\] lost while the agents started \(see runs/r/logs\)"):
             fleet.wait([0, 1])
     # (then a moment for the lost agent's own word on why it gave up: it has none here)
     assert waited == [fleet_mod.AGENT_START_TIMEOUT, 1.0]
