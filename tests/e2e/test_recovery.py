@@ -93,9 +93,10 @@ def test_a_rank_killed_in_each_phase_of_its_step_recovers_bit_exact(workdir: Pat
     rep = res.report
     assert rep["loss_by_step"] == baseline  # every step, bit for bit
     landed = [(e.get("rank"), e.get("step"), e.get("phase")) for e in res.events if e.kind is EventKind.FAULT_LANDED]
-    # In its phase of its step (the next one when the job outran the fault's arrival).
+    # In its phase of its step, or of one of the next few when the job outran the fault's arrival
+    # (steps of the tiny model take tens of milliseconds; on a loaded CI host one landed 2 late).
     assert [(rank, phase) for rank, _, phase in landed] == [(1, phase) for _, phase in PHASE_FAULTS], landed
-    assert all(step in (want, want + 1) for (_, step, _), (want, _) in zip(landed, PHASE_FAULTS)), landed
+    assert all(want <= step <= want + 3 for (_, step, _), (want, _) in zip(landed, PHASE_FAULTS)), landed
     assert [f["landed"]["phase"] for f in rep["faults"]] == [phase for _, phase in PHASE_FAULTS]
     for f in rep["faults"]:
         assert f["recovered"] and f["lost_steps"] <= 1, f
