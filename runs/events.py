@@ -57,7 +57,9 @@ class EventKind(str, Enum):
     # as the rank said just before it killed itself
     FAULT_LANDED = "fault_landed"
     RANK_EXITED = "rank_exited"  # node, rank, pid, exitcode, gen; log_tail, err_tail (a failed rank's last lines of stdout, of stderr)
-    NODE_LOST = "node_lost"  # node, reason
+    # node, reason; starting (its agent ended, or was not up in time, while it started),
+    # agent_error (its own word), restart_in_s (no rank waits for it: started again then)
+    NODE_LOST = "node_lost"
     # node (None: a spare node), host, state, reason, by ("scheduler"): the scheduler took a
     # node's host out during the run (Slurm: DOWN, DRAIN, FAIL), as ffctl saw it
     NODE_STATE = "node_state"

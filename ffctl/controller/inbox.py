@@ -147,6 +147,7 @@ class Inbox:
     def _on_agent_up(self, msg: messages.AgentUp) -> None:
         now = time.time()
         st = self.job.nodes[msg.node]  # the current incarnation's (`_replaced`)
+        self.job.start_failures.pop(st.node, None)
         st.pid, st.peer, st.up = msg.pid, (msg.peer_address, int(msg.peer_port)), True  # type: ignore[arg-type]
         # Events stay stamped on receipt with our clock; the offset is what converts the
         # agent's own stamps. Measured NTP-style before the start (SSH hosts) when we can,

@@ -138,6 +138,9 @@ class JobState:
     pending: Failure | None = None  # detected, not yet taken by the coordinator
     rank_failed: dict[int, RankFailure] = field(default_factory=dict)  # rank -> its newest failure
     deferred_restarts: dict[int, float] = field(default_factory=dict)  # node -> when to restart its agent
+    # node -> its agent's starts in a row that ended before it was up (with no rank waiting for
+    # it): the next start waits twice as long as the last (`Watchdog.check_starting`)
+    start_failures: dict[int, int] = field(default_factory=dict)
     # rank -> the node it was launched on: a rank moved elsewhere by a node fault goes back there
     # when it is started again (`coordinator.place`). Empty: every rank is at home.
     home: dict[int, int] = field(default_factory=dict)

@@ -22,6 +22,10 @@ from runs.events import EventKind
 STARTUP_HANG_S = 120.0
 # How long an agent may take to say it is up (its host busy importing torch in every process).
 AGENT_START_TIMEOUT = 60.0
+# The wait before starting again a node whose agent ended before it was up, no rank waiting for
+# it: doubled after each such start, up to the most.
+START_RETRY_S = 1.0
+START_RETRY_MAX_S = 30.0
 STARTUP_HEARTBEAT_S = 10.0
 # How long an agent started again keeps the start-up limit while its worker template warms up.
 RESTART_WARMUP_S = 30.0
@@ -75,7 +79,13 @@ class Watchdog:
         """A starting agent that exits, or is not up within AGENT_START_TIMEOUT, loses its node.
         A recovery waits for a starting agent rather than start it again, and one started after a
         recovery, its ranks elsewhere, is waited for by nobody: unwatched, its death left the node
-        without an agent, holding no replicas, for the rest of the run."""
+        without an agent, holding no replicas, for the rest of the run.
+
+        With ranks placed on it (the job's start, a recovery waiting for it) that is a failure.
+        Without, no training waits for it: it is started again, each time twice as late as the
+        last (START_RETRY_S up to START_RETRY_MAX_S), and no recovery is spent. As a failure, a
+        node whose link was down failed again at once on every start, and four empty recoveries
+        in half a second spent the job's restart budget and stopped it."""
         if st.proc.poll() is not None:
             reason = "agent-exit"
         elif now - st.started_at > AGENT_START_TIMEOUT:
@@ -83,8 +93,15 @@ class Watchdog:
         else:
             return
         st.declare_lost()
-        self.record(EventKind.NODE_LOST, node=st.node, reason=reason, starting=True, agent_error=st.failed)
-        self.job.fail(Failure(Cause.NODE_LOST, nodes={st.node}, since_what=reason))
+        if self.job.phase is Phase.STARTING or st.node in self.job.members.values():
+            self.record(EventKind.NODE_LOST, node=st.node, reason=reason, starting=True, agent_error=st.failed)
+            self.job.fail(Failure(Cause.NODE_LOST, nodes={st.node}, since_what=reason))
+            return
+        tries = self.job.start_failures[st.node] = self.job.start_failures.get(st.node, 0) + 1
+        delay = min(START_RETRY_MAX_S, START_RETRY_S * 2 ** (tries - 1))
+        self.job.deferred_restarts[st.node] = now + delay
+        self.record(EventKind.NODE_LOST, node=st.node, reason=reason, starting=True, agent_error=st.failed,
+                    restart_in_s=delay)
 
     def read_heartbeats(self, now: float) -> None:
         """Read the up nodes' heartbeat keys, each once per period, round the ring a share per

@@ -285,3 +285,34 @@ def test_an_agent_that_gives_up_starting_is_stopped_in_its_own_words(phase: Phas
     with pytest.raises(FatalRun, match="^node 1: run id 'ci' is in use on this host$"):
         fleet.wait([0, 1])
     assert waits == [fleet_mod.AGENT_START_TIMEOUT, 1.0]
+
+
+def test_a_node_no_rank_waits_for_is_started_again_later_and_later_not_recovered() -> None:
+    # A link down: the node's ranks moved to node 0, and every start of node 1's agent ends at
+    # once. As failures, four empty recoveries in half a second spent the restart budget and
+    # stopped a job that was training.
+    events: list[tuple[Any, dict[str, Any]]] = []
+    dog = Watchdog(_job(2), None, lambda kind, **f: events.append((kind, f)), 1.0, 5.0, False)  # type: ignore[arg-type]
+    dog.read_heartbeat = lambda st: None  # type: ignore[method-assign]
+    job = dog.job
+    job.phase = Phase.RUNNING
+    job.members[1] = 0
+    lost: list[Any] = []
+    job.fail = lost.append  # type: ignore[method-assign]
+    delays = []
+    for incarnation in (1, 2, 3):
+        job.nodes[1] = NodeState(1, _Exited(), incarnation=incarnation)  # type: ignore[arg-type]
+        dog.check_nodes()
+        delays.append(round(job.deferred_restarts[1] - time.monotonic()))
+    assert lost == [] and delays == [1, 2, 4]
+    assert [f["restart_in_s"] for _, f in events] == [1.0, 2.0, 4.0]
+    assert job.start_failures[1] == 3
+    job.start_failures[1] = 10
+    job.nodes[1] = NodeState(1, _Exited(), incarnation=4)  # type: ignore[arg-type]
+    dog.check_nodes()
+    assert events[-1][1]["restart_in_s"] == watchdog_mod.START_RETRY_MAX_S
+    # A rank placed on it again (going home) waits for it: then a failure, as before.
+    job.members[1] = 1
+    job.nodes[1] = NodeState(1, _Exited(), incarnation=5)  # type: ignore[arg-type]
+    dog.check_nodes()
+    assert [f.nodes for f in lost] == [{1}]
