@@ -93,15 +93,15 @@ class Watchdog:
         else:
             return
         st.declare_lost()
-        if self.job.phase is Phase.STARTING or st.node in self.job.members.values():
-            self.record(EventKind.NODE_LOST, node=st.node, reason=reason, starting=True, agent_error=st.failed)
-            self.job.fail(Failure(Cause.NODE_LOST, nodes={st.node}, since_what=reason))
-            return
-        tries = self.job.start_failures[st.node] = self.job.start_failures.get(st.node, 0) + 1
-        delay = min(START_RETRY_MAX_S, START_RETRY_S * 2 ** (tries - 1))
-        self.job.deferred_restarts[st.node] = now + delay
+        delay: float | None = None  # ranks wait for it: a failure
+        if self.job.phase is not Phase.STARTING and st.node not in self.job.members.values():
+            tries = self.job.start_failures[st.node] = self.job.start_failures.get(st.node, 0) + 1
+            delay = min(START_RETRY_MAX_S, START_RETRY_S * 2 ** (tries - 1))
+            self.job.deferred_restarts[st.node] = now + delay
         self.record(EventKind.NODE_LOST, node=st.node, reason=reason, starting=True, agent_error=st.failed,
                     restart_in_s=delay)
+        if delay is None:
+            self.job.fail(Failure(Cause.NODE_LOST, nodes={st.node}, since_what=reason))
 
     def read_heartbeats(self, now: float) -> None:
         """Read the up nodes' heartbeat keys, each once per period, round the ring a share per
