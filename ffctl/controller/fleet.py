@@ -108,13 +108,14 @@ class Fleet:
             # seen first: a moment for its word, which names the cause (e.g. the node is busy).
             self.wait_for(lambda: all(self.job.nodes[n].failed for n in gone), 1.0, "agents starting",
                           abandon_on_failure=False)
-        self._gave_up(sorted(gone))  # as when every agent has settled
+        for n in nodes:  # one that gave up stops the job in its own words, lost or not
+            if self.job.nodes[n].failed:
+                raise FatalRun(f"node {n}: {self.job.nodes[n].failed}")
         if gone and not settled():
             if self.job.phase is not Phase.RECOVERING:  # the job's own start: nothing to go back to
                 raise FatalRun(f"node(s) {sorted(gone)} lost while the agents started "
                                f"(see {self.record_dir / 'logs'})")
             raise RecoveryAbandoned("agents starting")
-        self._gave_up(nodes)
         if not ok:
             missing = [n for n in nodes if not self.job.nodes[n].up]
             raise FatalRun(f"agent of node(s) {missing} did not start within {AGENT_START_TIMEOUT:g}s "
@@ -122,12 +123,6 @@ class Fleet:
         for n in nodes:
             self.job.nodes[n].hb_seen = time.monotonic()
         self.wire_ring()
-
-    def _gave_up(self, nodes: list[int]) -> None:
-        """Stop the job in the words of the first of `nodes` whose agent gave up starting."""
-        for n in nodes:
-            if self.job.nodes[n].failed:
-                raise FatalRun(f"node {n}: {self.job.nodes[n].failed}")
 
     def wire_ring(self) -> None:
         live = sorted(n for n, st in self.job.nodes.items() if st.up)
