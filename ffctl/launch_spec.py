@@ -184,6 +184,12 @@ class LaunchSpec:
     def world_size(self) -> int:
         return self.nnodes * self.nproc_per_node
 
+    @property
+    def worker_template(self) -> bool:
+        """Whether workers are forked from a warm template: not under restart-disk, which stays
+        what torchrun users have (every worker a fresh interpreter, the honest baseline)."""
+        return self.recovery != Strategy.RESTART_DISK
+
     def validate(self) -> LaunchSpec:
         """Every field in range, whoever built the spec (CLI, scenario file, a library caller)."""
         _whole("--nnodes", self.nnodes, 1, MAX_NODES)

@@ -67,8 +67,18 @@ class Agent:
         if not cfg.shm_dir:
             cfg = replace(cfg, shm_dir=shm.new_run_dir(cfg.run_id))
         self.cfg = cfg
-        # torch's store protocol in plain Python: the agent never imports torch (it starts
-        # in a tenth of the time, which a node fault's recovery waits for).
+        # Forked workers are re-parented to us (see ffctl.agent.template): without the
+        # subreaper role we could not watch them as our children, so fall back to cold starts.
+        # A template given was warmed while this node's host was a spare node. Started first:
+        # an agent forked from the host template (ffctl.agent.host_template) forks its worker
+        # template from itself, which it may do only while it has one thread and nothing open.
+        if template is None and cfg.template and set_child_subreaper():
+            Path(cfg.log_dir).mkdir(parents=True, exist_ok=True)
+            template = Template(cfg.python, self._worker_base_env(), cfg.cwd, Path(cfg.log_dir) / "template.log")
+            template.start()
+        self.template = template
+        # torch's store protocol in plain Python: the agent's own code never imports torch (it
+        # starts in a tenth of the time, which a node fault's recovery waits for).
         self.store = storeclient.connect(cfg.store_host, cfg.store_port, timeout=10.0)
         sealer = control.Sealer(cfg.token, f"agent/{cfg.node}")
         self.reporter = Reporter(self.store, sealer, cfg.node, cfg.incarnation)
@@ -78,13 +88,6 @@ class Agent:
         self.stopping = threading.Event()
         self.snapshots = NodeSnapshots(cfg, self.reporter)  # claims the node, or raises
         Path(cfg.log_dir).mkdir(parents=True, exist_ok=True)
-        # Forked workers are re-parented to us (see ffctl.agent.template): without the
-        # subreaper role we could not watch them as our children, so fall back to cold starts.
-        # A template given was warmed while this node's host was a spare node.
-        if template is None and cfg.template and set_child_subreaper():
-            template = Template(cfg.python, self._worker_base_env(), cfg.cwd, Path(cfg.log_dir) / "template.log")
-            template.start()
-        self.template = template
         self.spares = SparePool(cfg, template, self._worker_base_env, self.stopping, self.reporter.report)
         self.steps = StepWatch(compile_step_regex(cfg.step_regex), self.reporter.report) if cfg.step_regex else None
         self.workers = WorkerSupervisor(cfg, template, self.spares, self.steps, self._worker_base_env,

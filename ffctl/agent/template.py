@@ -42,7 +42,7 @@ import time
 import types
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Callable
 
 from ffctl.agent import diagnostics
 
@@ -117,6 +117,24 @@ def warm_up() -> None:
     lin_opt = torch.optim.AdamW(lin.parameters(), lr=1e-3, foreach=False)
     dcp.set_model_state_dict(lin, dcp.get_model_state_dict(lin))
     dcp.set_optimizer_state_dict(lin, lin_opt, dcp.get_optimizer_state_dict(lin, lin_opt))
+
+
+# What this process warmed up with, when it is a host template (ffctl.agent.host_template) or a
+# node agent forked from one: (environment, working directory, interpreter). A worker template
+# started for exactly these is forked from this process instead of importing torch again.
+_warm: list[tuple[dict[str, str], str, str]] = []
+
+
+def mark_warm(env: dict[str, str], cwd: str, python: str) -> None:
+    """Record that this process has run `warm_up` with `env` (the environment it was started
+    with: what libraries read as they load), in `cwd`, as `python`."""
+    _warm[:] = [(dict(env), os.path.realpath(cwd), python)]
+
+
+def warm_for(env: dict[str, str], cwd: str | None, python: str) -> bool:
+    """Whether a worker template for (env, cwd, python) may be this process's fork: warmed up
+    for the same, and still single-threaded (a fork of a threaded process can deadlock)."""
+    return bool(_warm) and _warm[0] == (env, os.path.realpath(cwd or os.getcwd()), python) and threads_now() == 1
 
 
 @dataclass(frozen=True)
@@ -442,6 +460,71 @@ class ForkedSpare:
         return True
 
 
+class ForkedProcess(ForkedWorker):
+    """A child this process forked itself, with pipes to its stdin and stdout: the part of
+    `subprocess.Popen` `Template` uses."""
+
+    def __init__(self, pid: int, stdin: IO[bytes], stdout: IO[bytes]) -> None:
+        super().__init__(pid)
+        self.stdin: IO[bytes] | None = stdin
+        self.stdout: IO[bytes] | None = stdout
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class Become(BaseException):
+    """Raised in a child a warm process forked (a host template's agent, an agent's worker
+    template): the caller's frames unwind, and the top of the process's stack (the host
+    template's `main`) runs `target` and exits with its status as `python -m MODULE` would,
+    interpreter finalization included (atexit handlers, buffered files), which a worker's
+    script relies on. A BaseException, so that no `except Exception` on the way keeps it."""
+
+    def __init__(self, target: Callable[[], int]) -> None:
+        super().__init__("a forked child leaving its parent's frames")
+        self.target = target
+
+
+def _template_from_fork(fds: tuple[int, int, int], env: dict[str, str], cwd: str | None) -> int:
+    """In the forked child: become what `python -m ffctl.agent.template` is after its warm-up."""
+    for fd, target in zip(fds, (0, 1, 2)):
+        os.dup2(fd, target)
+    os.closerange(3, 1 << 16)  # the agent's own descriptors are not the template's
+    if cwd:
+        os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    sys.stdin = open(0, closefd=False)
+    sys.stdout = open(1, "w", closefd=False)
+    sys.stderr = open(2, "w", closefd=False)
+    for handler in list(logging.getLogger(diagnostics.LOGGER).handlers):
+        diagnostics.detach(handler)  # the agent's, bound to its stderr
+    return main()
+
+
+def _fork_template(env: dict[str, str], cwd: str | None, log: Path) -> ForkedProcess:
+    """This warm process's fork as a worker template: what `python -m ffctl.agent.template`
+    becomes after its warm-up, in milliseconds instead of seconds."""
+    req_r, req_w = os.pipe()
+    rep_r, rep_w = os.pipe()
+    err = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        raise Become(lambda: _template_from_fork((req_r, rep_w, err), env, cwd))
+    for fd in (req_r, rep_w, err):
+        os.close(fd)
+    return ForkedProcess(pid, os.fdopen(req_w, "wb"), os.fdopen(rep_r, "rb"))
+
+
 class TemplateError(Exception):
     """The template is not running or did not answer: start the worker the slow way."""
 
@@ -451,19 +534,24 @@ class Template:
 
     def __init__(self, python: str, env: dict[str, str], cwd: str | None, log: Path) -> None:
         self.python, self.env, self.cwd, self.log = python, env, cwd, log
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc: subprocess.Popen[bytes] | ForkedProcess | None = None
         self.ready = False
         self._req = 0
         self.starts = 0
+        self.forked = False  # the last start forked this (warm) process instead of a fresh interpreter
 
     def start(self) -> None:
         """Start (or restart) the template; it becomes ready in the background."""
         self.stop()
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(
-                [self.python, "-m", "ffctl.agent.template"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                stderr=log, env=self.env, cwd=self.cwd or None,
-            )
+        self.forked = warm_for(self.env, self.cwd, self.python)
+        if self.forked:
+            self.proc = _fork_template(self.env, self.cwd, self.log)
+        else:
+            with open(self.log, "ab") as log:
+                self.proc = subprocess.Popen(
+                    [self.python, "-m", "ffctl.agent.template"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                    stderr=log, env=self.env, cwd=self.cwd or None,
+                )
         self.ready = False
         self.starts += 1
 

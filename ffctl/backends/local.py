@@ -4,10 +4,16 @@
 (`ffctl.backends.netns.SandboxNodes`) is the same backend with each node in its own namespace.
 A `LocalAgent` is the controller's handle on one agent: its pid, whether it still runs, and its
 stdin, held open for the agent's lifetime (the agent exits when it closes).
+
+Agents are forked warm from the launch's host template (`ffctl.backends.host_template`) where it
+can serve them, so that a node coming back after a fault does not import torch on the cores the
+training ranks share with it; a `ForkedAgent` is the same handle on such an agent. Nodes in
+network namespaces of their own (the sandbox) are started as fresh interpreters inside them.
 """
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -16,11 +22,16 @@ from typing import IO, Any, Sequence
 from fault_injectors.plan import HostCommand
 from fault_injectors.transport import LocalTransport, Transport
 from ffctl.agent.config import AgentConfig, agent_argv
+from ffctl.agent.workerenv import worker_env
 from ffctl.backends.children import stop_process
+from ffctl.backends.host_template import ForkedAgent, HostTemplate, host_template_argv
 from ffctl.backends.protocol import AgentLaunch
 from ffctl.launch_spec import LaunchSpec
 from runs import shm
 from runs.store import RunStore
+
+# "0": start every agent as a fresh interpreter, as before the host template (a check's baseline).
+HOST_TEMPLATE_ENV = "FFCTL_HOST_TEMPLATE"
 
 
 class LocalAgent:
@@ -60,6 +71,9 @@ class LocalNodes:
         # first agent's start to the sweep, so `revert --all` never takes it between agents.
         self._shm_dir: str | None = None
         self._shm_hold: int | None = None
+        # Forks this machine's node agents warm (ffctl.agent.host_template), from the first
+        # start to the sweep.
+        self._template: HostTemplate | None = None
 
     @classmethod
     def for_launch(cls, spec: LaunchSpec, run_id: str) -> LocalNodes:
@@ -74,7 +88,11 @@ class LocalNodes:
         self.log_dir = record.path / "logs"
 
     def release(self, record: RunStore | None) -> None:
-        """Nothing to undo: the controller stopped the agents and swept their names."""
+        """Nothing to undo: the controller stopped the agents and swept their names (and ended
+        the host template; ended here too if the launch never got that far)."""
+        if self._template is not None:
+            self._template.close()
+            self._template = None
 
     def agent_launch(self, node: int) -> AgentLaunch:
         return AgentLaunch(node, tuple(local_agent_argv(self.netns(node))), "on localhost")
@@ -83,7 +101,12 @@ class LocalNodes:
         return None
 
     def plan_notes(self, spec: LaunchSpec) -> list[str]:
-        return []
+        if self._netns or not spec.worker_template or os.environ.get(HOST_TEMPLATE_ENV) == "0":
+            return []
+        return [f"each agent is forked from one host template (`{shlex.join(host_template_argv(sys.executable))}`, "
+                "started once on localhost with the workers' environment), which imports torch once for every node: "
+                "a node back after a fault starts warm instead of taking seconds of CPU from the ranks "
+                f"({HOST_TEMPLATE_ENV}=0 starts each agent as shown)"]
 
     def admit(self, requeue_bound: int) -> None:
         """No scheduler requeues a local job."""
@@ -122,6 +145,9 @@ class LocalNodes:
     def sweep(self, run_id: str, nodes: Sequence[int]) -> None:
         """Remove the run's shared-memory directory (slots, fault files, spares' FIFOs) unless a
         live process (an agent that did not stop) still holds one of its locks."""
+        if self._template is not None:
+            self._template.close()  # after the agents: it holds their stdins
+            self._template = None
         if self._shm_hold is not None:
             os.close(self._shm_hold)  # our own hold ends here
             self._shm_hold = None
@@ -135,12 +161,36 @@ class LocalNodes:
         shm.ensure_private_dir(shm_dir)  # a bad one is refused here, before any agent
         self._shm_hold = shm.hold(shm.holder_path(shm_dir))
 
-    def start(self, cfg: AgentConfig) -> LocalAgent:
+    def _host_template(self, cfg: AgentConfig) -> HostTemplate | None:
+        """The launch's host template, started with the first node it can serve; None for a
+        node it cannot: one in a network namespace of its own, one without a worker template,
+        or one whose workers run another interpreter, directory or environment than it
+        warmed up with (their libraries would load differently)."""
+        if (self.netns(cfg.node) is not None or not cfg.template or cfg.standby or cfg.python != sys.executable
+                or os.environ.get(HOST_TEMPLATE_ENV) == "0"):
+            return None
+        env = worker_env(os.environ, cfg.worker_env, cfg.keep_freed_memory)
+        if self._template is None:
+            assert self.log_dir is not None
+            self._template = HostTemplate(sys.executable, env, cfg.cwd or None, self.log_dir / "host-template.log")
+            self._template.start()
+        template = self._template
+        if (template.env, template.cwd) != (env, cfg.cwd or None):
+            return None
+        return template
+
+    def start(self, cfg: AgentConfig) -> LocalAgent | ForkedAgent:
         if self.log_dir is None:
             raise RuntimeError("LocalNodes.start before attach(): no log directory")
         self._hold_shm(cfg.shm_dir)
         argv = list(self.agent_launch(cfg.node).argv)
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        template = self._host_template(cfg)
+        if template is not None:
+            forked = template.start_agent(dict(os.environ), cfg.cwd, self.log_dir / f"agent-{cfg.node}.log",
+                                          cfg.to_json())
+            if forked is not None:
+                return forked
         log = open(self.log_dir / f"agent-{cfg.node}.log", "ab")
         proc = subprocess.Popen(
             argv, stdin=subprocess.PIPE, stdout=log, stderr=log, cwd=cfg.cwd or None,

@@ -72,8 +72,7 @@ class Fleet:
             shm_dir=self.shm_dir,
             keep_freed_memory=spec.keep_freed_memory, step_regex=spec.step_regex or "",
             snapshot_slots=spec.snapshot_slots,
-            # restart-disk stays what torchrun users have: every worker a fresh interpreter.
-            template=spec.recovery != Strategy.RESTART_DISK,
+            template=spec.worker_template,
             term_grace=float(dict(spec.torchrun).get("shutdown_timeout") or TERM_GRACE_S),
         )
 

@@ -386,11 +386,14 @@ def _template_of(workdir: Path, not_pid: int = 0, timeout: float = 60.0) -> psut
     while time.monotonic() < deadline:
         # Workers forked from the template carry its command line too; the template is the one
         # with a single thread (it forks only while it has one), a running worker has several.
+        # Forked from the host template, the template, its agent and the host template all carry
+        # the host template's: the worker template is the single-threaded one an agent started.
         found = []
         for p in processes_in(workdir):
-            if "ffctl.agent.template" in " ".join(p.info["cmdline"] or []) and p.pid != not_pid:
+            if p.pid != not_pid and ("ffctl.agent.template" in " ".join(p.info["cmdline"] or [])
+                                     or "ffctl.agent.host_template" in " ".join(p.info["cmdline"] or [])):
                 with contextlib.suppress(psutil.Error):
-                    if p.num_threads() == 1:
+                    if p.num_threads() == 1 and "ffctl.agent" in " ".join(psutil.Process(p.ppid()).cmdline()):
                         found.append(p)
         if found:
             return found[0]

@@ -99,8 +99,12 @@ def _cfg(run_id: str, node: int, tmp_path: Path) -> AgentConfig:
 
 
 def _started_locally(monkeypatch: pytest.MonkeyPatch, backend: Any, started: list[list[str]]) -> None:
-    """Capture at the process start of the local backends: `subprocess.Popen`."""
+    """Capture at the process start of the local backends: `subprocess.Popen`. Agents forked
+    from the host template are the dry run's note (test_the_local_dry_run_names_the_host_template);
+    what is printed per node is the start of each agent it does not fork."""
     from ffctl.backends import local
+
+    monkeypatch.setenv(local.HOST_TEMPLATE_ENV, "0")
 
     def popen(argv: list[str], **kwargs: object) -> None:
         started.append(list(argv))
@@ -169,3 +173,29 @@ def test_the_dry_run_prints_the_argv_each_backend_starts_its_agents_with(
              "ssh": ["python3.11", "-m", "ffctl.agent"], "slurm": ["srun", "--jobid=7"]}[name]
     assert started[1][:len(where)] == where and started[1][-2:] == ["-m", "ffctl.agent"]
     assert name != "slurm" or "--nodelist=n2" in started[1]
+
+
+def test_the_local_dry_run_names_the_host_template(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The host template is the one process the local backend starts itself for forked agents:
+    # the dry run names its very argv (the one `HostTemplate.start` hands Popen), and not where
+    # no template serves (restart-disk's fresh interpreters, or the switch set to 0).
+    from ffctl.backends import host_template, local
+
+    monkeypatch.delenv(local.HOST_TEMPLATE_ENV, raising=False)
+    spec = LaunchSpec(nnodes=2, nproc_per_node=1, runs_dir=tmp_path / "runs")
+    argv = shlex.join(host_template.host_template_argv(sys.executable))
+    assert any(f"`{argv}`" in line for line in plan_launch(spec).lines)
+    assert not any(argv in line for line in plan_launch(replace(spec, recovery="restart-disk", ckpt_every=5)).lines)
+    monkeypatch.setenv(local.HOST_TEMPLATE_ENV, "0")
+    assert not any(argv in line for line in plan_launch(spec).lines)
+
+    started: list[list[str]] = []
+
+    def popen(cmd: list[str], **kwargs: object) -> None:
+        started.append(list(cmd))
+        raise _Started
+
+    monkeypatch.setattr(host_template.subprocess, "Popen", popen)
+    with pytest.raises(_Started):
+        host_template.HostTemplate(sys.executable, {}, None, tmp_path / "log").start()
+    assert shlex.join(started[0]) == argv

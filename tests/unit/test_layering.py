@@ -131,18 +131,22 @@ def test_folders_import_one_way() -> None:
 
 
 # What the controller and the node backends may take from the agent's folder: its configuration
-# (what an agent is started with), never the runtime that runs inside an agent.
+# (what an agent is started with) and the workers' environment rule (the local backend starts its
+# host template with the environment the workers' libraries load with), never the runtime that
+# runs inside an agent.
 AGENT_CONFIG = "ffctl.agent.config"
+AGENT_LIGHT = (AGENT_CONFIG, "ffctl.agent.workerenv")
 AGENT_STARTERS = ("ffctl.controller", "ffctl.backends")
 
 
 def test_the_controller_and_the_backends_import_only_the_agent_s_config() -> None:
-    bad = {m: sorted(d for d in GRAPH[m] if _room(d) == "ffctl.agent" and d != AGENT_CONFIG)
+    bad = {m: sorted(d for d in GRAPH[m] if _room(d) == "ffctl.agent" and d not in AGENT_LIGHT)
            for m in GRAPH if any(m == s or m.startswith(s + ".") for s in AGENT_STARTERS)}
     assert not {m: v for m, v in bad.items() if v}
-    # The config itself stays light: nothing of the project but the lower packages, nothing heavy.
-    assert not [d for d in GRAPH[AGENT_CONFIG] if _owner(d) == "ffctl"]
-    assert not THIRD_PARTY[AGENT_CONFIG] & {"torch", "psutil", "recovery", "runs"}
+    # Those stay light: nothing of the project but the lower packages, nothing heavy.
+    for light in AGENT_LIGHT:
+        assert not [d for d in GRAPH[light] if _owner(d) == "ffctl"], light
+        assert not THIRD_PARTY[light] & {"torch", "psutil", "recovery", "runs"}, light
 
 
 def _reach(start: str) -> set[str]:
