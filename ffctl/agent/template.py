@@ -19,6 +19,12 @@ subreaper (`set_child_subreaper`). The agent then reaps and watches its workers 
 children (`ForkedWorker.poll`), and a worker dies with the agent (PR_SET_PDEATHSIG), exactly
 like a worker the agent started itself.
 
+An agent that is itself a fork of a warm process (the host template of a local launch,
+`ffctl.agent.host_template`) does not start `python -m ffctl.agent.template`: while it still has
+one thread, it forks its template from itself (`warm_for`, `_fork_template`), warm at once. The
+child raises `Become` to leave the agent's frames and runs from the top of the process's stack,
+so that the template, and every worker it forks, ends as an interpreter does.
+
 Environment variables that libraries read when they load (glibc's `MALLOC_*`, OpenMP's
 `OMP_NUM_THREADS`) are the same for every worker of a node: they are in the template's own
 environment, set when the agent starts it.
