@@ -72,8 +72,8 @@ class Agent:
         # A template given was warmed while this node's host was a spare node. Started first:
         # an agent forked from the host template (ffctl.agent.host_template) forks its worker
         # template from itself, which it may do only while it has one thread and nothing open.
+        Path(cfg.log_dir).mkdir(parents=True, exist_ok=True)
         if template is None and cfg.template and set_child_subreaper():
-            Path(cfg.log_dir).mkdir(parents=True, exist_ok=True)
             template = Template(cfg.python, self._worker_base_env(), cfg.cwd, Path(cfg.log_dir) / "template.log")
             template.start()
         self.template = template
@@ -87,7 +87,6 @@ class Agent:
         self.heartbeat = Heartbeat(self.store, sealer, cfg.node, cfg.incarnation, self.reporter)
         self.stopping = threading.Event()
         self.snapshots = NodeSnapshots(cfg, self.reporter)  # claims the node, or raises
-        Path(cfg.log_dir).mkdir(parents=True, exist_ok=True)
         self.spares = SparePool(cfg, template, self._worker_base_env, self.stopping, self.reporter.report)
         self.steps = StepWatch(compile_step_regex(cfg.step_regex), self.reporter.report) if cfg.step_regex else None
         self.workers = WorkerSupervisor(cfg, template, self.spares, self.steps, self._worker_base_env,

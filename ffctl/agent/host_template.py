@@ -29,40 +29,29 @@ import signal
 import sys
 
 from ffctl.agent import diagnostics
-from ffctl.agent.template import Become, die_with_parent, mark_warm, threads_now, warm_up
+from ffctl.agent.template import Become, die_with_parent, enter_child, mark_warm, threads_now, warm_up, write_all
 from wire import host_template as wire
 
 log = logging.getLogger(__name__)
-MAX_FD = 1 << 16
 
 
-def _run_agent(msg: wire.StartAgent, stdin: int, handler: logging.Handler) -> int:
+def _run_agent(msg: wire.StartAgent, stdin: int) -> int:
     """In the forked child: become a node agent as `python -m ffctl.agent` would start."""
     os.setsid()  # as the backend's Popen(start_new_session=True): a Ctrl-C reaches the controller only
-    os.dup2(stdin, 0)
-    fd = os.open(msg.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.closerange(3, MAX_FD)  # the template's pipes, and the other agents' stdins
+    log_fd = os.open(msg.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o644)
+    # Not the template's pipes, nor the other agents' stdins (which would never see EOF).
+    enter_child((stdin, log_fd, log_fd), msg.env, msg.cwd)
     signal.set_wakeup_fd(-1)
     for sig in (signal.SIGTERM, signal.SIGCHLD):
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     # (fork cleared the death signal the template has: the agent stops on its stdin's EOF.)
-    if msg.cwd:
-        os.chdir(msg.cwd)
-    os.environ.clear()
-    os.environ.update(msg.env)
-    sys.stdin = open(0, closefd=False)
-    sys.stdout = open(1, "w", closefd=False)
-    sys.stderr = open(2, "w", closefd=False)
-    diagnostics.detach(handler)
     from ffctl.agent.agent import main
 
     return main()
 
 
-def _fork_agent(msg: wire.StartAgent, handler: logging.Handler) -> tuple[int, int]:
+def _fork_agent(msg: wire.StartAgent) -> tuple[int, int]:
     """Fork agent `msg`; (its pid, the write end of its stdin) in the template. In the child it
     raises `Become`: the agent runs from the top of the stack (`main`)."""
     r, w = os.pipe()
@@ -70,27 +59,22 @@ def _fork_agent(msg: wire.StartAgent, handler: logging.Handler) -> tuple[int, in
     sys.stderr.flush()
     pid = os.fork()
     if pid == 0:
-        raise Become(lambda: _run_agent(msg, r, handler))
+        raise Become(lambda: _run_agent(msg, r))
     os.close(r)
     # The config line, as the backend writes it to an agent it starts itself. Small (no host
     # environment in it); the agent reads it first thing in any case.
-    view = memoryview((msg.config.rstrip("\n") + "\n").encode())
-    while view:
-        view = view[os.write(w, view):]
+    write_all(w, (msg.config.rstrip("\n") + "\n").encode())
     return pid, w
 
 
 class _Server:
-    def __init__(self, handler: logging.Handler) -> None:
-        self.handler = handler
+    def __init__(self) -> None:
         self.agents: set[int] = set()  # forked, not yet reaped
         self.stdins: dict[int, int] = {}  # forked agent -> the write end of its stdin, until stopped
         self.buf = b""
 
     def reply(self, msg: wire.Message) -> None:
-        data = memoryview(wire.encode(msg))
-        while data:
-            data = data[os.write(1, data):]
+        write_all(1, wire.encode(msg))
 
     def handle(self, line: bytes) -> None:
         try:
@@ -100,7 +84,7 @@ class _Server:
             return
         if isinstance(msg, wire.StartAgent):
             try:
-                pid, w = _fork_agent(msg, self.handler)
+                pid, w = _fork_agent(msg)
             except OSError as exc:
                 self.reply(wire.AgentStarted(msg.id, 0, f"fork failed: {exc}"))
                 return
@@ -159,7 +143,7 @@ class _Server:
 
 
 def main() -> int:
-    handler = diagnostics.to_stderr()
+    diagnostics.to_stderr()
     die_with_parent(os.getppid())
     signal.signal(signal.SIGTERM, lambda signum, frame: os._exit(0))
     started_with = dict(os.environ)  # before warm_up adds its own defaults
@@ -171,7 +155,7 @@ def main() -> int:
         log.error("host template: %d threads after warm-up: refusing to fork", threads_now())
         return 3
     mark_warm(started_with, os.getcwd(), sys.executable)
-    server = _Server(handler)
+    server = _Server()
     server.reply(wire.Ready(os.getpid()))
     try:
         server.serve()

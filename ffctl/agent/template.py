@@ -455,9 +455,7 @@ class ForkedSpare:
             return False
         try:
             os.set_blocking(fd, True)  # the line may exceed the pipe's atomic size
-            view = memoryview(line)
-            while view:
-                view = view[os.write(fd, view):]
+            write_all(fd, line)
         except OSError:
             return False
         finally:
@@ -498,11 +496,13 @@ class Become(BaseException):
         self.target = target
 
 
-def _template_from_fork(fds: tuple[int, int, int], env: dict[str, str], cwd: str | None) -> int:
-    """In the forked child: become what `python -m ffctl.agent.template` is after its warm-up."""
+def enter_child(fds: tuple[int, int, int], env: dict[str, str], cwd: str | None) -> None:
+    """In a child a warm process forked: take `fds` as stdin, stdout and stderr and nothing else
+    of the parent's descriptors (its pipes, other children's stdins), `env` and `cwd`, fresh
+    `sys` streams, and none of the parent's diagnostics handlers (bound to its stderr)."""
     for fd, target in zip(fds, (0, 1, 2)):
         os.dup2(fd, target)
-    os.closerange(3, 1 << 16)  # the agent's own descriptors are not the template's
+    os.closerange(3, 1 << 16)
     if cwd:
         os.chdir(cwd)
     os.environ.clear()
@@ -511,7 +511,19 @@ def _template_from_fork(fds: tuple[int, int, int], env: dict[str, str], cwd: str
     sys.stdout = open(1, "w", closefd=False)
     sys.stderr = open(2, "w", closefd=False)
     for handler in list(logging.getLogger(diagnostics.LOGGER).handlers):
-        diagnostics.detach(handler)  # the agent's, bound to its stderr
+        diagnostics.detach(handler)
+
+
+def write_all(fd: int, data: bytes) -> None:
+    """Write all of `data` to blocking `fd` (a pipe takes a long line in several writes)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _template_from_fork(fds: tuple[int, int, int], env: dict[str, str], cwd: str | None) -> int:
+    """In the forked child: become what `python -m ffctl.agent.template` is after its warm-up."""
+    enter_child(fds, env, cwd)
     return main()
 
 
@@ -544,13 +556,11 @@ class Template:
         self.ready = False
         self._req = 0
         self.starts = 0
-        self.forked = False  # the last start forked this (warm) process instead of a fresh interpreter
 
     def start(self) -> None:
         """Start (or restart) the template; it becomes ready in the background."""
         self.stop()
-        self.forked = warm_for(self.env, self.cwd, self.python)
-        if self.forked:
+        if warm_for(self.env, self.cwd, self.python):
             self.proc = _fork_template(self.env, self.cwd, self.log)
         else:
             with open(self.log, "ab") as log:

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import IO
 
+from ffctl.backends.children import stop_process
 from wire import host_template as wire
 
 READY_TIMEOUT_S = 120.0  # a torch import on a loaded host; the agents' own start waits as long
@@ -155,23 +156,15 @@ class HostTemplate:
         self._send(wire.StopAgent(pid))
 
     def close(self, timeout: float = 5.0) -> None:
-        """End the template (EOF on its stdin). Agents it forked that still run get EOF on
-        theirs as it exits, and stop."""
+        """End the template as every local child ends (`stop_process`: EOF on its stdin, then
+        SIGKILL after `timeout`). Agents it forked that still run get EOF on theirs as it exits,
+        and stop."""
         proc, self.proc = self.proc, None
+        log, self._log = self._log, None
         if proc is not None:
-            try:
-                if proc.stdin is not None:
-                    proc.stdin.close()
-            except OSError:
-                pass
-            try:
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        if self._log is not None:
-            self._log.close()
-            self._log = None
+            stop_process(proc, timeout, log=log)
+        elif log is not None:
+            log.close()
 
 
 class ForkedAgent:

@@ -90,8 +90,11 @@ class LocalNodes:
     def release(self, record: RunStore | None) -> None:
         """Nothing to undo: the controller stopped the agents and swept their names (and ended
         the host template; ended here too if the launch never got that far)."""
+        self._close_template()
+
+    def _close_template(self) -> None:
         if self._template is not None:
-            self._template.close()
+            self._template.close()  # after the agents: it holds their stdins
             self._template = None
 
     def agent_launch(self, node: int) -> AgentLaunch:
@@ -145,9 +148,7 @@ class LocalNodes:
     def sweep(self, run_id: str, nodes: Sequence[int]) -> None:
         """Remove the run's shared-memory directory (slots, fault files, spares' FIFOs) unless a
         live process (an agent that did not stop) still holds one of its locks."""
-        if self._template is not None:
-            self._template.close()  # after the agents: it holds their stdins
-            self._template = None
+        self._close_template()
         if self._shm_hold is not None:
             os.close(self._shm_hold)  # our own hold ends here
             self._shm_hold = None
