@@ -289,6 +289,30 @@ def replacement_start(runs_dir: Path, reps: int = 5) -> BenchResult:
     ], {"reps": reps, **times})
 
 
+CHECKSUM_BYTES = 256 << 20  # a rank's shard of a model of about 5B parameters on 64 ranks (AdamW)
+
+
+def checksum(runs_dir: Path, reps: int = 7, size: int = CHECKSUM_BYTES) -> BenchResult:
+    """A snapshot's checksum (CRC-32 of `size` bytes, as a rank writes it and the neighbour's
+    agent checks it every step) on the threads the library gives it / in one pass. Medians of
+    `reps` interleaved pairs, in this process: no job runs."""
+    from recovery import checksum as crc
+
+    threads = max(2, crc.default_threads())
+    data = bytearray(os.urandom(1 << 20)) * (size >> 20)
+    one: list[float] = []
+    many: list[float] = []
+    for _ in range(reps):
+        for out, n in ((one, 1), (many, threads)):
+            t0 = time.perf_counter()
+            crc.crc32(data, threads=n)
+            out.append(time.perf_counter() - t0)
+    return BenchResult("checksum", [
+        Ratio(f"checksum of {size >> 20} MiB, {threads} threads / one pass", statistics.median(many),
+              statistics.median(one), 0.75),
+    ], {"bytes": size, "threads": threads, "one_s": one, "threads_s": many})
+
+
 def without_spares(runs_dir: Path, steps: int = 60, at: int = 20) -> BenchResult:
     """Replacements with no warm spare held (`--spares 0`): each from the agent's template.
 
@@ -379,6 +403,7 @@ BENCHMARKS: dict[str, Callable[[Path], BenchResult]] = {
     "fsdp-recovery-vs-disk": fsdp_recovery_vs_disk,
     "scale": scale,
     "replacement-start": replacement_start,
+    "checksum": checksum,
     "without-spares": without_spares,
     "control-plane": control_plane,
 }

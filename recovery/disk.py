@@ -11,6 +11,7 @@ import struct
 import zlib
 from pathlib import Path
 
+from recovery import checksum
 from recovery.slots import SlotContent
 from recovery.snapshot import Capture, byte_view
 
@@ -31,7 +32,7 @@ def save(ckpt_dir: str | Path, cap: Capture) -> Path:
     view = memoryview(shard)
     for off, src in cap.shard_pieces():
         view[off : off + src.numel()] = byte_view(src)
-    crc = zlib.crc32(shard, zlib.crc32(cap.meta))
+    crc = checksum.crc32(shard, zlib.crc32(cap.meta))
     path = rank_file(ckpt_dir, cap.step, cap.rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")

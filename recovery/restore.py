@@ -26,12 +26,12 @@ sends more than a slice or two of it, so recovery time does not grow with the wo
 """
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from recovery import checksum
 from recovery.errors import RecoveryError
 from recovery.slots import SlotContent
 from runs.events import RestoreHow
@@ -54,7 +54,7 @@ def _slice_crcs(layout: Layout, tensors: tuple[torch.Tensor, ...], world: int) -
     for index in range(world):
         crc = 0
         for _, piece in slice_pieces(layout, tensors, index):
-            crc = zlib.crc32(byte_view(piece), crc)
+            crc = checksum.crc32(byte_view(piece), crc)
         out.append(crc)
     return out
 
@@ -90,7 +90,7 @@ class Prepared:
 def _own_crc(layout: Layout, tensors: tuple[torch.Tensor, ...]) -> int:
     crc = 0
     for _, piece in own_pieces(layout, tensors):
-        crc = zlib.crc32(byte_view(piece), crc)
+        crc = checksum.crc32(byte_view(piece), crc)
     return crc
 
 
@@ -111,8 +111,8 @@ def prepare(entries: list[StateEntry], content: SlotContent | None, step: int, w
     slice_crc = own_copy = 0
     own_live = _own_crc(live.layout, live.tensors)
     if usable and content is not None and meta is not None:
-        slice_crc = zlib.crc32(memoryview(content.shard)[: meta["layout"].slice_len(meta["rank"])])
-        own_copy = zlib.crc32(own_bytes(meta, content.shard))
+        slice_crc = checksum.crc32(memoryview(content.shard)[: meta["layout"].slice_len(meta["rank"])])
+        own_copy = checksum.crc32(own_bytes(meta, content.shard))
     # A rank's sharded state is kept when its live shards are its copy's, byte for byte.
     own_matches = int(usable and same_layout and own_live == own_copy)
     row = [int(usable), slice_crc, int(same_layout), own_matches, own_live, own_copy, _replica_class(entries),
@@ -204,7 +204,7 @@ def restore(group: Generation, entries: list[StateEntry], prepared: Prepared, ta
     byte_view(whole[lo:hi])[:] = memoryview(content.shard)[: hi - lo]  # this rank's own slice: from its copy
     wanted = [q for q in _filled(layout, world) if q != rank]
     group.exchange([], [(whole[slice(*layout.shard(q))], senders[q], TAG + q) for q in wanted])
-    bad = [q for q in wanted if zlib.crc32(byte_view(whole[slice(*layout.shard(q))])) != want[q]]
+    bad = [q for q in wanted if checksum.crc32(byte_view(whole[slice(*layout.shard(q))])) != want[q]]
     if bad:
         raise RecoveryError(f"state for step {content.step}: slices {bad} from ranks "
                             f"{sorted({senders[q] for q in bad})} fail their checksums")
@@ -238,7 +238,7 @@ def _settle_shards(group: Generation, prepared: Prepared, table: list[list[int]]
     if table[rank][OWN_MATCHES]:
         return None, False
     if got is not None:
-        if zlib.crc32(byte_view(got)) != table[rank][OWN_COPY_CRC]:
+        if checksum.crc32(byte_view(got)) != table[rank][OWN_COPY_CRC]:
             raise RecoveryError(f"shards from rank {healers[rank]} fail the checksum of rank {rank}'s copy")
         return got, True
     assert prepared.meta is not None and prepared.content is not None

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
+from recovery import checksum
 from recovery.doorbell import Ringer
 from runs import shm
 from runs.shm import claim_path, slot_path
@@ -90,7 +91,7 @@ class SlotContent:
     crc: int
 
     def verify(self) -> bool:
-        return zlib.crc32(self.shard, zlib.crc32(self.meta)) == self.crc
+        return checksum.crc32(self.shard, zlib.crc32(self.meta)) == self.crc
 
 
 def parse_header(raw: bytes | mmap.mmap) -> SlotHeader | None:
@@ -210,7 +211,7 @@ class SlotWriter:
             for off, src in cap.shard_pieces():
                 dst[off : off + src.numel()].copy_(src)
             del dst  # release the buffer export so the map can be closed later
-        crc = zlib.crc32(memoryview(mm)[base : base + cap.shard_len], zlib.crc32(cap.meta))
+        crc = checksum.crc32(memoryview(mm)[base : base + cap.shard_len], zlib.crc32(cap.meta))
         HEADER.pack_into(mm, 0, MAGIC, VALID, cap.step, len(cap.meta), cap.shard_len, crc, self._seq)
         self.last_written = cap.step
         self._bell.ring()

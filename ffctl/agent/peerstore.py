@@ -29,11 +29,11 @@ import socket
 import socketserver
 import threading
 import time
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from recovery import checksum
 from recovery.peer import (
     MAX_REQUEST_PAYLOAD, ChannelError, recv_exact, recv_header, recv_into, send_frame, server_handshake,
 )
@@ -211,7 +211,7 @@ class PeerStore:
         # The copy is checked before it is kept: a slot corrupted in the sender's memory (or a
         # sender that lies) must not become the replica a replacement later restores from; the
         # neighbour keeps the other slot's step, which the controller can still choose.
-        if zlib.crc32(memoryview(pending.buf)[: pending.length]) != pending.crc:
+        if checksum.crc32(memoryview(pending.buf)[: pending.length]) != pending.crc:
             why = f"put of rank {rank} step {step}: checksum mismatch, not kept"
             self.note_refusal(why)
             return {"ok": False, "error": why}
