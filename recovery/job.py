@@ -58,7 +58,9 @@ PLAN_TIMEOUT = 180.0
 # the controller's phase timeout (120 s) leaves the place where each rank waited.
 JOIN_STALL_S = 60.0
 ACK_TIMEOUT = 2.0
-ACK_POLL_S = 0.001
+# Between looks at the header while waiting for the ring neighbour's copy. The agent's answer
+# (`Ringer.wait`) ends a wait at once; this bounds one whose answer was lost.
+ACK_POLL_S = 0.005
 ERROR_TRACE_LINES = 20
 
 
@@ -326,7 +328,7 @@ class Job:
             if time.monotonic() > deadline:
                 self._ack_degraded = True
                 return
-            time.sleep(ACK_POLL_S)
+            self.writer.wait_ack(ACK_POLL_S)
         self._ack_degraded = False
 
     def _settle_snapshot(self) -> None:
@@ -417,6 +419,8 @@ class Job:
         msg = messages.AbortSeen(rank=self.env.rank, node=self.env.node, gen=gen)
 
         def seen(store: dist.Store) -> None:
+            if self.writer is not None:
+                self.writer.wake()  # a snapshot thread waiting for the neighbour's copy sees the abort now
             # The sealer's lock keeps this sender's sequence numbers in queue order across threads.
             blocked = control.send(store, control.CTL_QUEUE, msg, self._sealer)
             if blocked is not None:

@@ -240,6 +240,14 @@ class SlotWriter:
             err, self._error = self._error, None
             raise err
 
+    def wait_ack(self, timeout: float) -> None:
+        """Sleep until the agent answers that it acknowledged a slot (or `wake`), at most `timeout`."""
+        self._bell.wait(timeout)
+
+    def wake(self) -> None:
+        """End a `wait_ack` now (from another thread)."""
+        self._bell.wake()
+
     def replicated_step(self, step: int) -> int:
         # Read from our own mapping: the fence polls this, and a file open per poll costs a
         # rank real CPU on a busy host.

@@ -85,3 +85,64 @@ def test_with_the_job_token_the_name_is_the_jobs_own() -> None:
     finally:
         for sock in (squatter, bell, ringer, other):
             sock.close()
+
+
+def test_the_agent_answers_the_ranks_that_rang() -> None:
+    """After writing acknowledgements the agent answers every rank that rang: a rank waiting
+    for its step to be held off-node wakes then, not at its next look."""
+    run = _run_id()
+    bell, ringer, silent = Doorbell(run, 0), Ringer(run, 0), Ringer(run, 0)
+    try:
+        ringer.ring()
+        assert bell.wait(5.0)
+        assert not ringer.wait(0.05)  # nothing acknowledged yet
+        threading.Timer(0.2, bell.answer).start()
+        t0 = time.monotonic()
+        assert ringer.wait(30.0)
+        assert time.monotonic() - t0 < 10.0
+        assert not silent.wait(0.05)  # a rank that never rang is not answered
+        assert not ringer.wait(0.05)  # one answer, taken once
+    finally:
+        bell.close()
+        ringer.close()
+        silent.close()
+
+
+def test_a_rank_that_ended_is_forgotten_and_wake_ends_a_wait() -> None:
+    run = _run_id()
+    bell, gone, live = Doorbell(run, 0), Ringer(run, 0), Ringer(run, 0)
+    try:
+        gone.ring()
+        live.ring()
+        assert bell.wait(5.0)
+        assert len(bell.callers) == 2
+        gone.close()
+        bell.answer()
+        assert len(bell.callers) == 1 and live.wait(5.0)
+        threading.Timer(0.2, live.wake).start()  # the rank's abort watcher, from its thread
+        t0 = time.monotonic()
+        assert live.wait(30.0)
+        assert time.monotonic() - t0 < 10.0
+    finally:
+        bell.close()
+        live.close()
+
+
+def test_callers_are_bounded() -> None:
+    """Answers go to the most recent MAX_CALLERS senders only, however many rang."""
+    import recovery.doorbell as doorbell
+
+    run = _run_id()
+    bell = Doorbell(run, 0)
+    ringers = [Ringer(run, 0) for _ in range(doorbell.MAX_CALLERS + 20)]
+    try:
+        for r in ringers:
+            r.ring()
+            bell.wait(0.5)
+        assert len(bell.callers) == doorbell.MAX_CALLERS
+        bell.answer()
+        assert ringers[-1].wait(5.0) and not ringers[0].wait(0.05)
+    finally:
+        bell.close()
+        for r in ringers:
+            r.close()

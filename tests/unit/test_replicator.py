@@ -2,6 +2,7 @@
 and reports progress to the controller without a record line per step."""
 from __future__ import annotations
 
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,13 +62,20 @@ def test_slots_are_streamed_acknowledged_and_progress_reported_sparingly(
             writer.begin(capture(_entries(), step, 0, 1))
             writer.fence()
             assert wait_for(lambda: writer.replicated_step(step) == step, 30.0, 0.01)  # the neighbour holds it
+        # The rank that rang was answered once its slots were acknowledged: its wait ends at once.
+        writer.begin(capture(_entries(), 4, 0, 1))
+        writer.fence()
+        deadline = time.monotonic() + 30.0
+        while writer.replicated_step(4) != 4 and time.monotonic() < deadline:
+            writer.wait_ack(60.0)  # only an answer ends this wait early
+        assert writer.replicated_step(4) == 4 and time.monotonic() < deadline
         assert neighbour.find(0, 3, "replica") == read_slot(writer.paths[1])
-        assert neighbour.find(0, 2, "replica") == read_slot(writer.paths[0])
+        assert neighbour.find(0, 4, "replica") == read_slot(writer.paths[0])
         # The first step held off-node is reported at once; later ones wait for REPORT_S.
         assert [(r["type"], r["step"], r["ranks"]) for r in agent.reports] == [("replicated", 1, [0])]
         monkeypatch.setattr(replicator, "REPORT_S", 0.0)
         assert wait_for(lambda: len(agent.reports) == 2, 30.0, 0.01)
-        assert agent.reports[-1]["step"] == 3  # the newest step, not each one in between
+        assert agent.reports[-1]["step"] == 4  # the newest step, not each one in between
     finally:
         rep.stop()
         writer.close()
