@@ -456,6 +456,7 @@ class Job:
                                 on_seen=self._abort_seen(gen))
         process_group.bind(self.group)  # torch's own modules' collectives run on it from now on
         how: RestoreHow | None = None
+        restored_loss: float | None = None
         if not restores:
             self.group.barrier()
             for start in self._on_fresh_start:
@@ -470,7 +471,12 @@ class Job:
             keep_live = in_step and step == self._step - 1
             how = self._restore(gen, step, source, prepared[0], table, keep_live)
             how = CONTINUED if keep_live and how == KEPT else how
-            self._send(messages.Restored, gen=gen, step=step, source=source.kind, how=how)
+            # The loss the copy recorded for the step: every rank that trained it may have been
+            # lost after its copy was held off-node and before its report went out, and the
+            # step is not trained again.
+            meta = prepared[0].meta or {}
+            restored_loss = meta.get("loss") if isinstance(meta.get("loss"), float) else None
+            self._send(messages.Restored, gen=gen, step=step, source=source.kind, how=how, loss=restored_loss)
         self.last_committed = step
         if self.writer is not None and how not in (KEPT, CONTINUED):  # (a fresh start's `how` is None)
             # The initial state is a step too: a rank lost in step 1 is restored from step 0
@@ -478,7 +484,7 @@ class Job:
             # peer, which this rank's slots do not hold: a rank lost before the next step is then
             # restored from memory, not (a chaos soak's faults come seconds apart) the whole job
             # from disk again.
-            self._snapshot(capture(self.entries, step, self.env.rank, self.group.world_size))
+            self._snapshot(capture(self.entries, step, self.env.rank, self.group.world_size, loss=restored_loss))
         return step, how
 
     def _fetch(self, step: int, source: Source) -> SlotContent | None:
@@ -580,7 +586,8 @@ class Job:
         if self.writer is None and not needs_disk:
             self._send(messages.Step, gen=gen, step=step, loss=loss, dt=time.perf_counter() - t0, wait=self._waited)
             return
-        cap = capture(self.entries, step, self.env.rank, self.group.world_size if self.group else self.env.world_size)
+        cap = capture(self.entries, step, self.env.rank, self.group.world_size if self.group else self.env.world_size,
+                      loss=loss)
         dt, waited = time.perf_counter() - t0, self._waited
         report = lambda: self._send(messages.Step, gen=gen, step=step, loss=loss, dt=dt, wait=waited)  # noqa: E731
         if self.writer is not None:

@@ -281,7 +281,10 @@ class Capture:
         return self.layout.slice_len(self.rank) + self.layout.own_total
 
 
-def capture(entries: list[StateEntry], step: int, rank: int, world_size: int) -> Capture:
+def capture(entries: list[StateEntry], step: int, rank: int, world_size: int,
+            loss: float | None = None) -> Capture:
+    """Step `step`'s state by reference, and the loss the run records for it: a restore of this
+    copy tells the controller that loss, which no report may have brought (see `Restored`)."""
     rep = replicated(entries, world_size)
     unique = {e.name: e.get() for e in entries if not e.replicated and not e.sharded}
     buf = io.BytesIO()
@@ -290,7 +293,7 @@ def capture(entries: list[StateEntry], step: int, rank: int, world_size: int) ->
     torch.save(unique, buf)
     meta = pickle.dumps(
         {"step": step, "rank": rank, "world_size": world_size, "layout": rep.layout,
-         "skeletons": rep.skeletons, "unique": buf.getvalue()},
+         "skeletons": rep.skeletons, "unique": buf.getvalue(), "loss": loss},
         protocol=pickle.HIGHEST_PROTOCOL,
     )
     return Capture(step, rank, world_size, rep.layout, rep.tensors, meta)

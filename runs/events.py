@@ -80,7 +80,7 @@ class EventKind(str, Enum):
     RECOVERY_DECIDED = "recovery_decided"
     RANKS_SPAWNED = "ranks_spawned"  # gen, ranks
     RENDEZVOUS_DONE = "rendezvous_done"  # gen
-    RESTORE_DONE = "restore_done"  # gen, step, source
+    RESTORE_DONE = "restore_done"  # gen, step, source, transfer, loss (the step's, as its copies recorded it)
     # gen, restore_step, until, verified (every rank's loss of every step trained again equal to
     # its loss before the fault), unchecked (ranks whose earlier loss never arrived): the check
     # of a --verify-restore recovery, once every rank has trained up to `until` again

@@ -198,12 +198,15 @@ def _first(events: Iterable[Event], pred: Any) -> Event | None:
 V = TypeVar("V")
 
 
-def _final_values(events: list[Event], value: Callable[[Event], V]) -> dict[int, V]:
+def _final_values(events: list[Event], value: Callable[[Event], V],
+                  restored: Callable[[Event], V | None] | None = None) -> dict[int, V]:
     """Each step's `value` as the job finally committed it. A decision to restore step s sets
     steps past s aside (they will be recomputed) and brings back steps up to s that an earlier,
     abandoned decision had set aside: restoring s means s and everything before it stand. A
     script that restores itself (restore_source "script") went back to the step before the first
-    one it reports again: that first report is where its decision takes effect."""
+    one it reports again: that first report is where its decision takes effect. `restored`: the
+    value a `restore_done` gives its step when no report of that step was recorded (every rank
+    that trained it was lost between its copy being held and its report going out)."""
     values: dict[int, V] = {}
     aside: dict[int, V] = {}
     script_gen: int | None = None  # a script's restart whose restore step is not known yet
@@ -227,7 +230,16 @@ def _final_values(events: list[Event], value: Callable[[Event], V]) -> dict[int,
             restore(int(ev.get("restore_step")))
         elif ev.kind is EventKind.RECOVERY_DECIDED and _text(ev.get("restore_source")) == "script":
             script_gen = int(ev.get("gen", 0) or 0)
+        elif ev.kind is EventKind.RESTORE_DONE and restored is not None and _is_step(ev.get("step")):
+            step = int(ev.get("step"))
+            got = restored(ev)
+            if step not in values and got is not None:
+                values[step] = got
     return values
+
+
+def _is_step(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
 def _field(name: str) -> Callable[[Event], float | None]:
@@ -239,7 +251,12 @@ def _field(name: str) -> Callable[[Event], float | None]:
 
 def final_losses(events: list[Event]) -> dict[int, float | None]:
     """Loss of every step as the job finally committed it (None: a step reported without one)."""
-    return _final_values(events, _field("loss"))
+    return _final_values(events, _field("loss"), restored=_restored_loss)
+
+
+def _restored_loss(ev: Event) -> float | None:
+    loss = ev.get("loss")
+    return float(loss) if isinstance(loss, (int, float)) and not isinstance(loss, bool) else None
 
 
 def _final_step_times(events: list[Event], plain_script: bool = False) -> dict[int, float]:

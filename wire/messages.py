@@ -425,7 +425,9 @@ class Joined(Message):
 @_report(Kind.RESTORED)
 class Restored(Message):
     """A rank holds the state of `step`, from `source` (the kind of its plan's source); `how`
-    it got its replicated state (kept, received, gathered, continued: `recovery.restore`)."""
+    it got its replicated state (kept, received, gathered, continued: `recovery.restore`);
+    `loss`, the loss its copy recorded for `step` (the record's, should no report of it have
+    reached the controller)."""
 
     rank: int = _field(_rank)
     node: int = _field(_node)
@@ -433,6 +435,7 @@ class Restored(Message):
     step: int = _field(_nat)
     how: RestoreHow | None = _optional(_restore_how, _enum(RestoreHow))
     source: RestoreSource | None = _optional(_restore_source, _enum(RestoreSource))
+    loss: float | None = _optional(_num)
 
 
 @_report(Kind.TRAINING)

@@ -100,17 +100,14 @@ class Replicator:
                 next_scan = now + RESCAN_FILES_S
                 for gone in set(self.watches) - set(files):
                     self.watches.pop(gone).close()
-            acked = False
             for path in files:
                 try:
-                    acked = self._maybe_send(path) or acked
+                    self._maybe_send(path)
                 except _TargetDown as down:
                     client = self.clients.pop(down.target, None)
                     if client is not None:
                         client.close()
                     self._stop.wait(0.05)
-            if acked:
-                self.bell.answer()  # the ranks waiting for their step to be held off-node look now
             self._report_progress(files)
             # Without a doorbell (its name taken) fall back to polling often.
             self.bell.wait(SCAN_S if self.bell.listening else 0.002)
@@ -124,19 +121,25 @@ class Replicator:
                 return None
         return watch
 
-    def _maybe_send(self, path: Any) -> bool:
-        """Stream the slot at `path` if it holds a step not yet sent; True if its header was
-        acknowledged now."""
+    def _acknowledge(self, path: Any, step: int) -> None:
+        """Write the ack into the slot's header and answer the ranks at once, before the next
+        slot is streamed: a rank reports its step only once it sees the ack, and a fault that
+        lands meanwhile finds the step restorable but unreported."""
+        write_ack(path, step)
+        self.bell.answer()
+
+    def _maybe_send(self, path: Any) -> None:
+        """Stream the slot at `path` if it holds a step not yet sent, and acknowledge it."""
         watch = self._watch(path)
         header = watch.read() if watch is not None else None
         if header is None or not header.valid or self.sent.get(path) == (header.step, header.seq):
-            return False
+            return
         if not self.targets:
             # No neighbour (one node, or the ring is broken until a node returns): release the
             # rank at once; the controller's inventory knows that no replica exists.
             self.sent[path] = (header.step, header.seq)
-            write_ack(path, header.step)
-            return True
+            self._acknowledge(path, header.step)
+            return
         rank = slot_rank(path, self.run_id, self.node)
         held_by_all: int | None = None
         for target in list(self.targets):
@@ -152,13 +155,12 @@ class Replicator:
                 except (ChannelError, OSError):
                     raise _TargetDown(target) from None
                 if held is None:
-                    return False  # rewritten while in flight: the newer content goes on the next pass
+                    return  # rewritten while in flight: the newer content goes on the next pass
                 self._sent_to[(target, path)] = (header.step, header.seq)
             held_by_all = held if held_by_all is None else min(held_by_all, held)
         assert held_by_all is not None
         self.sent[path] = (header.step, header.seq)
-        write_ack(path, held_by_all)
-        return True
+        self._acknowledge(path, held_by_all)
 
     def _report_progress(self, files: list[Any]) -> None:
         now = time.monotonic()

@@ -119,8 +119,11 @@ class Generations:
                 raise RecoveryAbandoned("restore")
             how = job.restore_how.get(gen, {})
             # Which ranks kept their live state, received it from one that did, or gathered it.
+            # With the step's loss as the copies recorded it: the record keeps it should no
+            # report of the step have come (every rank that trained it lost before reporting).
             self.record(EventKind.RESTORE_DONE, gen=gen, step=restore_step, source=source,
-                        transfer={k: sorted(r for r, h in how.items() if h == k) for k in sorted(set(how.values()))})
+                        transfer={k: sorted(r for r, h in how.items() if h == k) for k in sorted(set(how.values()))},
+                        loss=job.restore_loss.get(gen))
         job.last_progress = time.monotonic()
 
     def resumed(self) -> Decision | None:

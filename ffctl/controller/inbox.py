@@ -204,6 +204,8 @@ class Inbox:
         self.job.reports.add(Report.RESTORED, msg.gen, (msg.rank,))
         if msg.how:
             self.job.restore_how.setdefault(msg.gen, {})[msg.rank] = msg.how
+        if msg.loss is not None:
+            self.job.restore_loss.setdefault(msg.gen, float(msg.loss))
 
     def _on_aborted(self, msg: messages.Aborted) -> None:
         self.job.reports.add(Report.ABORTED, msg.gen, (msg.rank,))

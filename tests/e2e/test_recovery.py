@@ -133,6 +133,9 @@ def test_survivors_go_on_with_the_step_they_were_in(workdir: Path, baseline: lis
     assert res.report["loss_by_step"] == baseline
     (restored,) = [e for e in res.events if e.kind is EventKind.RESTORE_DONE]
     assert restored.get("transfer") == {"continued": [0, 2, 3], "received": [1]}
+    # The restore step's loss as its copies recorded it: what the record keeps should no report
+    # of that step have come.
+    assert restored.get("loss") == dict(baseline)[restored.get("step")]
     assert crashes(res.events) == []
     assert_nothing_left(workdir)
 

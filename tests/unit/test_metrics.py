@@ -223,6 +223,32 @@ def test_final_losses_forgets_steps_past_the_restore_step() -> None:
     assert final_losses(b.events) == {1: loss_at(1), 2: loss_at(2), 3: loss_at(3), 4: loss_at(4, 1)}
 
 
+def test_a_restored_step_no_report_reached_keeps_the_loss_its_copies_recorded() -> None:
+    """Every rank that trained step 4 was lost after its copy was held off-node and before its
+    report went out: the restore of step 4 brings its loss into the record, and the job goes
+    on at step 5 with no step missing."""
+    b = StreamBuilder()
+    b.steps(1, 3)
+    b.recovery_decided(["f"], gen=1, restore_step=4)
+    b.emit(EventKind.RESTORE_DONE, 0.1, gen=1, step=4, source="peer-memory", loss=0.625)
+    b.step(5, gen=1)
+    m = compute("r", b.events)
+    assert m.loss_by_step == [[1, loss_at(1)], [2, loss_at(2)], [3, loss_at(3)], [4, 0.625], [5, loss_at(5, 1)]]
+    # A report of the step, when one came, is the record's (a restore never overwrites it);
+    # a restore_done without a loss, or with garbage in it, adds nothing.
+    b2 = StreamBuilder()
+    b2.steps(1, 4)
+    b2.recovery_decided(["f"], gen=1, restore_step=4)
+    b2.emit(EventKind.RESTORE_DONE, 0.1, gen=1, step=4, source="peer-memory", loss=9.0)
+    assert final_losses(b2.events)[4] == loss_at(4)
+    b3 = StreamBuilder()
+    b3.steps(1, 3)
+    b3.recovery_decided(["f"], gen=1, restore_step=4)
+    b3.emit(EventKind.RESTORE_DONE, 0.1, gen=1, step=4, source="peer-memory", loss="0.5")
+    b3.emit(EventKind.RESTORE_DONE, 0.1, gen=1, step=4, source="peer-memory", loss=None)
+    assert 4 not in final_losses(b3.events)
+
+
 # --------------------------------------------------------------------------------------------
 # The race: the old generation commits m+1 after the injection, before the detection
 # --------------------------------------------------------------------------------------------
