@@ -210,6 +210,7 @@ def _final_values(events: list[Event], value: Callable[[Event], V],
     values: dict[int, V] = {}
     aside: dict[int, V] = {}
     script_gen: int | None = None  # a script's restart whose restore step is not known yet
+    floor = -1  # steps up to this one were trained by the run this launch resumed
 
     def restore(s: int) -> None:
         for step in [k for k in values if k > s]:
@@ -232,8 +233,13 @@ def _final_values(events: list[Event], value: Callable[[Event], V],
             script_gen = int(ev.get("gen", 0) or 0)
         elif ev.kind is EventKind.RESTORE_DONE and restored is not None and _is_step(ev.get("step")):
             step = int(ev.get("step"))
+            if int(ev.get("gen", 0) or 0) == 0:
+                # A launch that resumed an earlier run's checkpoint: that run trained the steps
+                # up to it, this one's record starts after them.
+                floor = max(floor, step)
+                continue
             got = restored(ev)
-            if step not in values and got is not None:
+            if step > floor and step not in values and got is not None:
                 values[step] = got
     return values
 

@@ -247,6 +247,15 @@ def test_a_restored_step_no_report_reached_keeps_the_loss_its_copies_recorded() 
     b3.emit(EventKind.RESTORE_DONE, 0.1, gen=1, step=4, source="peer-memory", loss="0.5")
     b3.emit(EventKind.RESTORE_DONE, 0.1, gen=1, step=4, source="peer-memory", loss=None)
     assert 4 not in final_losses(b3.events)
+    # A launch that resumed another run's checkpoint of step 4 (its generation 0 restores it)
+    # did not train step 4, nor does a later restore of that step make it this run's.
+    b4 = StreamBuilder()
+    b4.emit(EventKind.RESTORE_DONE, 0.1, gen=0, step=4, source="disk", loss=0.5)
+    b4.step(5)
+    b4.recovery_decided(["f"], gen=1, restore_step=4)
+    b4.emit(EventKind.RESTORE_DONE, 0.1, gen=1, step=4, source="local-memory", loss=0.5)
+    b4.step(5, gen=1)
+    assert final_losses(b4.events) == {5: loss_at(5, 1)}
 
 
 # --------------------------------------------------------------------------------------------
