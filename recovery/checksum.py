@@ -87,8 +87,10 @@ def crc32(data: Any, value: int = 0, threads: int | None = None) -> int:
     `data` (anything with the buffer protocol) is PARALLEL_MIN bytes or more."""
     view = memoryview(data).cast("B")
     size = len(view)
+    if size < PARALLEL_MIN:  # every step of a small model: no environment or affinity read
+        return zlib.crc32(view, value)
     want = default_threads() if threads is None else max(1, threads)
-    parts = min(want, size // PART_MIN) if size >= PARALLEL_MIN else 1
+    parts = min(want, size // PART_MIN)
     if parts <= 1:
         return zlib.crc32(view, value)
     bounds = [size * i // parts for i in range(parts + 1)]

@@ -50,7 +50,6 @@ class Doorbell:
             self.sock.setblocking(False)
         self.callers: dict[str, float] = {}  # address that rang -> when, last
 
-
     @property
     def listening(self) -> bool:
         return self.sock is not None
