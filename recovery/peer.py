@@ -9,7 +9,14 @@ agent streaming its slots to its ring neighbour use.
 
 Streaming a slot happens every step, beside training, so it costs as little CPU as it can: the
 sender hands the slot file to the kernel (`sendfile`) and the receiver reads straight into a
-buffer it keeps per (rank, slot). A put is two-phase. The receiver holds the bytes as pending and
+buffer it keeps per (rank, slot). A store whose client runs on the same host, in the same
+network namespace (every node of a one-machine run, and a rank fetching from its own agent),
+is reached over an abstract Unix socket instead of loopback TCP, with the same handshake and
+frames: loopback TCP costs the two sides about 7.6 ms of kernel time per 11 MB, a Unix socket
+about 2.5 ms, and on one machine those cores are the ones training. The socket's name is a
+digest keyed by the job token (nobody else can bind it first), the client talks only to a
+process of its own user, and anything that goes wrong on that path (no such name: another host
+or namespace) falls back to TCP, which network faults act on. A put is two-phase. The receiver holds the bytes as pending and
 says so; the sender then looks at the slot's seqlock and commits the copy only if the writer did
 not touch the slot meanwhile, so a torn copy is never kept.
 """
@@ -27,6 +34,7 @@ from typing import Any
 from recovery.slots import DATA_OFFSET, SlotContent, read_header
 
 _LEN = struct.Struct(">I")
+_CRED = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
 # Requests other than a put carry no payload worth more than this; a bigger one is malformed.
 MAX_REQUEST_PAYLOAD = 1 << 20
 
@@ -77,6 +85,34 @@ def recv_frame(sock: socket.socket) -> tuple[dict[str, Any], bytes]:
     return header, (recv_exact(sock, length) if length else b"")
 
 
+def local_address(token: str, address: str, port: int) -> bytes:
+    """The abstract Unix name a snapshot store listening at (address, port) also listens on.
+
+    Abstract names are per network namespace, so a sandboxed or remote node's store is never
+    reached this way; every user of the namespace shares them, so the name is a digest keyed by
+    the job token, which nobody outside the job can compute and bind first."""
+    tag = hmac.new(token.encode(), f"snapshot-channel {address} {port}".encode(), hashlib.sha256).hexdigest()[:32]
+    return f"\0ffctl-{tag}".encode()
+
+
+def _connect_local(address: str, port: int, token: str, timeout: float) -> socket.socket | None:
+    """An authenticated connection to the store's Unix socket, or None where there is none to
+    use: no such name here (another host or namespace), a process of another user holding it,
+    or one that fails the handshake (the caller then goes over TCP, as to any remote store)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(timeout)
+        sock.connect(local_address(token, address, port))
+        _, uid, _ = _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
+        if uid != os.getuid():
+            raise ChannelError(f"the snapshot channel's local socket is held by uid {uid}")
+        client_handshake(sock, token)
+        return sock
+    except (OSError, ChannelError):
+        sock.close()
+        return None
+
+
 def _mac(token: str, nonce: bytes, role: bytes) -> bytes:
     return hmac.new(token.encode(), nonce + role, hashlib.sha256).digest()
 
@@ -100,14 +136,24 @@ def server_handshake(sock: socket.socket, token: str) -> bool:
 
 
 class PeerClient:
-    """One authenticated connection to a `PeerStore`."""
+    """One authenticated connection to a `PeerStore`: over its Unix socket where the store runs
+    on this host and network namespace, else (or with `local=False`) over TCP. `transport` says
+    which."""
 
-    def __init__(self, address: str, port: int, token: str, timeout: float = 10.0) -> None:
-        try:
-            self.sock = socket.create_connection((address, port), timeout=timeout)
-            client_handshake(self.sock, token)
-        except OSError as exc:
-            raise ChannelError(f"snapshot peer {address}:{port} unreachable: {exc}") from None
+    def __init__(self, address: str, port: int, token: str, timeout: float = 10.0, local: bool = True) -> None:
+        sock = _connect_local(address, port, token, timeout) if local else None
+        self.transport = "unix" if sock is not None else "tcp"
+        if sock is None:
+            try:
+                sock = socket.create_connection((address, port), timeout=timeout)
+            except OSError as exc:
+                raise ChannelError(f"snapshot peer {address}:{port} unreachable: {exc}") from None
+            try:
+                client_handshake(sock, token)
+            except (OSError, ChannelError) as exc:
+                sock.close()
+                raise ChannelError(f"snapshot peer {address}:{port}: {exc}") from None
+        self.sock = sock
 
     def _put_header(self, rank: int, step: int, crc: int, meta_len: int, length: int) -> None:
         raw = json.dumps({"op": "put", "rank": rank, "step": step, "crc": crc, "meta_len": meta_len,

@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 from recovery import checksum
 from recovery.peer import (
-    MAX_REQUEST_PAYLOAD, ChannelError, recv_exact, recv_header, recv_into, send_frame, server_handshake,
+    MAX_REQUEST_PAYLOAD, ChannelError, local_address, recv_exact, recv_header, recv_into, send_frame, server_handshake,
 )
 from recovery.slots import SlotContent, read_slot
 from recovery.throttle import Throttle
@@ -95,7 +95,9 @@ class PeerStore:
         class Handler(socketserver.BaseRequestHandler):
             def handle(self) -> None:
                 self.request.settimeout(30.0)
-                peer = "{}:{}".format(*self.client_address[:2])
+                # A Unix socket's client has no address: say which door it came through.
+                at = self.client_address
+                peer = "{}:{}".format(*at[:2]) if isinstance(at, tuple) and len(at) >= 2 else "the local socket"
                 try:
                     if not server_handshake(self.request, store.token):
                         store.note_refusal(f"a client at {peer} failed the job-token handshake")
@@ -123,15 +125,30 @@ class PeerStore:
         self.server = socketserver.ThreadingTCPServer((address, 0), Handler, bind_and_activate=True)
         self.server.daemon_threads = True
         self.address, self.port = self.server.server_address[:2]
-        self._thread = threading.Thread(target=self.server.serve_forever, name="ffctl-peer", daemon=True)
+        # The same service on an abstract Unix socket, for clients on this host and network
+        # namespace (`recovery.peer`): a fraction of loopback TCP's kernel time per copy.
+        self.local_server: socketserver.ThreadingUnixStreamServer | None
+        try:
+            self.local_server = socketserver.ThreadingUnixStreamServer(
+                local_address(token, self.address, self.port), Handler)  # type: ignore[arg-type]
+        except OSError as exc:  # taken: its clients fall back to TCP after a failed handshake
+            log.warning("ffctl snapshot channel: no local socket (%s); clients on this host use TCP", exc)
+            self.local_server = None
+        else:
+            self.local_server.daemon_threads = True
+        self._threads = [threading.Thread(target=srv.serve_forever, name="ffctl-peer", daemon=True)
+                         for srv in (self.server, self.local_server) if srv is not None]
 
     def start(self) -> PeerStore:
-        self._thread.start()
+        for thread in self._threads:
+            thread.start()
         return self
 
     def stop(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        for srv in (self.server, self.local_server):
+            if srv is not None:
+                srv.shutdown()
+                srv.server_close()
 
     def receive(self, header: dict[str, Any], sock: socket.socket) -> dict[str, Any]:
         """Read a streamed slot into this (rank, slot)'s buffer, pending until the sender commits."""

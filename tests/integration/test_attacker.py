@@ -6,7 +6,7 @@ queue from the start, reads the generation plans, and finds the job token nowher
 unsealed `stop`, `kill` and a replayed genuine `spawn` to the agents, unsealed `done`, `step`,
 `inject_request` and a non-JSON blob to the controller, forges an abort flag of the running
 generation and a plan for the next one, and knocks on each agent's snapshot channel without the
-token. The job trains on until the test stops it, no rank is killed or started twice, and the
+token, on its port and on its Unix socket. The job trains on until the test stops it, no rank is killed or started twice, and the
 record holds a `message_rejected` event for what was refused. A sealed
 `ffctl inject --dry-run` from the run's owner still gets its answer meanwhile.
 """
@@ -72,6 +72,24 @@ def _tcp_listeners(pid: int) -> list[tuple[str, int]]:
         if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
             addr_hex, port_hex = fields[1].split(":")
             found.append((socket.inet_ntoa(bytes.fromhex(addr_hex)[::-1]), int(port_hex, 16)))
+    return found
+
+
+def _unix_streams(pid: int) -> list[tuple[str, bool]]:
+    """The abstract Unix stream sockets process `pid` holds, as (name, listening), as
+    /proc/net/unix tells anyone local (an accepted connection shows its listener's name)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            target = os.readlink(fd)
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    found = []
+    for line in Path(f"/proc/{pid}/net/unix").read_text().splitlines()[1:]:
+        fields = line.split()
+        # Num RefCount Protocol Flags Type St Inode [Path]; Type 0001: stream; Flags 0x10000: listening
+        if len(fields) == 8 and fields[6] in inodes and fields[4] == "0001" and fields[7].startswith("@"):
+            found.append((fields[7], bool(int(fields[3], 16) & 0x10000)))
     return found
 
 
@@ -195,6 +213,20 @@ def test_an_unauthenticated_store_client_can_neither_read_a_secret_nor_control_t
                 assert probe.recv(1) == b""        # hung up on
             with socket.create_connection((address, peer_port), timeout=10) as probe:
                 probe.sendall(b"GET / HTTP/1.0\r\n\r\n" + b"x" * 64)  # not even the protocol
+        # ...and the same service on an abstract Unix socket, which nodes on one host stream
+        # their copies over: its name is in /proc/net/unix for anyone to see and knock on.
+        streams = {int(e.get("node")): _unix_streams(int(e.get("pid"))) for e in agents_up}
+        for node, held in streams.items():
+            listeners = [name for name, listening in held if listening]
+            assert len(listeners) == 1, held
+            # Node n's copies arrive from node n-1 over it: an accepted connection of that name.
+            assert (listeners[0], False) in held, held
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+                probe.settimeout(10)
+                probe.connect(b"\0" + listeners[0][1:].encode())
+                assert len(probe.recv(32)) == 32
+                probe.sendall(b"\x00" * 64)
+                assert probe.recv(1) == b""
 
         # -- the owner's sealed request is still answered ---------------------------------------
         dry = run_ffctl(tmp_path, "inject", "kill-node", "--run", run_id, "--node", "1", "--dry-run",
@@ -235,7 +267,8 @@ def test_an_unauthenticated_store_client_can_neither_read_a_secret_nor_control_t
     on_channel = [e for e in rejected if e["queue"] == "snapshot channel"]
     assert {e["reported_by_node"] for e in on_channel} == set(range(NNODES)), rejected
     assert all("failed the job-token handshake" in e["reason"] for e in on_channel), on_channel
-    assert len(on_channel) == 2 * NNODES, on_channel
+    assert len(on_channel) == 3 * NNODES, on_channel  # two knocks on the port, one on the socket
+    assert sum("the local socket" in e["reason"] for e in on_channel) == NNODES, on_channel
     forged_abort = [e for e in rejected if e["queue"] == control.gen_abort_key(0, 0)]
     assert forged_abort and forged_abort[0].get("reported_by_rank") == 0
     assert_nothing_left(tmp_path)

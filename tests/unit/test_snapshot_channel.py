@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import threading
 import time
@@ -11,7 +12,7 @@ from typing import Callable
 import pytest
 import torch
 
-from recovery.peer import ChannelError, PeerClient, _LEN
+from recovery.peer import ChannelError, PeerClient, _LEN, local_address
 from ffctl.agent.peerstore import PeerStore
 from recovery.slots import SlotContent, SlotWriter, read_header, read_slot, slot_path
 from recovery.snapshot import StateEntry, assemble, capture, read_meta
@@ -143,20 +144,115 @@ def test_slot_rewritten_while_streamed_is_not_kept(tmp_path: Path, monkeypatch: 
         writer.close()
 
 
-def test_slot_streamed_from_shared_memory(tmp_path: Path) -> None:
+@pytest.mark.parametrize("local", [True, False], ids=["unix", "tcp"])
+def test_slot_streamed_from_shared_memory(tmp_path: Path, local: bool) -> None:
+    """A store on this host and network namespace is reached over its Unix socket; one elsewhere
+    (here: `local=False`) over TCP; the same copy arrives either way."""
     _, _, entries = _state()
     writer = SlotWriter(str(tmp_path), "r", 0, 1)
     writer.begin(capture(entries, 6, 1, 2))
     writer.fence()
     store = _store(tmp_path)
     try:
-        client = PeerClient(store.address, store.port, "t" * 64)
+        client = PeerClient(store.address, store.port, "t" * 64, local=local)
+        assert client.transport == ("unix" if local else "tcp")
+        assert client.sock.family == (socket.AF_UNIX if local else socket.AF_INET)
         assert client.put_slot(1, writer.paths[0]) == 6
         assert client.get(1, 6, "replica") == read_slot(writer.paths[0])
         client.close()
     finally:
         store.stop()
         writer.close()
+
+
+def _squat(name: bytes, nonce: bool, hold: float) -> tuple[socket.socket, list[bytes], threading.Thread]:
+    """A listener on `name` that takes one connection, sends a nonce if told (inviting a
+    handshake answer), and keeps what the client sent it within `hold` seconds."""
+    squatter = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    squatter.bind(name)
+    squatter.listen(4)
+    received: list[bytes] = []
+
+    def serve() -> None:
+        conn, _ = squatter.accept()
+        conn.settimeout(hold)
+        got = b""
+        try:
+            if nonce:
+                conn.sendall(b"n" * 32)
+            while chunk := conn.recv(1 << 16):
+                got += chunk
+        except OSError:
+            pass
+        received.append(got)
+        conn.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return squatter, received, thread
+
+
+def _free_local_name(store: PeerStore) -> bytes:
+    """Close the store's Unix socket (as if its name had been taken), and return the name."""
+    assert store.local_server is not None
+    name = store.local_server.server_address
+    store.local_server.shutdown()
+    store.local_server.server_close()
+    store.local_server = None
+    return name if isinstance(name, bytes) else name.encode()
+
+
+def test_a_stranger_holding_the_local_name_learns_nothing_and_the_copy_goes_over_tcp(tmp_path: Path) -> None:
+    """Whoever holds the store's Unix name (it would need the job token to compute it) cannot
+    prove the token: the client falls back to TCP and the copy still arrives."""
+    store = _store(tmp_path)
+    name = _free_local_name(store)
+    assert name == local_address("t" * 64, store.address, store.port)
+    squatter, received, thread = _squat(name, nonce=False, hold=0.5)
+    try:
+        client = PeerClient(store.address, store.port, "t" * 64)
+        assert client.transport == "tcp"
+        client.put(3, _content(5, b"m", b"shard"))
+        assert client.get(3, 5, "replica") == _content(5, b"m", b"shard")
+        client.close()
+        thread.join(10.0)
+        assert received == [b""]  # it sent no nonce, so it was sent nothing
+    finally:
+        squatter.close()
+        store.stop()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to hold the name as another user")
+def test_a_local_name_held_by_another_user_is_never_spoken_to(tmp_path: Path) -> None:
+    """A process of another user holding the name is not even answered (its uid is read from
+    the socket before any byte is sent), however genuine its challenge looks."""
+    store = _store(tmp_path)
+    name = _free_local_name(store)
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the other user: holds the name, sends a challenge, reports what came back
+        try:
+            os.close(read_end)
+            os.setgid(65534)
+            os.setuid(65534)
+            squatter, received, thread = _squat(name, nonce=True, hold=10.0)
+            os.write(write_end, b"r")  # listening
+            thread.join(15.0)
+            os.write(write_end, str(len(received[0]) if received else -1).encode())
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    try:
+        assert os.read(read_end, 1) == b"r"
+        client = PeerClient(store.address, store.port, "t" * 64)
+        assert client.transport == "tcp"
+        client.put(3, _content(5, b"m", b"shard"))
+        client.close()
+        assert os.read(read_end, 16) == b"0"  # nothing, not even an answer to its challenge
+    finally:
+        os.close(read_end)
+        os.waitpid(pid, 0)
+        store.stop()
 
 
 def test_channel_refuses_a_wrong_token(tmp_path: Path) -> None:
