@@ -82,7 +82,7 @@ class Controller:
                                  scheduled=[s for s in spec.injects], chaos=spec.chaos, hang_min_s=spec.hang_min_s)
         self.stragglers = StragglerDetector(spec.world_size, spec.straggler_policy)
         self.watchdog = Watchdog(self.job, self.plane, self.record, spec.heartbeat_timeout, spec.hang_min_s,
-                                 self.plain_script)
+                                 self.plain_script, None if spec.script else spec.steps)
         self.barrier = ExitBarrier(self.job, spec.exit_barrier_timeout, self.record, self.announce,
                                    self.fleet.send, self.wait_for, self.fleet.host)
         self.inbox = Inbox(self.job, self.record, self.plane, self.fleet, self.watchdog, self.barrier, self.injector,

@@ -43,8 +43,11 @@ def wall(monotonic_t: float) -> float:
 
 class Watchdog:
     def __init__(self, job: JobState, plane: ControlPlane, record: Record, heartbeat_timeout: float,
-                 hang_min_s: float, plain_script: bool) -> None:
+                 hang_min_s: float, plain_script: bool, last_step: int | None = None) -> None:
         self.job = job
+        # The job's last step where the controller knows it (the built-in workload's --steps;
+        # a script's own loop decides, unknown here).
+        self.last_step = last_step
         self.plane = plane
         self.record = record
         self.heartbeat_timeout = heartbeat_timeout
@@ -165,6 +168,13 @@ class Watchdog:
         # second then, and the recovery waiting for it stopped the job. One that dies meanwhile
         # is seen at once by its exit; one that hangs, by the longer limit.
         if (self.job.gen == 0 and not self.job.progress.started(0)) or not st.hb_first:
+            return max(self.heartbeat_timeout, STARTUP_HEARTBEAT_S)
+        # And once the last step is committed: every rank has trained it, its loss is in the
+        # record, and the ranks are finishing (the last copies acknowledged, processes ending on
+        # every node at once). A chaos soak's host, four jobs ending on 2 cores, held an agent's
+        # beats back for 1.15 s there, and a recovery began for a job that had nothing left to
+        # train. An agent that dies then is still seen at once by its exit.
+        if self.last_step is not None and self.job.progress.committed_step >= self.last_step:
             return max(self.heartbeat_timeout, STARTUP_HEARTBEAT_S)
         if st.incarnation > 0 and not st.template and time.monotonic() - st.up_at < RESTART_WARMUP_S:
             return max(self.heartbeat_timeout, STARTUP_HEARTBEAT_S)

@@ -19,6 +19,7 @@ from ffctl.controller.failures import Cause, Failure
 from ffctl.controller.fleet import Fleet
 from ffctl.controller.protection import Protection
 from ffctl.controller.state import JobState, NodeState, Phase
+from ffctl.controller.progress import StepReport
 from ffctl.controller.watchdog import Watchdog
 from wire import messages
 from wire.jobenv import Strategy
@@ -204,6 +205,32 @@ def test_an_agent_started_again_keeps_the_start_up_limit_while_its_template_warm
     assert dog.heartbeat_limit(st) == 1.0
     st.up_at, st.incarnation = time.monotonic(), 0  # the job's own first agents: the job-start rule only
     assert dog.heartbeat_limit(st) == 1.0
+
+
+def test_once_the_last_step_is_committed_a_silent_agent_gets_the_start_up_limit() -> None:
+    # Four jobs ending at once on a 2-core host held an agent's beats back for 1.15 s right after
+    # the last step, and a recovery began for a job with nothing left to train.
+    dog, _ = _watchdog(2)
+    dog.last_step = 800
+    job = dog.job
+    st = job.nodes[1]
+    dog.heartbeat(messages.Heartbeat(node=1, incarnation=0, beat=1))
+    lost: list[Any] = []
+    job.fail = lost.append  # type: ignore[method-assign]
+    job.progress.report(StepReport(0, 799, 0, 2.5, 0.1))
+    assert dog.heartbeat_limit(st) == 1.0  # still training: a second's silence loses the node
+    job.progress.report(StepReport(0, 800, 0, 2.4, 0.1))
+    assert dog.heartbeat_limit(st) == watchdog_mod.STARTUP_HEARTBEAT_S
+    st.hb_seen = time.monotonic() - 2.0
+    dog.check_nodes()
+    assert st.up and not lost
+    st.hb_seen = time.monotonic() - watchdog_mod.STARTUP_HEARTBEAT_S - 1  # a host frozen for good
+    dog.check_nodes()
+    assert not st.up and [f.nodes for f in lost] == [{1}]
+    dog.heartbeat(messages.Heartbeat(node=0, incarnation=0, beat=1))
+    assert dog.heartbeat_limit(job.nodes[0]) == watchdog_mod.STARTUP_HEARTBEAT_S
+    dog.last_step = None  # a script's loop: its last step is not known, so never assumed
+    assert dog.heartbeat_limit(job.nodes[0]) == 1.0
 
 
 @pytest.mark.parametrize("phase", [Phase.RECOVERING, Phase.STARTING])
