@@ -58,14 +58,20 @@ def _controller_port(run_dir: Path, timeout: float = 60.0) -> int:
     raise AssertionError("the controller never published its endpoint")
 
 
-def _tcp_listeners(pid: int) -> list[tuple[str, int]]:
-    """The IPv4 (address, port) pairs process `pid` listens on, as /proc tells anyone local."""
+def _socket_inodes(pid: int) -> set[str]:
+    """The inodes of the sockets process `pid` holds open."""
     inodes = set()
     for fd in Path(f"/proc/{pid}/fd").iterdir():
         with contextlib.suppress(OSError):
             target = os.readlink(fd)
             if target.startswith("socket:["):
                 inodes.add(target[8:-1])
+    return inodes
+
+
+def _tcp_listeners(pid: int) -> list[tuple[str, int]]:
+    """The IPv4 (address, port) pairs process `pid` listens on, as /proc tells anyone local."""
+    inodes = _socket_inodes(pid)
     found = []
     for line in Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]:
         fields = line.split()
@@ -78,12 +84,7 @@ def _tcp_listeners(pid: int) -> list[tuple[str, int]]:
 def _unix_streams(pid: int) -> list[tuple[str, bool]]:
     """The abstract Unix stream sockets process `pid` holds, as (name, listening), as
     /proc/net/unix tells anyone local (an accepted connection shows its listener's name)."""
-    inodes = set()
-    for fd in Path(f"/proc/{pid}/fd").iterdir():
-        with contextlib.suppress(OSError):
-            target = os.readlink(fd)
-            if target.startswith("socket:["):
-                inodes.add(target[8:-1])
+    inodes = _socket_inodes(pid)
     found = []
     for line in Path(f"/proc/{pid}/net/unix").read_text().splitlines()[1:]:
         fields = line.split()
