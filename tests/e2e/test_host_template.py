@@ -10,7 +10,7 @@ import pytest
 from runs.events import EventKind
 from runs.store import iter_events
 from tests.helpers.launch import (
-    assert_nothing_left, launch, rid, shm_left, start_launch, stop_at_end, wait_event, wait_step,
+    assert_nothing_left, launch, rid, run_ffctl, shm_left, start_launch, stop_at_end, wait_event, wait_step,
 )
 
 # Whole jobs launched, one with a node killed and started again: minutes on a loaded 2-core host.
@@ -38,7 +38,7 @@ def test_agents_and_a_node_back_after_kill_node_are_forked_warm(tmp_path: Path) 
     run_id = rid("hosttpl")
     events = tmp_path / "runs" / run_id / "events.jsonl"
     proc = start_launch(tmp_path, run_id, "--nnodes", "2", "--nproc-per-node", "1", "--steps", "100000",
-                        "--spares", "1", "--inject", "kill-node:node=1,step=5")
+                        "--spares", "1")
     with stop_at_end(proc) as stopped:
         wait_step(tmp_path / "runs", run_id, 2)
         first = [ev for ev in iter_events(events) if ev.kind is EventKind.AGENT_STARTED]
@@ -48,8 +48,11 @@ def test_agents_and_a_node_back_after_kill_node_are_forked_warm(tmp_path: Path) 
         for ev in first:
             _forked_warm(int(ev.get("pid")), host)
 
-        # Node 1 killed at step 5 (its agent SIGKILLed, then its workers): the node that comes
-        # back is forked from the same host template, its worker template warm at once.
+        # Node 1 killed once its first agent is looked at (a fault scheduled at a step raced the
+        # look on a fast host): its agent SIGKILLed, then its workers. The node that comes back
+        # is forked from the same host template, its worker template warm at once.
+        killed = run_ffctl(tmp_path, "inject", "kill-node", "--run", run_id, "--node", "1", timeout=60)
+        assert killed.returncode == 0, killed.stderr
         back = wait_event(events, lambda ev: ev.kind is EventKind.AGENT_STARTED and ev.get("node") == 1
                           and int(ev.get("pid")) != int(next(e for e in first if e.get("node") == 1).get("pid")))
         restored = wait_event(events, lambda ev: ev.kind is EventKind.RESTORE_DONE and int(ev.get("gen")) >= 1)

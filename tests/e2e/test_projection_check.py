@@ -13,7 +13,9 @@ from tests.helpers.launch import assert_nothing_left, launch, rid, run_ffctl
 # Whole jobs launched and trained, often several a test: minutes on a loaded 2-core host.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-JOB = ("--nnodes", "2", "--nproc-per-node", "1", "--steps", "400", "--spares", "1", "--seed", "5")
+# Steps enough to outlast the chaos schedule's 10 s: 400 steps once took 12 s here, and 8 s since
+# one host's nodes stream their copies over a Unix socket (the run then ended with one fault dealt).
+JOB = ("--nnodes", "2", "--nproc-per-node", "1", "--steps", "1000", "--spares", "1", "--seed", "5")
 # Three kill-rank faults 2 s apart, the first a few seconds after training starts (seed 6).
 CHAOS = "mtbf=3,seed=6,kinds=kill-rank,until=10"
 
