@@ -16,9 +16,11 @@ frames: loopback TCP costs the two sides about 7.6 ms of kernel time per 11 MB, 
 about 2.5 ms, and on one machine those cores are the ones training. The socket's name is a
 digest keyed by the job token (nobody else can bind it first), the client talks only to a
 process of its own user, and anything that goes wrong on that path (no such name: another host
-or namespace) falls back to TCP, which network faults act on. A put is two-phase. The receiver holds the bytes as pending and
-says so; the sender then looks at the slot's seqlock and commits the copy only if the writer did
-not touch the slot meanwhile, so a torn copy is never kept.
+or namespace) falls back to TCP, which network faults act on.
+
+A put is two-phase. The receiver holds the bytes as pending and says so; the sender then looks
+at the slot's seqlock and commits the copy only if the writer did not touch the slot meanwhile,
+so a torn copy is never kept.
 """
 from __future__ import annotations
 
