@@ -181,6 +181,12 @@ class LaunchSpec:
         return parse_straggler(self.straggler)
 
     @property
+    def last_step(self) -> int | None:
+        """The job's last step where ffctl knows it: the built-in GPT's --steps (a script's own
+        loop decides how long it trains)."""
+        return None if self.script else self.steps
+
+    @property
     def world_size(self) -> int:
         return self.nnodes * self.nproc_per_node
 

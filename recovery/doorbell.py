@@ -14,24 +14,22 @@ stranger's datagram wakes a waiter to look at a header, nothing more.
 """
 from __future__ import annotations
 
-import hashlib
-import hmac
 import select
 import socket
 import time
+
+from wire import control
 
 MAX_CALLERS = 256  # ranks' addresses an agent answers, the most recent (a rank's lives as long as it does)
 CALLER_TTL_S = 60.0  # a caller not heard of for this long is not answered
 
 
 def address(run_id: str, node: int, token: str = "") -> bytes:
-    # Abstract namespace (leading NUL): per network namespace, so a sandboxed node's ranks and
-    # agent share it and other nodes' do not. Every user of the namespace shares it too: a name
-    # made of the run id alone could be bound by a stranger before the agent (which would then
-    # poll). With the job token the name is a keyed digest nobody else can compute in advance.
+    # Abstract namespace: per network namespace, so a sandboxed node's ranks and agent share it
+    # and other nodes' do not. A name made of the run id alone could be bound by a stranger
+    # before the agent (which would then poll); with the job token it cannot.
     if token:
-        tag = hmac.new(token.encode(), f"doorbell {run_id} {node}".encode(), hashlib.sha256).hexdigest()[:32]
-        return f"\0ffctl-{tag}".encode()
+        return control.abstract_socket_name(token, f"doorbell {run_id} {node}")
     return f"\0ffctl-{run_id}-n{node}-slots".encode()
 
 

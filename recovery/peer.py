@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from recovery.slots import DATA_OFFSET, SlotContent, read_header
+from wire import control
 
 _LEN = struct.Struct(">I")
 _CRED = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
@@ -88,13 +89,9 @@ def recv_frame(sock: socket.socket) -> tuple[dict[str, Any], bytes]:
 
 
 def local_address(token: str, address: str, port: int) -> bytes:
-    """The abstract Unix name a snapshot store listening at (address, port) also listens on.
-
-    Abstract names are per network namespace, so a sandboxed or remote node's store is never
-    reached this way; every user of the namespace shares them, so the name is a digest keyed by
-    the job token, which nobody outside the job can compute and bind first."""
-    tag = hmac.new(token.encode(), f"snapshot-channel {address} {port}".encode(), hashlib.sha256).hexdigest()[:32]
-    return f"\0ffctl-{tag}".encode()
+    """The abstract Unix name a snapshot store listening at (address, port) also listens on
+    (per network namespace, so a sandboxed or remote node's store is never reached this way)."""
+    return control.abstract_socket_name(token, f"snapshot-channel {address} {port}")
 
 
 def _connect_local(address: str, port: int, token: str, timeout: float) -> socket.socket | None:

@@ -135,6 +135,16 @@ def control_key(token: str) -> bytes:
     return hmac.new(token.encode(), CONTROL_KEY_LABEL, hashlib.sha256).digest()
 
 
+def abstract_socket_name(token: str, label: str) -> bytes:
+    """An abstract Unix socket name (leading NUL: no file, gone with its holder) for `label`.
+
+    Abstract names are per network namespace and every user of the namespace shares them: a name
+    anyone could compute could be bound by a stranger first. Keyed by the job token, it is a
+    digest nobody outside the job can compute in advance."""
+    tag = hmac.new(token.encode(), label.encode(), hashlib.sha256).hexdigest()[:32]
+    return f"\0ffctl-{tag}".encode()
+
+
 def short_repr(raw: object, limit: int = 120) -> str:
     text = repr(raw)
     return text if len(text) <= limit else text[: limit - 3] + "..."

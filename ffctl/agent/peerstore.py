@@ -97,7 +97,7 @@ class PeerStore:
                 self.request.settimeout(30.0)
                 # A Unix socket's client has no address: say which door it came through.
                 at = self.client_address
-                peer = "{}:{}".format(*at[:2]) if isinstance(at, tuple) and len(at) >= 2 else "the local socket"
+                peer = "{}:{}".format(*at[:2]) if isinstance(at, tuple) else "the local socket"
                 try:
                     if not server_handshake(self.request, store.token):
                         store.note_refusal(f"a client at {peer} failed the job-token handshake")

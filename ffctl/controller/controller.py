@@ -82,7 +82,7 @@ class Controller:
                                  scheduled=[s for s in spec.injects], chaos=spec.chaos, hang_min_s=spec.hang_min_s)
         self.stragglers = StragglerDetector(spec.world_size, spec.straggler_policy)
         self.watchdog = Watchdog(self.job, self.plane, self.record, spec.heartbeat_timeout, spec.hang_min_s,
-                                 self.plain_script, None if spec.script else spec.steps)
+                                 self.plain_script, spec.last_step)
         self.barrier = ExitBarrier(self.job, spec.exit_barrier_timeout, self.record, self.announce,
                                    self.fleet.send, self.wait_for, self.fleet.host)
         self.inbox = Inbox(self.job, self.record, self.plane, self.fleet, self.watchdog, self.barrier, self.injector,
@@ -118,7 +118,7 @@ class Controller:
         self.view({
             "run_id": self.rec.run_id, "phase": self.job.phase.value, "gen": self.job.gen, "step": self.job.progress.committed_step,
             # --steps is the built-in GPT's length: a script's step is shown without a total.
-            "steps": None if self.spec.script else self.spec.steps, "loss": self.job.progress.last_loss,
+            "steps": self.spec.last_step, "loss": self.job.progress.last_loss,
             "steps_per_s": (1.0 / med) if med else None,
             "fault": self.injector.describe_current(),
             "strategy": run_strategy(self.spec.recovery, self.plain_script),

@@ -6,9 +6,9 @@ queue from the start, reads the generation plans, and finds the job token nowher
 unsealed `stop`, `kill` and a replayed genuine `spawn` to the agents, unsealed `done`, `step`,
 `inject_request` and a non-JSON blob to the controller, forges an abort flag of the running
 generation and a plan for the next one, and knocks on each agent's snapshot channel without the
-token, on its port and on its Unix socket. The job trains on until the test stops it, no rank is killed or started twice, and the
-record holds a `message_rejected` event for what was refused. A sealed
-`ffctl inject --dry-run` from the run's owner still gets its answer meanwhile.
+token, on its port and on its Unix socket. The job trains on until the test stops it, no rank is
+killed or started twice, and the record holds a `message_rejected` event for what was refused.
+A sealed `ffctl inject --dry-run` from the run's owner still gets its answer meanwhile.
 """
 from __future__ import annotations
 
