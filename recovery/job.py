@@ -40,7 +40,7 @@ from recovery.peer import ChannelError, PeerClient
 from wire.generation_plan import Disk, Fresh, GenerationPlan, LocalSlot, PeerReplica, Source
 from recovery.slots import SlotContent, SlotWriter, read_slot, slot_path
 from recovery.restore import KEPT, Prepared, Unusable, agree, prepare, restore
-from recovery.snapshot import Capture, StateEntry, capture, state_entry
+from recovery.snapshot import Capture, StateEntry, capture, replicated, state_entry
 from runs.events import RestoreHow, StepPhase
 
 if TYPE_CHECKING:
@@ -350,6 +350,13 @@ class Job:
         self.faults.on_land = self._fault_landed
         process_group.on_collective(lambda: self.faults.at(StepPhase.COLLECTIVE, self._step))
         self._send(messages.Training, gen=self.env.gen, api=self.api)
+        if self.env.gen > 0 and self.env.strategy == Strategy.PEER:
+            # A replacement's first look at its live state is its costliest: torch's sharded
+            # optimizer state dict creates the optimizer's state with a step of zeros, and each
+            # DTensor op's sharding is worked out the first time (0.1 s for the medium GPT on a
+            # CPU). Taken now it costs nothing when the replacement was started ahead of the plan
+            # (while the survivors leave their step); the restore's look reuses it.
+            replicated(self.entries, self.env.world_size)
         try:
             try:
                 with _stall_dump():

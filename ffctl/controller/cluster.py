@@ -93,8 +93,15 @@ class Cluster(Recorder, Protocol):
         """Wait until these agents are up; FatalRun when one fails or none comes in time."""
         ...
 
-    def open_generation(self, gen: int, decision: Decision | None, respawn: list[int]) -> None:
-        """Publish generation `gen`'s plan and spawn `respawn` into it."""
+    def spawn_ahead(self, gen: int, ranks: list[int]) -> None:
+        """Start `ranks` on the nodes they are placed on, into generation `gen` before its plan
+        is published: each starts, says so and waits for the plan."""
+        ...
+
+    def open_generation(self, gen: int, decision: Decision | None, respawn: list[int],
+                        ahead: frozenset[int] = frozenset()) -> None:
+        """Publish generation `gen`'s plan and spawn `respawn` into it, but for those of `ahead`
+        (already started into `gen`, see `spawn_ahead`)."""
         ...
 
     def await_generation(self, gen: int, respawn: list[int], restore_step: int, source: RestoreSource) -> None:

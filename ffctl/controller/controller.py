@@ -176,8 +176,12 @@ class Controller:
     def wait_agents(self, nodes: list[int]) -> None:
         self.fleet.wait(nodes)
 
-    def open_generation(self, gen: int, decision: Decision | None, respawn: list[int]) -> None:
-        self.generations.open(gen, decision, respawn)
+    def spawn_ahead(self, gen: int, ranks: list[int]) -> None:
+        self.generations.spawn(gen, ranks)
+
+    def open_generation(self, gen: int, decision: Decision | None, respawn: list[int],
+                        ahead: frozenset[int] = frozenset()) -> None:
+        self.generations.open(gen, decision, respawn, ahead)
 
     def await_generation(self, gen: int, respawn: list[int], restore_step: int, source: RestoreSource) -> None:
         self.generations.await_running(gen, respawn, restore_step, source)

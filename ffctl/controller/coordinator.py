@@ -39,7 +39,8 @@ from wire.generation_plan import LocalSlot, Source
 from runs.events import EventKind, RestoreSource
 
 __all__ = ["FatalRun", "RankFailure", "RecoveryAbandoned", "RecoveryCoordinator", "RecoveryOutcome", "Verdict",
-           "describe", "error_line", "place", "restart_verdict", "root_cause", "signal_name"]
+           "ahead_of_decision", "await_answers", "describe", "error_line", "kept_ahead", "place", "restart_verdict", "root_cause",
+           "signal_name"]
 
 ABORT_ACK_TIMEOUT = 5.0
 # A running rank's abort watcher answers within milliseconds; this leaves room for a loaded host.
@@ -294,10 +295,16 @@ class RecoveryCoordinator:
         cluster.wire_ring()  # survivors must not wait on a dead neighbour's copy
         lost = set(failure.ranks) | {r for r, n in job.members.items() if n in lost_nodes}
         lost |= {r for r, pid in job.pids.items() if pid is None}
+        # Replacements an abandoned attempt started ahead are in no generation yet: not survivors.
+        lost |= set(job.ahead)
         for r in lost:
             if job.members[r] in lost_nodes:
                 job.pids[r] = None  # gone with their node; no agent is left to report the exit
         if self.strategy is Strategy.PEER:
+            early = [] if self.script_restores_itself else ahead_of_decision(job, lost, lost_nodes)
+            if early:
+                job.ahead.update({r: (old_gen + 1, job.members[r]) for r in early})
+                cluster.spawn_ahead(old_gen + 1, early)
             lost |= self._collect_survivors(old_gen, lost)
             # Nodes lost while survivors were acknowledging belong to this recovery too, and so
             # do their faults (two nodes killed in one step: the second seen meanwhile).
@@ -312,7 +319,7 @@ class RecoveryCoordinator:
                     if n in newly:
                         lost.add(r)
                         job.pids[r] = None
-            self._kill({r for r in lost if not job.stopped(r)})  # e.g. a rank whose restore failed
+            self._kill({r for r in lost if not job.stopped(r)} - set(job.ahead))  # e.g. a rank whose restore failed
         else:
             lost = set(job.members)
             self._kill(lost)
@@ -353,6 +360,10 @@ class RecoveryCoordinator:
             lost = set(job.members)
         respawn = sorted(lost)
         place(job, respawn, lost_nodes, cluster.spare_nodes(), cluster.has_gpu(), decision.sources)
+        # Replacements started ahead that the generation keeps; the others stop, to start again.
+        ahead = kept_ahead(job, new_gen, lost_nodes)
+        self._kill(set(job.ahead) - ahead)
+        job.ahead = {r: job.ahead[r] for r in ahead}
         # (The step a script goes back to is its own business: unknown here until it reports one.)
         restore_step = None if decision.restore_source is RestoreSource.SCRIPT else decision.restore_step
         cluster.record(EventKind.RECOVERY_DECIDED, fault_ids=ids, gen=new_gen, restore_step=restore_step,
@@ -376,15 +387,17 @@ class RecoveryCoordinator:
         coming = sorted(set(needed) | {n for n in (job.members[r] for r in respawn) if job.nodes[n].starting})
         if coming:
             cluster.wait_agents(coming)
-        wait_dead = lambda: all(job.stopped(r) for r in respawn)  # noqa: E731
+        wait_dead = lambda: all(job.stopped(r) for r in respawn if r not in ahead)  # noqa: E731
         if not cluster.wait_for(wait_dead, 15.0, "teardown", abandon_on_failure=False):
-            raise FatalRun(f"rank(s) {[r for r in respawn if not job.stopped(r)]} did not stop within 15s")
+            raise FatalRun(f"rank(s) {[r for r in respawn if r not in ahead and not job.stopped(r)]} "
+                           "did not stop within 15s")
         if job.pending is not None:
             if job.pending.ranks <= set(respawn) and job.pending.nodes <= lost_nodes:
                 job.pending = None  # exits of ranks we are replacing anyway
             else:
                 raise RecoveryAbandoned("another rank failed while recovering")
-        cluster.open_generation(new_gen, decision, respawn)
+        cluster.open_generation(new_gen, decision, respawn, frozenset(ahead))
+        job.ahead.clear()  # members of the generation now, like the rest
         cluster.await_generation(new_gen, respawn, decision.restore_step, RestoreSource(decision.restore_source))
         return decision, respawn
 
@@ -401,30 +414,16 @@ class RecoveryCoordinator:
         survivors = set(job.members) - lost
         exited = lambda: {r for r in survivors if job.pids.get(r) is None}  # noqa: E731
         answered = lambda: job.reported(Report.ABORTED, old_gen) | job.reported(Report.ABORT_SEEN, old_gen) | exited()  # noqa: E731
-        self._await_answers(survivors, answered, ABORT_SEEN_TIMEOUT)
+        await_answers(self.cluster, survivors, answered, ABORT_SEEN_TIMEOUT)
         silent = survivors - answered()
         busy = survivors - silent
-        self._await_answers(busy, lambda: job.reported(Report.ABORTED, old_gen) | exited(),
-                            ABORT_ACK_TIMEOUT - ABORT_SEEN_TIMEOUT)
+        await_answers(self.cluster, busy, lambda: job.reported(Report.ABORTED, old_gen) | exited(),
+                      ABORT_ACK_TIMEOUT - ABORT_SEEN_TIMEOUT)
         gone = survivors - job.reported(Report.ABORTED, old_gen)
         self._kill(gone, grace=0.5)
         if job.pending is not None:  # exits seen meanwhile belong to this failure
             gone |= job.take_pending().ranks  # type: ignore[union-attr]
         return gone
-
-    def _await_answers(self, ranks: set[int], answered: Callable[[], set[int]], quiet_s: float) -> None:
-        """Wait until every rank of `ranks` has answered, or none more has for `quiet_s`. With a
-        thousand ranks the answers take longer than that to arrive one after another (each is a
-        message the controller reads in turn), and a fixed limit would replace healthy ranks
-        whose answers are still queued; a rank that never answers is given up `quiet_s` after
-        the last one that did, as soon as with a handful."""
-        deadline = time.monotonic() + ANSWERS_MAX_S
-        while True:
-            before = len(ranks & answered())
-            self.cluster.wait_for(lambda: ranks <= answered() or len(ranks & answered()) != before, quiet_s,
-                                  "abort", abandon_on_failure=False)
-            if ranks <= answered() or len(ranks & answered()) == before or time.monotonic() > deadline:
-                return
 
     def _decide(self, gen: int, lost: set[int], lost_nodes: set[int]) -> Decision | None:
         """Generation `gen`'s plan, from what the live agents hold (their inventories)."""
@@ -453,6 +452,51 @@ class RecoveryCoordinator:
         # Nodes that restarted hold nothing from before; count them as lost for the decision.
         return decide(self.strategy, job.members, lost, lost_nodes, invs, sorted(job.nodes), job.disk_step,
                       frozenset(job.bad_sources), gen=gen, replay=self.verify_restore, homes=job.away(lost))
+
+
+def await_answers(cluster: Cluster, ranks: set[int], answered: Callable[[], set[int]], quiet_s: float) -> None:
+    """Wait until every rank of `ranks` has answered, or none more has for `quiet_s`. With a
+    thousand ranks the answers take longer than that to arrive one after another (each is a
+    message the controller reads in turn), and a fixed limit would replace healthy ranks
+    whose answers are still queued; a rank that never answers is given up `quiet_s` after
+    the last one that did, as soon as with a handful."""
+    deadline = time.monotonic() + ANSWERS_MAX_S
+    while True:
+        before = len(ranks & answered())
+        cluster.wait_for(lambda: ranks <= answered() or len(ranks & answered()) != before, quiet_s,
+                         "abort", abandon_on_failure=False)
+        if ranks <= answered() or len(ranks & answered()) == before or time.monotonic() > deadline:
+            return
+
+
+def ahead_of_decision(job: JobState, lost: set[int], lost_nodes: set[int]) -> list[int]:
+    """The lost ranks whose replacements start now, into the next generation, before the
+    survivors have left the failed step and the plan is decided (DESIGN.md, step 3): their
+    start (the script's imports and model, a first look at the optimizer's sharded state) then
+    runs while the survivors leave their step, instead of after the decision.
+
+    Only where the decision cannot put the rank elsewhere: a process that exited (its exit
+    seen, so nothing of it can join the next generation), at home on a node that lives, with no
+    node lost (their ranks' placement waits for the decision), and with a warm template or spare
+    there: a cold start would spend seconds of CPU beside the survivors on a replacement the
+    decision may still not keep (`kept_ahead`)."""
+    if lost_nodes:
+        return []
+    ranks = []
+    for r in sorted(lost):
+        node = job.members[r]
+        st = job.nodes.get(node)
+        if (r not in job.ahead and job.stopped(r) and st is not None and st.up and job.home.get(r, node) == node
+                and (st.template or st.spares > 0)):
+            ranks.append(r)
+    return ranks
+
+
+def kept_ahead(job: JobState, gen: int, lost_nodes: set[int]) -> set[int]:
+    """Those of the replacements started ahead that generation `gen` keeps: started into it, on
+    the node the decision places them on, alive or on their way."""
+    return {r for r, (g, node) in job.ahead.items()
+            if g == gen and node == job.members[r] and node not in lost_nodes and not job.stopped(r)}
 
 
 def place(job: JobState, ranks: list[int], lost_nodes: set[int], spare_nodes: int, has_gpu: bool,

@@ -43,6 +43,7 @@ class Generations:
         self.record_dir = record_dir
         self.plain_script = plain_script
         self.max_restarts = max_restarts
+        self._ahead: dict[int, list[int]] = {}  # gen -> its ranks started before its plan
 
     def rank_env(self, rank: int, gen: int) -> dict[str, str]:
         spec = self.spec
@@ -81,12 +82,16 @@ class Generations:
                 self.job.spawning[r] = (gen, node)
             self.send(node, messages.Spawn(gen=gen, ranks=[{"rank": r, "env": self.rank_env(r, gen)} for r in rs]))
 
-    def open(self, gen: int, decision: Decision | None, respawn: list[int]) -> None:
+    def open(self, gen: int, decision: Decision | None, respawn: list[int],
+             ahead: frozenset[int] = frozenset()) -> None:
+        """Publish `gen`'s plan and spawn `respawn` into it, but for `ahead`: started already
+        (`spawn` before the plan), they wait for it."""
         plan = decision.plan if decision else GenerationPlan.fresh(gen, self.spec.world_size, self.spec.recovery)
         self.job.gen = gen
         self.job.progress.open(gen, plan.restore_step, decision.verify_until if decision else 0)
         self.plane.publish(gen, plan)
-        self.spawn(gen, respawn)
+        self._ahead[gen] = sorted(ahead & set(respawn))
+        self.spawn(gen, [r for r in respawn if r not in ahead])
 
     def await_running(self, gen: int, respawn: list[int], restore_step: int, source: RestoreSource) -> None:
         job = self.job
@@ -105,7 +110,8 @@ class Generations:
         self.record(EventKind.RANKS_SPAWNED, gen=gen, ranks=sorted(respawn),
                     pids={str(r): job.pids.get(r) for r in respawn},
                     started_by={r: how for r, (how, _) in started.items() if how},
-                    start_s={r: s for r, (_, s) in started.items() if s is not None})
+                    start_s={r: s for r, (_, s) in started.items() if s is not None},
+                    started_ahead=self._ahead.get(gen, []))
         if self.plain_script or world <= job.reported(Report.DONE, gen):
             job.last_progress = time.monotonic()
             return  # its rendezvous is torch's own (MASTER_ADDR), unseen here

@@ -120,6 +120,10 @@ class JobState:
     # rank -> (gen, node): asked to start there, not yet said started (or dropped) by the agent.
     # An agent holds a spawn while its template warms up: a rank in here may start any time.
     spawning: dict[int, tuple[int, int]] = field(default_factory=dict)
+    # rank -> (gen, node): a replacement started before generation `gen`'s plan was decided, on
+    # the node its predecessor ran on (`coordinator.ahead_of_decision`); it waits for the plan.
+    # Until the generation opens it is no survivor to wait for, and not started again.
+    ahead: dict[int, tuple[int, int]] = field(default_factory=dict)
     nodes: dict[int, NodeState] = field(default_factory=dict)
     gen: int = 0
     phase: Phase = Phase.STARTING

@@ -146,18 +146,15 @@ def _answers(batches: list[set[int]]) -> tuple[Any, list[float]]:
 
 
 def test_answers_are_waited_for_while_they_keep_coming_and_a_silent_rank_is_given_up() -> None:
-    from ffctl.controller.coordinator import RecoveryCoordinator
+    from ffctl.controller.coordinator import await_answers
 
     cluster, waits = _answers([set(range(0, 300)), set(range(300, 700)), set(range(700, 1023)), set()])
-    coord = RecoveryCoordinator.__new__(RecoveryCoordinator)
-    coord.cluster = cluster
     ranks = set(range(1024))  # rank 1023 never answers (stopped)
-    coord._await_answers(ranks, lambda: set(cluster.got), 1.5)
+    await_answers(cluster, ranks, lambda: set(cluster.got), 1.5)
     # Three windows brought answers, the fourth none: then the silent one is given up.
     assert len(waits) == 4 and cluster.got == set(range(1023))
     cluster2, waits2 = _answers([set(range(8))])
-    coord.cluster = cluster2
-    coord._await_answers(set(range(8)), lambda: set(cluster2.got), 1.5)
+    await_answers(cluster2, set(range(8)), lambda: set(cluster2.got), 1.5)
     assert len(waits2) == 1  # all answered in the first window: no more waiting
 
 

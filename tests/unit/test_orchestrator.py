@@ -55,6 +55,8 @@ class FakeCluster:
         self.started_agents: list[int] = []
         self.waited_agents: list[int] = []
         self.opened: list[tuple[int, Decision | None, list[int]]] = []
+        self.opened_ahead: list[frozenset[int]] = []  # each opened generation's ranks started ahead
+        self.spawned_ahead: list[tuple[int, list[int]]] = []
         self.hooks: dict[str, list[Callable[[], None]]] = {}
         self.on_await: dict[int, Callable[[], None]] = {}
         self.blame: list[list[str]] = []  # fault ids for each failure, in order
@@ -127,12 +129,20 @@ class FakeCluster:
             self.job.nodes[n].up, self.job.nodes[n].peer = True, (f"10.0.0.{n}", 29400)
             self.held[n] = ({}, {})  # a restarted node holds nothing from before
 
-    def open_generation(self, gen: int, decision: Decision | None, respawn: list[int]) -> None:
+    def spawn_ahead(self, gen: int, ranks: list[int]) -> None:
+        self.spawned_ahead.append((gen, list(ranks)))
+        for r in ranks:  # the agent starts each at once and says so (`Spawned`)
+            self.job.pids[r] = 1000 * (gen + 1) + r
+
+    def open_generation(self, gen: int, decision: Decision | None, respawn: list[int],
+                        ahead: frozenset[int] = frozenset()) -> None:
         self.opened.append((gen, decision, respawn))
+        self.opened_ahead.append(ahead)
         self.job.gen = gen
         self.job.progress.open(gen, decision.restore_step if decision else 0)
         for r in respawn:
-            self.job.pids[r] = 1000 * (gen + 1) + r
+            if r not in ahead:
+                self.job.pids[r] = 1000 * (gen + 1) + r
 
     def await_generation(self, gen: int, respawn: list[int], restore_step: int, source: RestoreSource) -> None:
         hook = self.on_await.pop(gen, None)
@@ -676,3 +686,82 @@ def test_the_next_generation_waits_for_a_spawn_the_agent_has_not_called_off() ->
     with pytest.raises(FatalRun, match=r"rank\(s\) \[3\] did not stop within 15s"):
         _coordinator(cluster).recover()
     assert not cluster.opened
+
+
+def _warm_job() -> tuple[JobState, FakeCluster]:
+    """`_job`, each node's worker template warm: a replacement there starts in milliseconds."""
+    job = _job()
+    for st in job.nodes.values():
+        st.template = True
+    return job, _cluster(job)
+
+
+def test_a_killed_rank_is_started_again_while_the_survivors_leave_their_step() -> None:
+    # Its node lives and it goes nowhere else: it starts before the survivors have answered,
+    # waits for generation 1's plan, and is not started a second time when that opens.
+    job, cluster = _warm_job()
+    job.fail(_rank_exit(job, 1))
+    seen_while_survivors_answer: list[list[tuple[int, list[int]]]] = []
+    cluster.hooks["abort"] = [lambda: seen_while_survivors_answer.append(list(cluster.spawned_ahead))]
+    outcome = _coordinator(cluster).recover()
+    assert seen_while_survivors_answer == [[(1, [1])]]
+    assert outcome.ranks == (1,) and outcome.restore_source is RestoreSource.LOCAL_MEMORY
+    assert cluster.opened_ahead == [frozenset({1})] and cluster.opened[0][2] == [1]
+    assert job.pids[1] == 2001 and not cluster.kills() and not job.ahead
+
+
+def test_no_replacement_starts_ahead_without_a_warm_start_or_for_a_node_fault() -> None:
+    job = _job()  # no template, no spare: a cold start the decision might not keep
+    cluster = _cluster(job)
+    job.fail(_rank_exit(job, 1))
+    _coordinator(cluster).recover()
+    job, warm = _warm_job()
+    job.nodes[1].declare_lost()
+    job.fail(Failure(Cause.NODE_LOST, nodes={1}))
+    _coordinator(warm).recover()
+    assert cluster.spawned_ahead == [] and warm.spawned_ahead == [] and warm.opened_ahead == [frozenset()]
+
+
+def test_a_replacement_started_ahead_on_a_node_lost_meanwhile_is_placed_again() -> None:
+    job, cluster = _warm_job()
+    job.fail(_rank_exit(job, 1))
+
+    def lose_node_0() -> None:
+        job.nodes[0].declare_lost()
+        job.fail(Failure(Cause.NODE_LOST, nodes={0}, t=2.0))
+    cluster.hooks["abort"] = [lose_node_0]
+    outcome = _coordinator(cluster).recover()
+    assert cluster.spawned_ahead == [(1, [1])]
+    # Both of node 0's ranks go to node 1's warm template, rank 1 with them.
+    assert set(outcome.ranks) == {0, 1} and cluster.opened_ahead == [frozenset()]
+    assert job.members[0] == job.members[1] == 1
+
+
+def test_a_replacement_started_ahead_that_dies_before_the_decision_is_started_again() -> None:
+    job, cluster = _warm_job()
+    job.fail(_rank_exit(job, 1))
+
+    def dies() -> None:
+        assert job.pids[1] == 2001
+        job.pids[1] = None
+        job.fail(Failure(Cause.PROCESS_EXIT, {1}, t=2.0, detail="exit code 1"))
+    cluster.hooks["abort"] = [dies]
+    outcome = _coordinator(cluster).recover()
+    assert outcome.ranks == (1,) and outcome.attempts == 1
+    assert cluster.opened_ahead == [frozenset()] and cluster.opened[0][2] == [1] and job.pids[1] == 2001
+
+
+def test_replacements_started_ahead_by_an_abandoned_attempt_are_kept_by_the_next() -> None:
+    # Rank 3 dies while the inventories are asked for: the attempt is abandoned before
+    # generation 1 opens. Rank 1's replacement, waiting for generation 1's plan, is no survivor
+    # of generation 0 (left among them it would never answer the abort and be killed): the next
+    # attempt counts it lost, keeps it, and starts rank 3's replacement ahead too.
+    job, cluster = _warm_job()
+    job.fail(_rank_exit(job, 1))
+    cluster.blame = [["f1"], ["f2"]]
+    cluster.hooks["inventory"] = [lambda: job.fail(_rank_exit(job, 3, t=2.0))]
+    outcome = _coordinator(cluster).recover()
+    assert outcome.attempts == 2 and outcome.gen == 1 and outcome.ranks == (1, 3)
+    assert cluster.spawned_ahead == [(1, [1]), (1, [3])]
+    assert cluster.opened_ahead == [frozenset({1, 3})] and not cluster.kills()
+    assert job.pids[1] == 2001 and job.pids[3] == 2003
