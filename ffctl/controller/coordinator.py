@@ -40,7 +40,7 @@ from runs.events import EventKind, RestoreSource
 
 __all__ = ["FatalRun", "RankFailure", "RecoveryAbandoned", "RecoveryCoordinator", "RecoveryOutcome", "Verdict",
            "ahead_of_decision", "await_answers", "describe", "error_line", "kept_ahead", "place", "restart_verdict", "root_cause",
-           "signal_name"]
+           "signal_name", "start_ahead"]
 
 ABORT_ACK_TIMEOUT = 5.0
 # A running rank's abort watcher answers within milliseconds; this leaves room for a loaded host.
@@ -301,10 +301,8 @@ class RecoveryCoordinator:
             if job.members[r] in lost_nodes:
                 job.pids[r] = None  # gone with their node; no agent is left to report the exit
         if self.strategy is Strategy.PEER:
-            early = [] if self.script_restores_itself else ahead_of_decision(job, lost, lost_nodes)
-            if early:
-                job.ahead.update({r: (old_gen + 1, job.members[r]) for r in early})
-                cluster.spawn_ahead(old_gen + 1, early)
+            if not self.script_restores_itself:  # (an unchanged script's group restarts whole)
+                start_ahead(cluster, job, lost, lost_nodes, old_gen + 1)
             lost |= self._collect_survivors(old_gen, lost)
             # Nodes lost while survivors were acknowledging belong to this recovery too, and so
             # do their faults (two nodes killed in one step: the second seen meanwhile).
@@ -475,21 +473,39 @@ def ahead_of_decision(job: JobState, lost: set[int], lost_nodes: set[int]) -> li
     start (the script's imports and model, a first look at the optimizer's sharded state) then
     runs while the survivors leave their step, instead of after the decision.
 
-    Only where the decision cannot put the rank elsewhere: a process that exited (its exit
-    seen, so nothing of it can join the next generation), at home on a node that lives, with no
-    node lost (their ranks' placement waits for the decision), and with a warm template or spare
-    there: a cold start would spend seconds of CPU beside the survivors on a replacement the
-    decision may still not keep (`kept_ahead`)."""
-    if lost_nodes:
-        return []
+    Only where the decision cannot put the rank elsewhere: a rank with no process (its exit
+    seen, or its node lost), at home on a node that lives (a lost node's ranks once `start_ahead`
+    has placed them), with a warm template or spare there: a cold start would spend seconds of
+    CPU beside the survivors on a replacement the decision may still not keep (`kept_ahead`)."""
     ranks = []
     for r in sorted(lost):
         node = job.members[r]
         st = job.nodes.get(node)
-        if (r not in job.ahead and job.stopped(r) and st is not None and st.up and job.home.get(r, node) == node
-                and (st.template or st.spares > 0)):
+        at_home = job.home.get(r, node) == node or job.home.get(r) in lost_nodes
+        if (r not in job.ahead and job.stopped(r) and st is not None and st.up and node not in lost_nodes
+                and at_home and (st.template or st.spares > 0)):
             ranks.append(r)
     return ranks
+
+
+def start_ahead(cluster: Cluster, job: JobState, lost: set[int], lost_nodes: set[int], gen: int) -> None:
+    """Start the replacements `ahead_of_decision` picks, into generation `gen`. The lost nodes'
+    ranks are placed first, as the decision would place them (`place`), when all of them are at
+    home (its sources only matter for a rank away from home) and the backend holds no spare node
+    (they would come back on it). A spare they take is taken off its node's count at once, as
+    `place` counts them: a node lost meanwhile must not have its ranks placed on it too before
+    its agent has said it has fewer."""
+    on_lost = [r for r in sorted(lost) if job.members[r] in lost_nodes]
+    if on_lost and all(job.home.get(r, job.members[r]) == job.members[r] for r in on_lost) and not cluster.spare_nodes():
+        place(job, on_lost, lost_nodes, 0, cluster.has_gpu(), {})
+        for r in on_lost:
+            st = job.nodes[job.members[r]]
+            if job.members[r] not in lost_nodes:
+                st.spares_total = max(0, st.spares_total - 1)
+    ranks = ahead_of_decision(job, lost, lost_nodes)
+    if ranks:
+        job.ahead.update({r: (gen, job.members[r]) for r in ranks})
+        cluster.spawn_ahead(gen, ranks)
 
 
 def kept_ahead(job: JobState, gen: int, lost_nodes: set[int]) -> set[int]:

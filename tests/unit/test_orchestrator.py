@@ -710,16 +710,42 @@ def test_a_killed_rank_is_started_again_while_the_survivors_leave_their_step() -
     assert job.pids[1] == 2001 and not cluster.kills() and not job.ahead
 
 
-def test_no_replacement_starts_ahead_without_a_warm_start_or_for_a_node_fault() -> None:
+def test_no_replacement_starts_ahead_without_a_warm_start() -> None:
     job = _job()  # no template, no spare: a cold start the decision might not keep
     cluster = _cluster(job)
     job.fail(_rank_exit(job, 1))
     _coordinator(cluster).recover()
-    job, warm = _warm_job()
-    job.nodes[1].declare_lost()
-    job.fail(Failure(Cause.NODE_LOST, nodes={1}))
-    _coordinator(warm).recover()
-    assert cluster.spawned_ahead == [] and warm.spawned_ahead == [] and warm.opened_ahead == [frozenset()]
+    assert cluster.spawned_ahead == [] and cluster.opened_ahead == [frozenset()]
+
+
+def _node_1_lost(cluster: FakeCluster) -> None:
+    cluster.job.nodes[1].declare_lost()
+    cluster.job.fail(Failure(Cause.NODE_LOST, nodes={1}))
+
+
+def test_a_lost_nodes_ranks_are_placed_and_started_ahead_where_the_decision_puts_them() -> None:
+    job, cluster = _warm_job()
+    _node_1_lost(cluster)
+    placed_while_survivors_answer: list[dict[int, int]] = []
+    cluster.hooks["abort"] = [lambda: placed_while_survivors_answer.append(dict(job.members))]
+    outcome = _coordinator(cluster).recover()
+    assert placed_while_survivors_answer == [{0: 0, 1: 0, 2: 0, 3: 0}]
+    assert cluster.spawned_ahead == [(1, [2, 3])] and cluster.opened_ahead == [frozenset({2, 3})]
+    assert outcome.ranks == (2, 3) and outcome.restore_source is RestoreSource.PEER_MEMORY
+    (decided,) = cluster.recorded(EventKind.RECOVERY_DECIDED)
+    assert decided["placement"] == {"2": 0, "3": 0} and job.home == {0: 0, 1: 0, 2: 1, 3: 1}
+
+
+@pytest.mark.parametrize("why", ["gpu", "spare-node"])
+def test_a_lost_nodes_ranks_wait_for_the_decision_where_it_may_not_place_them_on_a_survivor(why: str) -> None:
+    # A GPU host has no device free for a second rank without a spare; a backend's spare node
+    # takes the lost node's ranks once its agent is up there.
+    job, cluster = _warm_job()
+    cluster.gpu, cluster.spare_hosts = why == "gpu", int(why == "spare-node")
+    _node_1_lost(cluster)
+    _coordinator(cluster).recover()
+    assert cluster.spawned_ahead == [] and cluster.opened_ahead == [frozenset()]
+    assert job.members[2] == job.members[3] == 1 and cluster.started_agents == [1]
 
 
 def test_a_replacement_started_ahead_on_a_node_lost_meanwhile_is_placed_again() -> None:
