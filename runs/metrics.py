@@ -86,6 +86,8 @@ class FaultMetrics:
     revert_ok: bool | None = None
     # How each replacement of the recovery started (spare | template | cold), by rank.
     started_by: dict[str, str] = field(default_factory=dict)
+    # The replacements started before the recovery's decision, while the survivors left their step.
+    started_ahead: list[int] = field(default_factory=list)
     # Wall time lost to the fault against the job's pace before it (see `_lost_windows`); the
     # pace (seconds per step) it was measured against, and when the job was back at it (None:
     # it never was before the run ended, and the loss counts to the end).
@@ -390,6 +392,7 @@ def _fault_metrics(inj: Event, events: list[Event], world_size: int, end_t: floa
         spawned = _first(events, lambda ev: ev.kind is EventKind.RANKS_SPAWNED
                          and ev.get("gen") == decision.get("gen") and ev.t >= decision.t)
     started_by = spawned.get("started_by") if spawned is not None else None
+    ahead = spawned.get("started_ahead") if spawned is not None else None
     ranks = inj.get("ranks") if isinstance(inj.get("ranks"), list) else []
     return FaultMetrics(
         restore_check=_restore_check(events, decision),
@@ -414,6 +417,7 @@ def _fault_metrics(inj: Event, events: list[Event], world_size: int, end_t: floa
         reverted_by=reverted_by,
         revert_ok=revert_ok,
         started_by={str(r): str(h) for r, h in started_by.items()} if isinstance(started_by, dict) else {},
+        started_ahead=sorted(r for r in ahead if type(r) is int) if isinstance(ahead, list) else [],
         step_known=step_known,
         recovery_until="step" if step_known else "workers-up",
         measured_from=str(inj.get("measured_from") or "injection"),

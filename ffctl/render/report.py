@@ -33,8 +33,10 @@ def _gpu_h(value: float | None) -> str:
 
 def started_text(fault: dict[str, Any]) -> str:
     """How the replacements started: a warm spare, a fork of the agent's template, or a fresh
-    interpreter (cold); per rank when they differ."""
-    by = fault.get("started_by") or {}
+    interpreter (cold), and "(ahead)" when before the recovery's decision; per rank when they
+    differ."""
+    ahead = {str(r) for r in fault.get("started_ahead") or []}
+    by = {r: f"{how} (ahead)" if str(r) in ahead else str(how) for r, how in (fault.get("started_by") or {}).items()}
     kinds = sorted(set(by.values()))
     if not kinds:
         return "-"

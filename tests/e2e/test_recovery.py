@@ -64,6 +64,10 @@ def test_peer_kill_rank_then_kill_node_is_bit_exact(workdir: Path, baseline: lis
     # Survivors stayed in their processes: only the lost ranks were respawned.
     decided = [e for e in res.events if e.kind is EventKind.RECOVERY_DECIDED]
     assert decided[0].get("ranks") == [1] and decided[1].get("ranks") == [2, 3]
+    # Each replacement started before the decision, while the survivors left their step: the
+    # lost node's ranks where the decision then placed them (node 0's warm template or spares).
+    assert (rank_fault["started_ahead"], node_fault["started_ahead"]) == ([1], [2, 3]), rep["faults"]
+    assert decided[1].get("placement") == {"2": 0, "3": 0}
     exits = {e.get("pid") for e in res.events if e.kind is EventKind.RANK_EXITED and not e.get("expected")}
     first = _pids(res.events)
     assert first[0] not in exits and first[0] == _pids(res.events)[0]

@@ -45,7 +45,7 @@ def two_fault_run(start: float, strategy: str = "peer") -> StreamBuilder:
     b.failure_detected(["f1"], gen=0, dt=0.25)
     b.recovery_decided(["f1"], gen=1, restore_step=10, restore_source="peer-memory", strategy=strategy, dt=0.25)
     b.emit(EventKind.RANKS_SPAWNED, 1.0, gen=1, ranks=[1, 3],
-           started_by={"1": "spare", "3": "template"})
+           started_by={"1": "spare", "3": "template"}, started_ahead=[1])
     b.rendezvous_done(1, dt=0.5)
     b.restore_done(1, step=10, dt=0.25)
     b.steps(11, 20, gen=1)
@@ -148,12 +148,12 @@ def test_a_run_s_report_at_80_columns_cuts_no_value(runs_dir: Path) -> None:
     assert code == 0, out
     rep = json.loads(out)
     f1, f2 = rep["faults"]
-    assert f1["started_by"] == {"1": "spare", "3": "template"}
+    assert f1["started_by"] == {"1": "spare", "3": "template"} and f1["started_ahead"] == [1]
     assert f2["kind"] == "net-bandwidth" and f2["detection_s"] is None and f2["lost_s"] == pytest.approx(4.0)
     code, text = run_cli(["report", LONG_ID], runs_dir)
     assert code == 0, text
     values = [LONG_ID, "completed", "peer", f"{rep['final_loss']:.4f}", f"{rep['goodput']:.3f}",
-              f"{rep['lost_gpu_hours_total']:.6f}", f"{rep['spare_gpu_hours']:.6f}", "rank 1: spare, rank 3: template",
+              f"{rep['lost_gpu_hours_total']:.6f}", f"{rep['spare_gpu_hours']:.6f}", "rank 1: spare (ahead), rank 3: template",
               "not detected", "peer-memory"]
     assert_whole(values + fault_values(f1) + fault_values(f2), text)
     for label in ("goodput", "lost GPU-hours", "spare GPU-hours", "started by", "emulated", "restore source",

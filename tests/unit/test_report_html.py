@@ -63,7 +63,7 @@ def test_a_run_with_two_faults_gets_its_tables_and_two_plots(runs_dir: Path, tmp
     _, js = run_cli(["report", LONG_ID, "--json"], runs_dir)
     rep = json.loads(js)
     f1, f2 = rep["faults"]
-    for value in (LONG_ID, "summary", "peer-memory", "rank 1: spare, rank 3: template", "net-bandwidth", "node:1",
+    for value in (LONG_ID, "summary", "peer-memory", "rank 1: spare (ahead), rank 3: template", "net-bandwidth", "node:1",
                   "not detected", f"{f1['recovery_s']:.2f}", f"{f2['lost_s']:.2f}", f"{rep['goodput']:.3f}",
                   f"{rep['lost_gpu_hours_total']:.6f}", "rendezvous", "replay"):
         assert f">{value}<" in page, value
