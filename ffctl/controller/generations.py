@@ -101,7 +101,9 @@ class Generations:
         said = Report.SPAWNED if self.plain_script else Report.STARTED
         # (A rank that already ended cleanly without a word ran no library: it is done, see
         # Inbox._on_rank_exited, and nothing more is to be waited for from it.)
-        spawned = lambda: set(respawn) <= job.reported(said, gen) | job.reported(Report.DONE, gen)  # noqa: E731
+        # Not while its agent has yet to say it started one: a replacement started ahead and
+        # stopped again (`coordinator.kept_ahead`) may have said `started` into this generation.
+        spawned = lambda: set(respawn) <= (job.reported(said, gen) - set(job.spawning)) | job.reported(Report.DONE, gen)  # noqa: E731
         if not self.wait_for(spawned, PHASE_TIMEOUT, "spawn"):
             raise FatalRun(f"ranks {sorted(respawn)} were not spawned within {PHASE_TIMEOUT:g}s")
         # How each started (a warm spare, a fork of the template, a fresh interpreter) and how
