@@ -39,8 +39,8 @@ from wire.generation_plan import LocalSlot, Source
 from runs.events import EventKind, RestoreSource
 
 __all__ = ["FatalRun", "RankFailure", "RecoveryAbandoned", "RecoveryCoordinator", "RecoveryOutcome", "Verdict",
-           "ahead_of_decision", "await_answers", "describe", "error_line", "kept_ahead", "place", "restart_verdict", "root_cause",
-           "signal_name", "start_ahead"]
+           "ahead_of_decision", "await_answers", "describe", "error_line", "kept_ahead", "place",
+           "restart_verdict", "root_cause", "signal_name", "start_ahead"]
 
 ABORT_ACK_TIMEOUT = 5.0
 # A running rank's abort watcher answers within milliseconds; this leaves room for a loaded host.
