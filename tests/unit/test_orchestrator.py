@@ -718,14 +718,14 @@ def test_no_replacement_starts_ahead_without_a_warm_start() -> None:
     assert cluster.spawned_ahead == [] and cluster.opened_ahead == [frozenset()]
 
 
-def _node_1_lost(cluster: FakeCluster) -> None:
-    cluster.job.nodes[1].declare_lost()
-    cluster.job.fail(Failure(Cause.NODE_LOST, nodes={1}))
+def _lose_node(job: JobState, node: int, t: float = 1.0) -> None:
+    job.nodes[node].declare_lost()
+    job.fail(Failure(Cause.NODE_LOST, nodes={node}, t=t))
 
 
 def test_a_lost_nodes_ranks_are_placed_and_started_ahead_where_the_decision_puts_them() -> None:
     job, cluster = _warm_job()
-    _node_1_lost(cluster)
+    _lose_node(job, 1)
     placed_while_survivors_answer: list[dict[int, int]] = []
     cluster.hooks["abort"] = [lambda: placed_while_survivors_answer.append(dict(job.members))]
     outcome = _coordinator(cluster).recover()
@@ -742,7 +742,7 @@ def test_a_lost_nodes_ranks_wait_for_the_decision_where_it_may_not_place_them_on
     # takes the lost node's ranks once its agent is up there.
     job, cluster = _warm_job()
     cluster.gpu, cluster.spare_hosts = why == "gpu", int(why == "spare-node")
-    _node_1_lost(cluster)
+    _lose_node(job, 1)
     _coordinator(cluster).recover()
     assert cluster.spawned_ahead == [] and cluster.opened_ahead == [frozenset()]
     assert job.members[2] == job.members[3] == 1 and cluster.started_agents == [1]
@@ -751,11 +751,7 @@ def test_a_lost_nodes_ranks_wait_for_the_decision_where_it_may_not_place_them_on
 def test_a_replacement_started_ahead_on_a_node_lost_meanwhile_is_placed_again() -> None:
     job, cluster = _warm_job()
     job.fail(_rank_exit(job, 1))
-
-    def lose_node_0() -> None:
-        job.nodes[0].declare_lost()
-        job.fail(Failure(Cause.NODE_LOST, nodes={0}, t=2.0))
-    cluster.hooks["abort"] = [lose_node_0]
+    cluster.hooks["abort"] = [lambda: _lose_node(job, 0, t=2.0)]
     outcome = _coordinator(cluster).recover()
     assert cluster.spawned_ahead == [(1, [1])]
     # Both of node 0's ranks go to node 1's warm template, rank 1 with them.
