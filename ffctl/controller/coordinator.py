@@ -499,8 +499,8 @@ def start_ahead(cluster: Cluster, job: JobState, lost: set[int], lost_nodes: set
     if on_lost and all(job.home.get(r, job.members[r]) == job.members[r] for r in on_lost) and not cluster.spare_nodes():
         place(job, on_lost, lost_nodes, 0, cluster.has_gpu(), {})
         for r in on_lost:
-            st = job.nodes[job.members[r]]
             if job.members[r] not in lost_nodes:
+                st = job.nodes[job.members[r]]
                 st.spares_total = max(0, st.spares_total - 1)
     ranks = ahead_of_decision(job, lost, lost_nodes)
     if ranks:

@@ -43,7 +43,7 @@ class Generations:
         self.record_dir = record_dir
         self.plain_script = plain_script
         self.max_restarts = max_restarts
-        self._ahead: dict[int, list[int]] = {}  # gen -> its ranks started before its plan
+        self._ahead: tuple[int, list[int]] = (-1, [])  # the opened generation, its ranks started before its plan
 
     def rank_env(self, rank: int, gen: int) -> dict[str, str]:
         spec = self.spec
@@ -90,7 +90,7 @@ class Generations:
         self.job.gen = gen
         self.job.progress.open(gen, plan.restore_step, decision.verify_until if decision else 0)
         self.plane.publish(gen, plan)
-        self._ahead[gen] = sorted(ahead & set(respawn))
+        self._ahead = (gen, sorted(ahead & set(respawn)))
         self.spawn(gen, [r for r in respawn if r not in ahead])
 
     def await_running(self, gen: int, respawn: list[int], restore_step: int, source: RestoreSource) -> None:
@@ -113,7 +113,7 @@ class Generations:
                     pids={str(r): job.pids.get(r) for r in respawn},
                     started_by={r: how for r, (how, _) in started.items() if how},
                     start_s={r: s for r, (_, s) in started.items() if s is not None},
-                    started_ahead=self._ahead.get(gen, []))
+                    started_ahead=self._ahead[1] if self._ahead[0] == gen else [])
         if self.plain_script or world <= job.reported(Report.DONE, gen):
             job.last_progress = time.monotonic()
             return  # its rendezvous is torch's own (MASTER_ADDR), unseen here
