@@ -19,7 +19,7 @@ import pytest
 from tests.helpers.launch import assert_nothing_left, run_ffctl, shm_left
 
 # Two whole jobs (the campaign and its twin): a few minutes on a loaded 2-core host.
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), pytest.mark.exclusive]
 
 SEED = 1
 MIN_FAULTS = 50

@@ -11,7 +11,7 @@ import pytest
 from tests.helpers.launch import assert_nothing_left, launch, rid, run_ffctl
 
 # Whole jobs launched and trained, often several a test: minutes on a loaded 2-core host.
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.exclusive]
 
 # Steps enough to outlast the chaos schedule's 10 s: 400 steps once took 12 s here, and 8 s since
 # one host's nodes stream their copies over a Unix socket (the run then ended with one fault dealt).

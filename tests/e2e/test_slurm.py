@@ -47,6 +47,8 @@ def test_private_cluster_runs_steps_on_named_nodes_and_cancels_them(cluster: Slu
     cluster.run(["scancel", env["SLURM_JOB_ID"]])
 
 
+# Slurm's recovery against the local backend's, timed side by side.
+@pytest.mark.exclusive
 def test_sbatch_example_kills_a_node_and_recovers_it_from_peer_memory(cluster: SlurmCluster, tmp_path: Path) -> None:
     work = tmp_path / "work"
     work.mkdir()

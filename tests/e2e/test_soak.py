@@ -22,7 +22,7 @@ from fault_injectors.schedule import parse_chaos
 from tests.helpers.launch import assert_nothing_left, ffctl_argv, shm_left
 
 # Four whole jobs at once on a 2-core host, 180 faults among them: about three minutes here.
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500), pytest.mark.exclusive]
 
 SEEDS = (1, 2, 3)
 FAULTS = 60

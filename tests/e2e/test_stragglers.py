@@ -13,7 +13,7 @@ from runs.events import Event, EventKind
 from tests.helpers.launch import Result, assert_nothing_left, launch, rid, run_ffctl, shm_left
 
 # Whole jobs launched and trained, often several a test: minutes on a loaded 2-core host.
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.exclusive]
 
 # Two nodes of one rank: on a 2-core host each rank has a core, so a healthy step's time does not
 # depend on which rank the scheduler happens to favour. `small` steps of 16 sequences take about

@@ -4,9 +4,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass
@@ -174,9 +176,16 @@ def _retrying_exit_abort(argv: Callable[[], list[str]], whole: Callable[[str], b
 
 
 def torchrun_script(cwd: Path, argv: list[str], whole: Callable[[str], bool]) -> subprocess.CompletedProcess[str]:
-    """`torchrun ARGV` in `cwd`, as a user runs it (see TORCH_EXIT_ABORT)."""
-    return _retrying_exit_abort(lambda: [sys.executable, "-m", "torch.distributed.run", *argv], whole, cwd,
-                                tmpdir=cwd)
+    """`torchrun ARGV` in `cwd`, as a user runs it (see TORCH_EXIT_ABORT), with a TMPDIR of its
+    own, removed after it. A short one: a DataLoader worker passes each batch's tensors through a
+    Unix socket made there, and a path past 108 bytes (a pytest worker's temporary folder, three
+    levels down) fails the worker's send and leaves the script waiting for that batch forever."""
+    tmpdir = Path(tempfile.mkdtemp(prefix="ffctl-tr-"))
+    try:
+        return _retrying_exit_abort(lambda: [sys.executable, "-m", "torch.distributed.run", *argv], whole, cwd,
+                                    tmpdir=tmpdir)
+    finally:
+        shutil.rmtree(tmpdir, ignore_errors=True)
 
 
 def ffctl_launch_script(cwd: Path, prefix: str, argv: list[str],

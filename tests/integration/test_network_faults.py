@@ -178,6 +178,8 @@ def send_seconds(netns: str, address: str, port: int, nbytes: int) -> float:
     return float(out.stdout)
 
 
+# Measures throughput.
+@pytest.mark.exclusive
 @needs_root
 def test_bandwidth_shapes_peers_not_the_controller_and_reverts(sb: NetnsSandbox, run_id: str) -> None:
     n0, n1, _ = sb.nodes
