@@ -32,7 +32,7 @@ if str(ROOT) not in sys.path:
 MARKER = "FFCTL_TEST_SESSION"
 # xdist's workers inherit the value the controlling pytest set: each adds its own id to it.
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
-os.environ[MARKER] = os.environ.get(MARKER, uuid.uuid4().hex).split("-")[0] + (f"-{_WORKER}" if _WORKER else "")
+os.environ[MARKER] = os.environ.get(MARKER, uuid.uuid4().hex) + (f"-{_WORKER}" if _WORKER else "")
 # Workers beyond this add load, not speed: each test's job is several processes.
 MAX_WORKERS = 2
 LEAK_GRACE_S = float(os.environ.get("FFCTL_TEST_LEAK_GRACE", "20"))
