@@ -21,7 +21,12 @@ COLD_TEMPLATE = "ffctl.agent.template"
 
 
 def _cmd(proc: psutil.Process) -> str:
-    return " ".join(proc.cmdline())
+    # A child listed a moment ago may have exited since (a worker the agent just replaced): gone,
+    # it is no template of either kind.
+    try:
+        return " ".join(proc.cmdline())
+    except psutil.NoSuchProcess:
+        return ""
 
 
 def _forked_warm(agent_pid: int, host: psutil.Process) -> None:

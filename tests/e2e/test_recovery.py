@@ -388,17 +388,20 @@ def test_faults_close_together_never_find_the_spare_pool_empty(workdir: Path, ba
     assert not shm_left(res.run_id)
 
 
-def _template_of(workdir: Path, not_pid: int = 0, timeout: float = 60.0) -> psutil.Process:
+def _template_of(workdir: Path, not_pid: int = 0, cold: bool = False, timeout: float = 60.0) -> psutil.Process:
+    """The agent's worker template: the single-threaded child of an agent that runs the template's
+    module. Workers forked from the template carry its command line too, but a running worker has
+    several threads. The first template, forked from an agent that was itself forked from the
+    host template, carries the host template's command line. One the agent restarts (`cold`) is a
+    fresh `python -m ffctl.agent.template`: looked for by that module only, since the agent's
+    child between its fork and its exec still carries the agent's (the host template's) command
+    line, and suspending that child would hold the agent in `Popen` instead of the template."""
+    modules = ["ffctl.agent.template"] if cold else ["ffctl.agent.template", "ffctl.agent.host_template"]
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        # Workers forked from the template carry its command line too; the template is the one
-        # with a single thread (it forks only while it has one), a running worker has several.
-        # Forked from the host template, the template, its agent and the host template all carry
-        # the host template's: the worker template is the single-threaded one an agent started.
         found = []
         for p in processes_in(workdir):
-            if p.pid != not_pid and ("ffctl.agent.template" in " ".join(p.info["cmdline"] or [])
-                                     or "ffctl.agent.host_template" in " ".join(p.info["cmdline"] or [])):
+            if p.pid != not_pid and any(m in (p.info["cmdline"] or []) for m in modules):
                 with contextlib.suppress(psutil.Error):
                     if p.num_threads() == 1 and "ffctl.agent" in " ".join(psutil.Process(p.ppid()).cmdline()):
                         found.append(p)
@@ -420,7 +423,7 @@ def test_a_dead_template_is_restarted_and_meanwhile_workers_start_cold(workdir: 
         old.kill()
         # The agent starts a new one at once; hold it before it is warm, so that the next
         # replacement finds no template and must start as a fresh interpreter.
-        new = _template_of(workdir, not_pid=old.pid)
+        new = _template_of(workdir, not_pid=old.pid, cold=True)
         new.suspend()
         out = run_ffctl(workdir, "inject", "kill-rank", "--run", run_id, "--rank", "1", timeout=120)
         assert out.returncode == 0, out.stderr
