@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, TypeVar
 import torch
 import torch.distributed as dist
 
-from recovery import ddp, disk, fsdp, process_group, termination
+from recovery import ddp, disk, failed_step, fsdp, process_group, termination
 
 from wire import control, messages
 from recovery.context import StepContext
@@ -536,7 +536,10 @@ class Job:
             try:
                 self.faults.check()
                 self.faults.at(StepPhase.FORWARD, step)
-                loss = float(step_fn(StepContext(step, self)))
+                try:
+                    loss = float(step_fn(StepContext(step, self)))
+                finally:
+                    failed_step.leave()  # a failed step's products were skipped; the next one's run
                 failed = process_group.failure()
                 if failed is not None:
                     raise failed  # a collective of torch's modules failed: the step is not committed

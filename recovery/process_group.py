@@ -18,7 +18,8 @@ and `new_group` make them as they make any group):
   it was, and the failure is recorded (`failure`) and raised before any parameter moves, by the
   optimizer's step pre-hook (`recovery.fsdp`) and by the job after the step function. Every
   later collective of the failed generation completes at once, issuing nothing, so the rest of
-  the step runs through quickly on garbage that is never committed. Raising instead would leave
+  the step runs through quickly on garbage that is never committed, without its matrix products
+  (`recovery.failed_step`). Raising instead would leave
   FSDP2's state machine half way: an exception in a forward's all-gather leaves a module's
   unshard pending, and its next forward skips the all-gather that a replacement rank issues,
   which pairs different collectives across the ranks of the next generation (measured: gloo
@@ -39,6 +40,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 import torch.distributed as dist
 
+from recovery import failed_step
 from recovery.errors import PeerFailure
 
 if TYPE_CHECKING:
@@ -72,6 +74,9 @@ def bind(gen: Generation | None) -> None:
     The groups of the previous generation are the `Generation`'s to destroy."""
     with _BINDING.lock:
         _BINDING.gen, _BINDING.failed = gen, None
+    failed_step.leave()  # whatever step failed in the previous generation is over
+    if gen is not None:
+        failed_step.trains_here()
 
 
 def on_collective(hook: Callable[[], None] | None) -> None:
@@ -94,8 +99,10 @@ def take_waited() -> float:
 
 
 def _absorb(exc: PeerFailure) -> bool:
-    """Record the failure for the step's end; the collective counts as done (see the module)."""
+    """Record the failure for the step's end; the collective counts as done (see the module),
+    and the rest of the step runs without its matrix products (`recovery.failed_step`)."""
     _BINDING.fail(exc)
+    failed_step.enter()
     return True
 
 
@@ -211,11 +218,12 @@ class ResilientGroup(dist.ProcessGroup):
             raise RuntimeError(f"ffctl: a collective ({what}) outside job.run(): under ffctl the process "
                                "group exists only while the job trains")
         if failed is not None:
+            failed_step.enter()
             return _FailedWork(failed)
         try:
             inner = self._group_of(gen)
         except PeerFailure as exc:  # its rendezvous in this generation was aborted
-            _BINDING.fail(exc)
+            _absorb(exc)
             return _FailedWork(exc)
         return _GenerationWork(gen, call(inner), what)
 
