@@ -110,6 +110,7 @@ class Job:
                        if env.memory_snapshots else None)
         self.faults = InStepFaults(env.fault_dir, env.run_id, env.rank)
         self.last_committed = 0
+        self._skipped = 0  # the matrix products the last step skipped, having failed (`failed_step`)
         self.stopped_at: int | None = None  # the step `run(until=...)` ended the job after
         self._step = 0  # the step being trained
         self._collectives = 0  # collectives the step has started so far
@@ -402,7 +403,9 @@ class Job:
             try:
                 with _stall_dump():
                     self._settle_snapshot()
-                    self._send(messages.Aborted, gen=exc.gen, step=self.last_committed, reason=exc.reason)
+                    self._send(messages.Aborted, gen=exc.gen, step=self.last_committed, reason=exc.reason,
+                               skipped=self._skipped)
+                    self._skipped = 0  # (a failure while joining the next generation skipped nothing)
                     gen, plan = control.newest_plan(self.store, exc.gen + 1, PLAN_TIMEOUT, self._opener,
                                                     self._rejected, reader=self._plans)
                     return self._join(gen, plan, in_step)
@@ -539,7 +542,8 @@ class Job:
                 try:
                     loss = float(step_fn(StepContext(step, self)))
                 finally:
-                    failed_step.leave()  # a failed step's products were skipped; the next one's run
+                    # A failed step's products were skipped; the next one's run. Told in `aborted`.
+                    self._skipped = failed_step.leave()
                 failed = process_group.failure()
                 if failed is not None:
                     raise failed  # a collective of torch's modules failed: the step is not committed

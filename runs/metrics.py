@@ -88,6 +88,8 @@ class FaultMetrics:
     started_by: dict[str, str] = field(default_factory=dict)
     # The replacements started before the recovery's decision, while the survivors left their step.
     started_ahead: list[int] = field(default_factory=list)
+    # The survivors that left their failed step without computing its matrix products.
+    survivors_without_products: int = 0
     # Wall time lost to the fault against the job's pace before it (see `_lost_windows`); the
     # pace (seconds per step) it was measured against, and when the job was back at it (None:
     # it never was before the run ended, and the loss counts to the end).
@@ -155,6 +157,11 @@ class RunMetrics:
 def _text(value: Any) -> str:
     """A field as plain text: a `str` enum gives its value (`str()` of one gives `Class.MEMBER`)."""
     return str(value.value) if isinstance(value, Enum) else str(value)
+
+
+def _count(value: Any) -> int:
+    """A count from the record: a non-negative int, else 0 (an older record has none)."""
+    return value if type(value) is int and value >= 0 else 0
 
 
 def _gen_at(inj: Event, events: list[Event]) -> int:
@@ -418,6 +425,7 @@ def _fault_metrics(inj: Event, events: list[Event], world_size: int, end_t: floa
         revert_ok=revert_ok,
         started_by={str(r): str(h) for r, h in started_by.items()} if isinstance(started_by, dict) else {},
         started_ahead=sorted(r for r in ahead if type(r) is int) if isinstance(ahead, list) else [],
+        survivors_without_products=_count(decision.get("survivors_without_products") if decision is not None else None),
         step_known=step_known,
         recovery_until="step" if step_known else "workers-up",
         measured_from=str(inj.get("measured_from") or "injection"),

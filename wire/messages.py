@@ -466,6 +466,9 @@ class Aborted(Message):
     gen: int = _field(_nat)
     step: int = _field(_nat)
     reason: str | None = _optional(_str)
+    # The matrix products the rank's failed step skipped (`recovery.failed_step`): 0 when it
+    # computed them (the failure came inside `backward()`, or on no collective of torch's).
+    skipped: int | None = _optional(_nat)
 
 
 @_report(Kind.ABORT_SEEN)

@@ -209,6 +209,8 @@ class Inbox:
 
     def _on_aborted(self, msg: messages.Aborted) -> None:
         self.job.reports.add(Report.ABORTED, msg.gen, (msg.rank,))
+        if msg.skipped:
+            self.job.skipped_products.setdefault(msg.gen, set()).add(msg.rank)
 
     def _on_restore_failed(self, msg: messages.RestoreFailed) -> None:
         self.job.reports.add(Report.RESTORE_FAILED, msg.gen, (msg.rank,))

@@ -111,6 +111,27 @@ def test_a_node_lost_without_a_spare_matches_the_fault_free_run(workdir: Path) -
     assert not shm_left(run_id)
 
 
+def test_survivors_leave_a_step_failed_in_its_forward_without_its_products(workdir: Path) -> None:
+    # Rank 1 killed as its step 6 begins: the three others fail in the forward's first
+    # all-gather and run the rest of the step without its matrix products (recovery.failed_step),
+    # which their `aborted` says and the decision records; what they restore is still exact.
+    script = [str(EXAMPLES / "with_ffctl.py"), "--steps", str(STEPS)]
+    layout = ["--nnodes", "2", "--nproc-per-node", "2"]
+    base = _fault_free_losses(workdir, script, layout)
+    run_id = rid("fsdp-forward")
+    res = launch(workdir, run_id, *layout, "--spares", "1", "--inject", "kill-rank:rank=1,step=6,phase=forward",
+                 *script)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert res.report["loss_by_step"] == base  # every step, bit for bit
+    (fault,) = res.report["faults"]
+    assert fault["recovered"] and fault["survivors_without_products"] == 3, fault
+    (decided,) = [e for e in res.events if e.kind is EventKind.RECOVERY_DECIDED]
+    assert decided.get("ranks") == [1] and decided.get("survivors_without_products") == 3, decided
+    assert crashes(res.events) == []
+    assert_nothing_left(workdir)
+    assert not shm_left(run_id)
+
+
 def test_hsdp_survives_a_lost_replica_node_bit_for_bit(workdir: Path) -> None:
     # A 2 x 2 mesh: node 0's ranks are one replica of the model, node 1's the other, each
     # sharding it over its two ranks. Losing node 1 loses a whole replica: its ranks' shards are

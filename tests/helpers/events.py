@@ -174,6 +174,7 @@ class StreamBuilder:
         restore_source: Any = "peer-memory",
         strategy: str = "peer",
         dt: float = 0.0,
+        **fields: Any,
     ) -> Event:
         return self.emit(
             EventKind.RECOVERY_DECIDED,
@@ -183,6 +184,7 @@ class StreamBuilder:
             restore_step=restore_step,
             restore_source=restore_source,
             strategy=strategy,
+            **fields,
         )
 
     def ranks_spawned(self, gen: int, ranks: Iterable[int] = (1,), dt: float = 0.0) -> Event:

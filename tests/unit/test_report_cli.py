@@ -43,7 +43,8 @@ def two_fault_run(start: float, strategy: str = "peer") -> StreamBuilder:
     b.steps(1, 10)
     b.fault_injected("f1", at_step=10, dt=0.125)
     b.failure_detected(["f1"], gen=0, dt=0.25)
-    b.recovery_decided(["f1"], gen=1, restore_step=10, restore_source="peer-memory", strategy=strategy, dt=0.25)
+    b.recovery_decided(["f1"], gen=1, restore_step=10, restore_source="peer-memory", strategy=strategy, dt=0.25,
+                       survivors_without_products=2)
     b.emit(EventKind.RANKS_SPAWNED, 1.0, gen=1, ranks=[1, 3],
            started_by={"1": "spare", "3": "template"}, started_ahead=[1])
     b.rendezvous_done(1, dt=0.5)
@@ -149,6 +150,7 @@ def test_a_run_s_report_at_80_columns_cuts_no_value(runs_dir: Path) -> None:
     rep = json.loads(out)
     f1, f2 = rep["faults"]
     assert f1["started_by"] == {"1": "spare", "3": "template"} and f1["started_ahead"] == [1]
+    assert f1["survivors_without_products"] == 2 and f2["survivors_without_products"] == 0
     assert f2["kind"] == "net-bandwidth" and f2["detection_s"] is None and f2["lost_s"] == pytest.approx(4.0)
     code, text = run_cli(["report", LONG_ID], runs_dir)
     assert code == 0, text
