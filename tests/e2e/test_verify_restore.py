@@ -60,8 +60,14 @@ def step(ctx):
     return loss.item()
 
 
-job.run(step, 24)
+job.run(step, int(sys.argv[2]))
 """
+
+
+# This model's steps take about 5 ms, and a kill "at step 10" is sent from outside once every rank
+# has committed step 10: on a loaded host the ranks commit more meanwhile (a 24-step job once ended
+# before the kill landed). Steps enough that it lands with a recovery and steps to verify after it.
+STEPS = 60
 
 
 def _run(workdir: Path, how: str) -> tuple[Result, str]:
@@ -69,7 +75,7 @@ def _run(workdir: Path, how: str) -> tuple[Result, str]:
     script.write_text(PREFETCH)
     run_id = rid(f"verify-{how}")
     res = launch(workdir, run_id, "--nnodes", "1", "--nproc-per-node", "2", "--spares", "1", "--verify-restore",
-                 "--inject", "kill-rank:rank=1,step=10", str(script), how)
+                 "--inject", "kill-rank:rank=1,step=10", str(script), how, str(STEPS))
     return res, run_id
 
 
@@ -90,7 +96,7 @@ def test_an_unregistered_prefetched_batch_is_caught_at_the_replayed_step(tmp_pat
     assert [f["restore_check"] for f in res.report["faults"]] == ["diverged"]
     # Stopped there, not trained to the end: the ranks go on only for the moment the controller
     # takes to read the replayed step's loss and stop them (a few of this model's 5 ms steps).
-    assert finished.get("steps_completed") < 24, finished
+    assert finished.get("steps_completed") < STEPS, finished
     assert_nothing_left(tmp_path)
     assert not shm_left(run_id)
 
@@ -104,7 +110,7 @@ def test_a_registered_prefetched_batch_recovers_and_is_verified(tmp_path: Path) 
     assert 1 <= verified.get("until") - verified.get("restore_step") <= 3, verified
     assert not [e for e in res.events if e.kind is EventKind.RESTORE_DIVERGED]
     rep = json.loads((tmp_path / "runs" / run_id / "report.json").read_text())
-    assert rep["status"] == "completed" and rep["steps_completed"] == 24
+    assert rep["status"] == "completed" and rep["steps_completed"] == STEPS
     assert "restore verified" in res.stdout + res.stderr
     assert [f["restore_check"] for f in rep["faults"]] == ["verified"]
     assert_nothing_left(tmp_path)
