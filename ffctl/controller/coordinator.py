@@ -369,7 +369,7 @@ class RecoveryCoordinator:
                        placement={str(r): job.members[r] for r in respawn},
                        lost_both_copies=list(decision.lost_both_copies), failure_ids=list(self._handling),
                        # How many survivors left their failed step without computing its products.
-                       survivors_without_products=len(job.skipped_products.get(old_gen, set()) - set(respawn)),
+                       survivors_without_products=len(job.reported(Report.SKIPPED_PRODUCTS, old_gen) - set(respawn)),
                        **({"verify_until": decision.verify_until} if decision.verify_until else {}))
         cluster.wire_ring()  # the same ring; the record learns which ranks now sit on a node without a neighbour
         needed = sorted({job.members[r] for r in respawn} & lost_nodes)

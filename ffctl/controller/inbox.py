@@ -209,8 +209,7 @@ class Inbox:
 
     def _on_aborted(self, msg: messages.Aborted) -> None:
         self.job.reports.add(Report.ABORTED, msg.gen, (msg.rank,))
-        if msg.skipped:
-            self.job.skipped_products.setdefault(msg.gen, set()).add(msg.rank)
+        self.job.reports.add(Report.SKIPPED_PRODUCTS, msg.gen, (msg.rank,) if msg.skipped else ())
 
     def _on_restore_failed(self, msg: messages.RestoreFailed) -> None:
         self.job.reports.add(Report.RESTORE_FAILED, msg.gen, (msg.rank,))

@@ -56,6 +56,8 @@ class Report(Label):
     RESTORED = "restored"
     ABORT_SEEN = "abort_seen"  # its abort watcher saw the flag
     ABORTED = "aborted"  # it has left the generation
+    # ... and its failed step ran without its matrix products (`skipped` in its `aborted`)
+    SKIPPED_PRODUCTS = "skipped_products"
     RESTORE_FAILED = "restore_failed"
     DONE = "done"
 
@@ -132,8 +134,6 @@ class JobState:
     reports: Ledger = field(default_factory=Ledger)  # what each generation's ranks reported
     restore_how: dict[int, dict[int, RestoreHow]] = field(default_factory=dict)  # gen -> rank -> kept | received | ...
     restore_loss: dict[int, float] = field(default_factory=dict)  # gen -> the restore step's loss, as a copy recorded it
-    # gen -> the ranks whose failed step in it ran without its matrix products (their `aborted`)
-    skipped_products: dict[int, set[int]] = field(default_factory=dict)
     # (gen, rank) -> how its worker started (spare | template | cold) and the agent's seconds
     started_by: dict[tuple[int, int], tuple[str, float | None]] = field(default_factory=dict)
     ckpt_reports: dict[int, set[int]] = field(default_factory=dict)  # step -> ranks that wrote it

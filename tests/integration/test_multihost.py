@@ -12,7 +12,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import pytest
 
@@ -35,6 +35,14 @@ pytestmark = [pytest.mark.root, pytest.mark.slow, pytest.mark.timeout(900)]
 
 STEPS = 30
 LONG_STEPS = 300  # tiny steps take ~20 ms: a job that outlasts a fault applied over SSH
+
+
+def _dealt(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """The report's faults less a rank the straggler detector named that came back to pace by
+    itself: a loaded host deschedules a rank for a second now and then (seen before a partition
+    at step 10), the detector is right to name it, and it fails nothing."""
+    return [f for f in report["faults"]
+            if not (f["kind"] == "detected" and f.get("cause") == "straggler" and f.get("recovered"))]
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +145,7 @@ def test_kill_node_recovers_from_peer_memory(site: Site, hosts: Path) -> None:
     assert out.returncode == 0, out.stdout + out.stderr
     report = site.report("killnode")
     assert report["status"] == "completed" and report["steps_completed"] == LONG_STEPS
-    (fault,) = report["faults"]
+    (fault,) = _dealt(report)
     assert fault["kind"] == "kill-node"
     assert fault["restore_source"] == "peer-memory"
     assert fault["detected_at"] is not None and fault["resumed_at"] is not None
@@ -174,7 +182,7 @@ def test_partition_of_one_host_is_detected_recovered_and_reverted(site: Site, ho
     assert stopped.code == 130, stopped.stderr
     report = site.report("partition")
     assert report["status"] == "interrupted"
-    (fault,) = report["faults"]
+    (fault,) = _dealt(report)
     assert fault["kind"] == "net-partition"
     assert fault["detected_at"] is not None, f"the partition was never detected: {timeline(site, 'partition')}"
     assert fault["resumed_at"] is not None
