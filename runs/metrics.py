@@ -159,11 +159,6 @@ def _text(value: Any) -> str:
     return str(value.value) if isinstance(value, Enum) else str(value)
 
 
-def _count(value: Any) -> int:
-    """A count from the record: a non-negative int, else 0 (an older record has none)."""
-    return value if type(value) is int and value >= 0 else 0
-
-
 def _gen_at(inj: Event, events: list[Event]) -> int:
     """The generation running when `inj` was written: its own `gen`, else the newest one named
     by an earlier event (a fault after a recovery hits the new generation, not generation 0)."""
@@ -401,6 +396,8 @@ def _fault_metrics(inj: Event, events: list[Event], world_size: int, end_t: floa
     started_by = spawned.get("started_by") if spawned is not None else None
     ahead = spawned.get("started_ahead") if spawned is not None else None
     ranks = inj.get("ranks") if isinstance(inj.get("ranks"), list) else []
+    # A non-negative count (`_is_step` checks one); an older record has none.
+    unwound = decision.get("survivors_without_products") if decision is not None else None
     return FaultMetrics(
         restore_check=_restore_check(events, decision),
         landed=_landed(events, ti, ranks, inj.get("kind")),
@@ -425,7 +422,7 @@ def _fault_metrics(inj: Event, events: list[Event], world_size: int, end_t: floa
         revert_ok=revert_ok,
         started_by={str(r): str(h) for r, h in started_by.items()} if isinstance(started_by, dict) else {},
         started_ahead=sorted(r for r in ahead if type(r) is int) if isinstance(ahead, list) else [],
-        survivors_without_products=_count(decision.get("survivors_without_products") if decision is not None else None),
+        survivors_without_products=int(unwound) if _is_step(unwound) else 0,
         step_known=step_known,
         recovery_until="step" if step_known else "workers-up",
         measured_from=str(inj.get("measured_from") or "injection"),
