@@ -397,7 +397,7 @@ def _fault_metrics(inj: Event, events: list[Event], world_size: int, end_t: floa
     ahead = spawned.get("started_ahead") if spawned is not None else None
     ranks = inj.get("ranks") if isinstance(inj.get("ranks"), list) else []
     # A non-negative count (`_is_step` checks one); an older record has none.
-    unwound = decision.get("survivors_without_products") if decision is not None else None
+    unwound: Any = decision.get("survivors_without_products") if decision is not None else None
     return FaultMetrics(
         restore_check=_restore_check(events, decision),
         landed=_landed(events, ti, ranks, inj.get("kind")),
@@ -422,7 +422,7 @@ def _fault_metrics(inj: Event, events: list[Event], world_size: int, end_t: floa
         revert_ok=revert_ok,
         started_by={str(r): str(h) for r, h in started_by.items()} if isinstance(started_by, dict) else {},
         started_ahead=sorted(r for r in ahead if type(r) is int) if isinstance(ahead, list) else [],
-        survivors_without_products=int(unwound) if _is_step(unwound) else 0,
+        survivors_without_products=unwound if _is_step(unwound) else 0,
         step_known=step_known,
         recovery_until="step" if step_known else "workers-up",
         measured_from=str(inj.get("measured_from") or "injection"),
