@@ -52,13 +52,13 @@ def corrupt_command(topo: Topology, rank: int) -> HostCommand:
     return HostCommand(node.node, node.host, argv, node.netns)
 
 
-# $1 the run's directory, $2 what, $3 the agent's fault file, dropped as the ranks' in-step
-# faults are. The agent takes it (and removes it) at the next turn of its loop; the command ends
-# once it has, so that a fault injected after this one (the kill it is meant to precede) finds
-# the replicas already hit, and fails if the agent never does.
+# $1 the run's directory, $2 what, $3 the agent's mailbox, dropped in as the ranks' in-step
+# faults are ($f the fault's own file). The agent takes it (and removes it) at the next turn of its
+# loop; the command ends once it has, so that a fault injected after this one (the kill it is
+# meant to precede) finds the replicas already hit, and fails if the agent never does.
 AGENT_FAULT_SCRIPT = DROP_FAULT_SCRIPT + (
-    r'i=0; while [ -e "$3" ]; do i=$((i + 1)); '
-    r'[ "$i" -le 100 ] || { rm -f -- "$3"; echo "the agent did not take the fault within 10s" >&2; exit 1; }; '
+    r'i=0; while [ -e "$f" ]; do i=$((i + 1)); '
+    r'[ "$i" -le 100 ] || { rm -f -- "$f"; echo "the agent did not take the fault within 10s" >&2; exit 1; }; '
     r'sleep 0.1; done'
 )
 

@@ -19,15 +19,16 @@ def in_step_fault_path(topo: Topology, rank: int) -> str:
     return fault_path(topo.fault_dir, topo.run_id, rank)
 
 
-# $1 the run's directory, $2 what, $3 the fault file. The directory must be a real directory of
-# ours (it is 0700: nobody else can put anything in it); the file is written under a name mktemp
-# creates exclusively (O_EXCL, mode 0600) and renamed into place, which replaces whatever is at
-# the name itself and never writes through a symlink. (An agent's fault file too:
-# `fault_injectors.corruption`.)
+# $1 the run's directory, $2 what, $3 the mailbox (`runs.shm.mailbox`). The directory must be a
+# real directory of ours (it is 0700: nobody else can put anything in it); the fault is written
+# under a name mktemp creates exclusively (O_EXCL, mode 0600) and renamed to the mailbox's name
+# and mktemp's eight characters ($f): a file of its own, so a fault dropped just before for the
+# same rank is not overwritten, and the rename never writes through a symlink. (An agent's
+# mailbox too: `fault_injectors.corruption`.)
 DROP_FAULT_SCRIPT = (
     r'[ -d "$1" ] && [ ! -L "$1" ] && [ -O "$1" ] || { echo "$1: not a directory of ours" >&2; exit 1; }; '
-    r't=$(mktemp -p "$1" .fault.XXXXXXXX) || exit 1; '
-    r'{ printf %s "$2" > "$t" && mv -f -T -- "$t" "$3"; } || { rm -f -- "$t"; exit 1; }; '
+    r't=$(mktemp -p "$1" .fault.XXXXXXXX) || exit 1; f="$3.${t##*.}"; '
+    r'{ printf %s "$2" > "$t" && mv -f -T -- "$t" "$f"; } || { rm -f -- "$t"; exit 1; }; '
 )
 # Then $4 the rank's pid: the signal that makes its step look.
 IN_STEP_SCRIPT = DROP_FAULT_SCRIPT + r'kill -USR1 "$4"'

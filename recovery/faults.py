@@ -1,8 +1,9 @@
 """Faults raised inside a rank's step: crash-rank, the GPU faults and the stragglers.
 
-An injector writes the fault's name to the rank's fault file (`runs.shm.fault_path`) and sends SIGUSR1.
-The handler only sets a flag (nothing unsafe in a signal handler); the next `check()`, at the
-start of a step, raises the fault there as the real failure would. On a CUDA host the GPU faults
+An injector drops the fault's name in the rank's mailbox (`runs.shm.mailbox`, a file per fault) and
+sends SIGUSR1. The handler only sets a flag (nothing unsafe in a signal handler); the next
+`check()`, at the start of a step, takes every fault in the mailbox, oldest first (two signals
+close together arrive as one), and raises the fault there as the real failure would. On a CUDA host the GPU faults
 act on the device; elsewhere they are emulated and say so.
 
 A straggler (`slow:<factor>:<seconds>`, from slow-rank and slow-node) makes every step slower
@@ -27,7 +28,7 @@ from typing import Any, Callable
 import torch
 
 from runs.events import StepPhase
-from runs.shm import UnsafeShm, fault_path, read_small
+from runs.shm import UnsafeShm, fault_path, mailbox, read_small
 
 
 class InjectedDeviceError(RuntimeError):
@@ -92,17 +93,22 @@ class InStepFaults:
     def _take(self) -> None:
         assert self.path is not None
         self.pending = False
-        try:
-            # Bounded and never through a symlink: the file sits in the run's private directory,
-            # and even so only a small regular file of ours is read.
-            what = read_small(self.path).decode("utf-8", errors="replace").strip()
-            self.path.unlink()
-        except FileNotFoundError:
-            return
-        except UnsafeShm:
-            self.path.unlink(missing_ok=True)
-            return
-        self.fire(what)
+        for path in mailbox(self.path):
+            try:
+                # Bounded and never through a symlink: the file sits in the run's private
+                # directory, and even so only a small regular file of ours is read.
+                what = read_small(path).decode("utf-8", errors="replace").strip()
+                path.unlink()
+            except FileNotFoundError:
+                continue
+            except UnsafeShm:
+                path.unlink(missing_ok=True)
+                continue
+            try:
+                self.fire(what)
+            except BaseException:
+                self.pending = True  # a fault raised here: the ones after it, at the next step
+                raise
 
     def at(self, phase: StepPhase, step: int) -> None:
         """The rank is in `phase` of `step`: a kill armed for it fires here."""

@@ -11,7 +11,8 @@ that is not a regular file of ours is refused.
 
 One owner for the naming contract between the processes that write, list, parse and remove them:
 ranks write snapshot slots (`ffctl-<run>-n<node>-r<rank>-s<slot>`) and read in-step fault files
-(`ffctl-<run>-fault-r<rank>`; an agent's are `ffctl-<run>-fault-n<node>`); the agent claims its node's names with a lock file
+(`ffctl-<run>-fault-r<rank>.<8 characters>`, one file per fault; an agent's are
+`ffctl-<run>-fault-n<node>.<8 characters>`); the agent claims its node's names with a lock file
 (`ffctl-<run>-n<node>.lock`), lists, streams and wipes its slots, and keeps the FIFOs its forked
 spares wait on in `ffctl-<run>-n<node>.spares/`; the fault planners write the fault files and
 wipe a rebooted node's slots; the controller sweeps what a killed node left, and `ffctl inject
@@ -37,7 +38,10 @@ _KEY_HEX = 32  # 128 random bits: nobody can make the run's directory name befor
 _RUN_DIR = re.compile(r"ffctl-([A-Za-z0-9][A-Za-z0-9._-]{0,127})-([0-9a-f]{%d})" % _KEY_HEX)
 _OPEN = os.O_NOFOLLOW | os.O_CLOEXEC
 _SLOT_TAIL = re.compile(r"r([0-9]{1,9})-s([0-9])")  # s0, s1 (and s2 under --verify-restore)
-_FAULT_TAIL = re.compile(r"[rn]([0-9]{1,9})")  # a rank's in-step fault file, a node agent's
+# After the run's fault prefix: one fault dropped for a rank or for a node's agent (the mailbox's
+# name, then mktemp's eight letters and digits that make each fault a file of its own).
+_MAIL_TAIL = re.compile(r"\.[A-Za-z0-9]{8}")
+_FAULT_TAIL = re.compile(r"[rn]([0-9]{1,9})" + _MAIL_TAIL.pattern)
 
 
 def node_prefix(run_id: str, node: int) -> str:
@@ -58,14 +62,40 @@ def fault_prefix(run_id: str) -> str:
 
 
 def fault_path(fault_dir: str, run_id: str, rank: int) -> str:
-    """Where an in-step fault for `rank` is dropped (a string: it goes on a command line)."""
+    """The mailbox in-step faults for `rank` are dropped in (`mailbox`; a string: it goes on a
+    command line)."""
     return f"{fault_dir.rstrip('/') or ''}/{fault_prefix(run_id)}r{rank}"
 
 
 def agent_fault_path(fault_dir: str, run_id: str, node: int) -> str:
-    """Where a fault for node `node`'s agent is dropped (corrupt-snapshot copy=replica: the
-    replicas it holds); the agent looks for it at every turn of its loop."""
+    """The mailbox faults for node `node`'s agent are dropped in (corrupt-snapshot copy=replica:
+    the replicas it holds); the agent looks in it at every turn of its loop."""
     return f"{fault_dir.rstrip('/') or ''}/{fault_prefix(run_id)}n{node}"
+
+
+def mailbox(name: str | Path) -> list[Path]:
+    """The faults dropped in the mailbox `name` (`fault_path`, `agent_fault_path`), oldest first.
+
+    Each fault is a file of its own, `<name>.<8 letters and digits>`: with one file per mailbox,
+    two faults for one rank close together overwrote each other (a straggler's end, reverted as
+    a kill was armed, once took the kill's place, and the kill never landed). Oldest first by
+    the time each was written (renaming keeps it), then by name; symlinks and anything else
+    that is not a regular file are listed too, for the reader to refuse."""
+    base = Path(name)
+    found: list[tuple[int, str, Path]] = []
+    try:
+        with os.scandir(base.parent) as entries:
+            for entry in entries:
+                if not (entry.name.startswith(base.name) and _MAIL_TAIL.fullmatch(entry.name[len(base.name):])):
+                    continue
+                try:
+                    written = entry.stat(follow_symlinks=False).st_mtime_ns
+                except FileNotFoundError:
+                    continue  # taken meanwhile
+                found.append((written, entry.name, Path(entry.path)))
+    except OSError:
+        return []  # no directory (yet, or any more): no faults
+    return [path for _, _, path in sorted(found)]
 
 
 def parse_slot(name: str, run_id: str, node: int) -> tuple[int, int] | None:
@@ -98,7 +128,8 @@ def node_slots(shm_dir: str, run_id: str, node: int) -> list[Path]:
 
 
 def fault_files(fault_dir: str, run_id: str) -> list[Path]:
-    """The run's fault files that exist now (one a rank or an agent, until it reads it)."""
+    """The run's fault files that exist now (each a fault for a rank or an agent, until it
+    takes it)."""
     prefix = fault_prefix(run_id)
     return sorted(p for p in Path(fault_dir).glob(prefix + "*") if _FAULT_TAIL.fullmatch(p.name[len(prefix):]))
 

@@ -58,6 +58,7 @@ class NodeSnapshots:
         self.reporter = reporter
         self.fault_file = shm.agent_fault_path(cfg.shm_dir, cfg.run_id, cfg.node) if cfg.shm_dir else None
         self._taking = False
+        self._fault: Path | None = None  # the fault being taken: its file goes when it is done
         self.peer = PeerStore(cfg.address, cfg.token, self.slot, on_refused=reporter.peer_refused,
                               slots=cfg.snapshot_slots).start()
         self.replicator = Replicator(cfg.run_id, cfg.node, cfg.token, self.slot_files, reporter.report_kind)
@@ -87,10 +88,14 @@ class NodeSnapshots:
         copy=replica), carried out beside the agent's loop and reported; anything else in the
         file, or a file that is not ours, is refused and reported, never fatal. The file goes
         once the fault is done: the command that dropped it waits for that."""
-        if self.fault_file is None or self._taking or not os.path.lexists(self.fault_file):
+        if self.fault_file is None or self._taking:
             return
+        dropped = shm.mailbox(self.fault_file)
+        if not dropped:
+            return
+        self._fault = dropped[0]  # one at a time, oldest first: the next turns take the others
         try:
-            text = shm.read_small(self.fault_file).decode("ascii", "replace").strip()
+            text = shm.read_small(self._fault).decode("ascii", "replace").strip()
         except OSError as exc:
             self._done_with_fault()
             self.reporter.rejected("agent fault file", -1, str(exc), b"")
@@ -115,7 +120,7 @@ class NodeSnapshots:
 
     def _done_with_fault(self) -> None:
         try:
-            os.unlink(self.fault_file or "")
+            os.unlink(self._fault or "")
         except OSError:
             pass
 

@@ -243,7 +243,9 @@ class Injector:
                 if cmd is None:
                     continue
                 try:
-                    self.transport_for(cmd).run(("rm", "-f", "--", in_step_fault_path(topo, rank)), timeout=10.0)
+                    # The rank's mailbox: every fault file in it ($1.XXXXXXXX), none of another rank's.
+                    self.transport_for(cmd).run(("sh", "-c", 'rm -f -- "$1".????????', "sh",
+                                                 in_step_fault_path(topo, rank)), timeout=10.0)
                 except (TransportError, OSError):
                     pass
 

@@ -113,12 +113,15 @@ def test_copy_replica_drops_the_fault_for_every_other_nodes_agent_and_waits_for_
     with pytest.raises(Exception, match="holder=.* goes with copy=replica"):
         parse_spec("corrupt-snapshot:rank=1,step=5,holder=0")
     # Run for real: the "agent" takes the file; the command ends when it has, and succeeds.
-    target = Path(agent_fault_path(str(shm), "run1", 0))
+    from runs.shm import mailbox
+
+    box = agent_fault_path(str(shm), "run1", 0)
     proc = subprocess.Popen(list(cmd.argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 20
-        while not target.exists() and proc.poll() is None and time.monotonic() < deadline:
+        while not mailbox(box) and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.01)
+        (target,) = mailbox(box)
         assert target.read_text() == "corrupt-replica:1" and (target.stat().st_mode & 0o777) == 0o600
         assert proc.poll() is None  # still waiting for the agent
         target.unlink()

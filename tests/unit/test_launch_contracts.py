@@ -45,11 +45,18 @@ def test_slot_names_round_trip_and_ignore_a_longer_run_id(tmp_path: Path) -> Non
 
 def test_fault_file_is_where_the_rank_reads_it(tmp_path: Path) -> None:
     rank = InStepFaults(str(tmp_path), "run", 3)
-    assert str(rank.path) == shm.fault_path(str(tmp_path), "run", 3)
-    rank.path.write_text("crash-rank:exception")
-    (tmp_path / "ffctl-run-fault-rx").write_text("not ours")
-    assert shm.fault_files(str(tmp_path), "run") == [rank.path]
-    assert shm.sweep_faults(str(tmp_path), "run") == 1 and not rank.path.exists()
+    assert rank.path is not None and str(rank.path) == shm.fault_path(str(tmp_path), "run", 3)
+    dropped = [Path(f"{rank.path}.{tail}") for tail in ("Ab3dEf9h", "00000000")]
+    for path in dropped:
+        path.write_text("crash-rank:exception")
+    # Not faults of this run's ranks: another name, the mailbox's bare name, a longer tail, rank 30's.
+    for name in ("ffctl-run-fault-rx.Ab3dEf9h", "ffctl-run-fault-r3", "ffctl-run-fault-r3.Ab3dEf9hX"):
+        (tmp_path / name).write_text("not ours")
+    (tmp_path / "ffctl-run-fault-r30.Ab3dEf9h").write_text("rank 30's")
+    assert shm.mailbox(rank.path) == sorted(dropped, key=lambda p: (p.stat().st_mtime_ns, p.name))
+    assert shm.fault_files(str(tmp_path), "run") == sorted([*dropped, tmp_path / "ffctl-run-fault-r30.Ab3dEf9h"])
+    assert shm.sweep_faults(str(tmp_path), "run") == 3 and shm.mailbox(rank.path) == []
+    assert (tmp_path / "ffctl-run-fault-r3").exists()
 
 
 def test_workload_tables_are_torch_free_and_the_gpts_own() -> None:
