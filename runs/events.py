@@ -60,6 +60,9 @@ class EventKind(str, Enum):
     # node, reason; starting (its agent ended, or was not up in time, while it started),
     # agent_error (its own word), restart_in_s (no rank waits for it: started again then)
     NODE_LOST = "node_lost"
+    # node, silent_s: a node's heartbeat was silent past the limit while its agent, a running
+    # process of the controller's own host and network, was not lost (the host's load)
+    HEARTBEAT_LATE = "heartbeat_late"
     # node (None: a spare node), host, state, reason, by ("scheduler"): the scheduler took a
     # node's host out during the run (Slurm: DOWN, DRAIN, FAIL), as ffctl saw it
     NODE_STATE = "node_state"

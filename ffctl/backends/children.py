@@ -7,11 +7,28 @@ and the simulator ends on it. A signal would not do: the children run in session
 (so a Ctrl-C reaches the controller only), and an agent must get the chance to stop its workers
 in order. What follows when the deadline passes is the caller's `escalate` (a scheduler's own
 cancel, which reaches the processes of the step on its node), then SIGKILL, then the reap.
+
+And the one way a backend says whether such a child runs at all (`running`): the controller asks
+before it takes a local agent's silence for a lost node.
 """
 from __future__ import annotations
 
 import subprocess
 from typing import IO, Any, Callable
+
+import psutil
+
+# What a process that is neither stopped nor gone shows.
+_NOT_RUNNING = {psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP, psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD}
+
+
+def running(pid: int) -> bool:
+    """Whether this host's process `pid` runs (or waits for the CPU, or sleeps): neither stopped
+    (SIGSTOP, a tracer) nor ended. The caller knows `pid` is still its child's (not reaped)."""
+    try:
+        return psutil.Process(pid).status() not in _NOT_RUNNING
+    except psutil.Error:
+        return False
 
 
 def stop_process(proc: subprocess.Popen[Any], timeout: float, *, escalate: Callable[[float], bool] | None = None,

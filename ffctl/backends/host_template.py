@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import IO
 
-from ffctl.backends.children import stop_process
+from ffctl.backends.children import running, stop_process
 from wire import host_template as wire
 
 READY_TIMEOUT_S = 120.0  # a torch import on a loaded host; the agents' own start waits as long
@@ -179,6 +179,10 @@ class ForkedAgent:
         if self.returncode is None:
             self.returncode = self.template.exit_code(self.pid)
         return self.returncode
+
+    def running_here(self) -> bool:
+        # The host template serves only nodes without a network namespace of their own.
+        return self.poll() is None and running(self.pid)
 
     def stop(self, timeout: float) -> None:
         """EOF on its stdin, as `stop_process` gives an agent it started; SIGKILL after `timeout`."""

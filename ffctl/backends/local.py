@@ -23,7 +23,7 @@ from fault_injectors.plan import HostCommand
 from fault_injectors.transport import LocalTransport, Transport
 from ffctl.agent.config import AgentConfig, agent_argv
 from ffctl.agent.workerenv import worker_env
-from ffctl.backends.children import stop_process
+from ffctl.backends.children import running, stop_process
 from ffctl.backends.host_template import ForkedAgent, HostTemplate, host_template_argv
 from ffctl.backends.protocol import AgentLaunch
 from ffctl.launch_spec import LaunchSpec
@@ -35,13 +35,19 @@ HOST_TEMPLATE_ENV = "FFCTL_HOST_TEMPLATE"
 
 
 class LocalAgent:
-    def __init__(self, proc: subprocess.Popen[bytes], log: IO[bytes]) -> None:
+    def __init__(self, proc: subprocess.Popen[bytes], log: IO[bytes], netns: str | None = None) -> None:
         self.proc = proc
         self.pid = proc.pid
         self._log = log
+        self._netns = netns
 
     def poll(self) -> int | None:
         return self.proc.poll()
+
+    def running_here(self) -> bool:
+        # In a network namespace of its own, a link between it and the controller can be cut
+        # (link-down, a partition): its silence must stay a lost node.
+        return self._netns is None and self.poll() is None and running(self.pid)
 
     def stop(self, timeout: float) -> None:
         stop_process(self.proc, timeout, log=self._log)
@@ -202,4 +208,4 @@ class LocalNodes:
         assert proc.stdin is not None
         proc.stdin.write((cfg.to_json() + "\n").encode())
         proc.stdin.flush()
-        return LocalAgent(proc, log)
+        return LocalAgent(proc, log, self.netns(cfg.node))

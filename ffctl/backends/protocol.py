@@ -43,6 +43,13 @@ class AgentProcess(Protocol):
         before killing it; idempotent."""
         ...
 
+    def running_here(self) -> bool:
+        """Whether the agent is a process of the controller's own host and network (nothing
+        between them that a fault can cut: no network namespace, no remote link) and runs now:
+        alive and not stopped. A silent heartbeat is then the host's load, not a lost node
+        (`ffctl.controller.watchdog`). False wherever the backend cannot tell."""
+        ...
+
 
 @dataclass(frozen=True)
 class AgentLaunch:

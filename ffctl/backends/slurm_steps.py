@@ -64,6 +64,9 @@ class SlurmStep:
     def poll(self) -> int | None:
         return self.proc.poll()
 
+    def running_here(self) -> bool:
+        return False  # a step on a Slurm node, across a link: its silence is all we have
+
     def step_id(self, wait_s: float = 5.0) -> str | None:
         """``JOB.STEP`` of this step, found by its unique name in ``squeue --steps``."""
         deadline = time.monotonic() + wait_s

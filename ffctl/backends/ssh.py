@@ -110,6 +110,9 @@ class SSHNodeProcess:
     def poll(self) -> int | None:
         return self.proc.poll()
 
+    def running_here(self) -> bool:
+        return False  # on another host, across a link: its silence is all we have
+
     def stop(self, timeout: float) -> None:
         # Closing our end of the channel makes the host's wrapper SIGTERM the agent's process
         # group (agent, ranks, spares), then SIGKILL it REMOTE_GRACE_S later.

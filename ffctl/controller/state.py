@@ -100,6 +100,7 @@ class NodeState:
     hb_read_at: float = 0.0  # when it was last read (monotonic)
     hb_seen: float = field(default_factory=time.monotonic)  # the last genuine, newer beat
     hb_first: bool = False  # its current agent has beaten at least once
+    hb_late: bool = False  # silent past the limit while its process ran here (recorded at the next beat)
     up_at: float = 0.0  # when its current agent said it was up (monotonic)
     spares: int = -1  # warm (torch imported) spares
     spares_total: int = 0  # including those still warming up

@@ -1,7 +1,8 @@
 """The controller's failure detectors that watch rather than listen: lost nodes and hangs.
 
 A node is lost when its agent process exits or its heartbeat goes silent for longer than the
-heartbeat timeout (longer while the job starts), or when its agent exits or takes too long while
+heartbeat timeout (longer while the job starts, and for an agent whose process runs on the
+controller's own host and network, whose silence is that host's load), or when its agent exits or takes too long while
 it starts; the heartbeat keys are read a share per pump, each once per period, so a thousand
 nodes never hold up the messages. The job hangs when the
 open generation commits no step for the hang limit. Each makes a failure pending in `JobState`;
@@ -27,6 +28,13 @@ AGENT_START_TIMEOUT = 60.0
 START_RETRY_S = 1.0
 START_RETRY_MAX_S = 30.0
 STARTUP_HEARTBEAT_S = 10.0
+# How long an agent may be silent while its process runs on the controller's own host and
+# network (`AgentProcess.running_here`): nothing but this host's CPU lies between them, so a
+# silence is the host's load (a chaos soak's four jobs on 2 cores held an agent's beats back for
+# over a second right after a recovery, and a node that was fine was taken for lost). A stopped
+# agent is lost at the usual limit; a wedged one stops beating after its own LOOP_STUCK_S and is
+# lost this long after.
+RUNNING_HERE_HEARTBEAT_S = 10.0
 # How long an agent started again keeps the start-up limit while its worker template warms up.
 RESTART_WARMUP_S = 30.0
 # How often each node's heartbeat key is read (its agent beats every 0.2 s); with many nodes, at
@@ -71,7 +79,11 @@ class Watchdog:
                 self.record(EventKind.NODE_LOST, node=n, reason="agent-exit")
                 self.job.fail(Failure(Cause.NODE_LOST, nodes={n}, since_what="agent-exit"))
                 continue
-            if now - st.hb_seen > self.heartbeat_limit(st):
+            silent = now - st.hb_seen
+            if silent > self.heartbeat_limit(st):
+                if silent <= RUNNING_HERE_HEARTBEAT_S and st.proc.running_here():
+                    st.hb_late = True  # recorded, with how long, at the beat that ends it
+                    continue
                 st.declare_lost()
                 self.record(EventKind.NODE_LOST, node=n, reason="heartbeat")
                 # It began with the silence: the last genuine beat is the failure's onset.
@@ -152,7 +164,11 @@ class Watchdog:
             raise ValueError(f"heartbeat of agent incarnation {msg.incarnation}, node {msg.node} "
                              f"runs {st.incarnation}")
         if msg.incarnation == st.incarnation and st.up:
-            st.hb_seen, st.hb_first = time.monotonic(), True
+            now = time.monotonic()
+            if st.hb_late:
+                st.hb_late = False
+                self.record(EventKind.HEARTBEAT_LATE, node=msg.node, silent_s=round(now - st.hb_seen, 3))
+            st.hb_seen, st.hb_first = now, True
         # (An older incarnation's beat is what the node's previous agent left in its key: no news.)
 
     def heartbeat_limit(self, st: NodeState) -> float:

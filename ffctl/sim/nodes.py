@@ -39,6 +39,9 @@ class SimAgent:
     def poll(self) -> int | None:
         return self._nodes.exit_code(self.node, self.incarnation)
 
+    def running_here(self) -> bool:
+        return False  # a simulated agent stands for one on a host of its own
+
     def stop(self, timeout: float) -> None:
         if self.poll() is not None:
             return

@@ -24,12 +24,15 @@ from ffctl.controller.watchdog import Watchdog
 from wire import messages
 from wire.jobenv import Strategy
 from wire.generation_plan import LocalSlot, PeerReplica
-from runs.events import RestoreSource
+from runs.events import EventKind, RestoreSource
 
 
 class _Agent:
     def poll(self) -> None:
         return None  # running
+
+    def running_here(self) -> bool:
+        return False  # on a host of its own: its silence is all the controller has
 
 
 def _job(nodes: int) -> JobState:
@@ -228,6 +231,52 @@ def test_once_the_last_step_is_committed_a_silent_agent_gets_the_start_up_limit(
     assert dog.heartbeat_limit(job.nodes[0]) == watchdog_mod.STARTUP_HEARTBEAT_S
     dog.last_step = None  # a script's loop: its last step is not known, so never assumed
     assert dog.heartbeat_limit(job.nodes[0]) == 1.0
+
+
+class _Here(_Agent):
+    """An agent process of the controller's own host and network: `running` says whether it
+    runs (False: SIGSTOPped)."""
+
+    def __init__(self) -> None:
+        self.running = True
+
+    def running_here(self) -> bool:
+        return self.running
+
+
+def test_a_silent_agent_running_on_this_host_is_the_hosts_load_not_a_lost_node() -> None:
+    # A chaos soak's four jobs on 2 cores held a local agent's beats back for over a second
+    # right after a recovery, and a node that was fine was taken for lost.
+    events: list[tuple[Any, dict[str, Any]]] = []
+    dog, _ = _watchdog(2)
+    dog.record = lambda kind, **f: events.append((kind, f))  # type: ignore[assignment]
+    job = dog.job
+    job.gen = 3
+    st = job.nodes[1]
+    st.proc = here = _Here()  # type: ignore[assignment]
+    dog.heartbeat(messages.Heartbeat(node=1, incarnation=0, beat=1))
+    assert dog.heartbeat_limit(st) == 1.0
+    lost: list[Any] = []
+    job.fail = lost.append  # type: ignore[method-assign]
+    st.hb_seen = time.monotonic() - 2.0  # twice the limit, its process running: late, not lost
+    dog.check_nodes()
+    assert st.up and not lost and st.hb_late and events == []
+    dog.heartbeat(messages.Heartbeat(node=1, incarnation=0, beat=2))  # the beats come back
+    ((kind, fields),) = events
+    assert kind is EventKind.HEARTBEAT_LATE and fields["node"] == 1 and 2.0 <= fields["silent_s"] < 5.0
+    assert not st.hb_late
+    here.running = False  # SIGSTOPped: the usual limit
+    st.hb_seen = time.monotonic() - 2.0
+    dog.check_nodes()
+    assert not st.up and [f.nodes for f in lost] == [{1}]
+    # Running, but silent past RUNNING_HERE_HEARTBEAT_S: wedged (its beats stop after its own
+    # LOOP_STUCK_S), lost.
+    st0 = job.nodes[0]
+    st0.proc = _Here()  # type: ignore[assignment]
+    dog.heartbeat(messages.Heartbeat(node=0, incarnation=0, beat=1))
+    st0.hb_seen = time.monotonic() - watchdog_mod.RUNNING_HERE_HEARTBEAT_S - 1
+    dog.check_nodes()
+    assert not st0.up and [f.nodes for f in lost] == [{1}, {0}]
 
 
 @pytest.mark.parametrize("phase", [Phase.RECOVERING, Phase.STARTING])

@@ -38,6 +38,9 @@ class _Agent:
     def poll(self) -> None:
         return None  # running
 
+    def running_here(self) -> bool:
+        return False  # on a host of its own: its silence is all the controller has
+
 
 def _controller() -> tuple[Controller, _Record]:
     rec = _Record()

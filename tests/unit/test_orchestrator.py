@@ -35,6 +35,9 @@ class FakeProc:
     def poll(self) -> int | None:
         return None
 
+    def running_here(self) -> bool:
+        return False
+
     def stop(self, timeout: float) -> None:
         pass
 
