@@ -116,28 +116,43 @@ class Eavesdropper:
         # which the server wakes the moment the key is written, rather than spinning (a spinning
         # poll starves the job's own processes of CPU on a loaded host). A timed-out wait leaves
         # torch's client connection out of step, so each timeout opens a fresh one.
-        # It follows the queue's head as `tail -f` would: one it cannot keep up with (the job's
-        # processes wrote before it started, or faster than it reads) it skips to the newest.
+        # It follows the queue's head as `tail -f` would: what it cannot keep up with (the job's
+        # processes wrote before it started, or the queue's consumer took first) it skips. At
+        # the head, a message reserved and not there is either taken already or in flight (its
+        # producer writes it in its very next call): looked at once more a moment later, then
+        # the spy waits for the one after it, which the server's wake-up lets it read the moment
+        # it is written. (Waiting instead on the reserved one, mostly taken already, cost a
+        # timed-out wait each time, after which the queue had moved on again: on a loaded host,
+        # with the controller taking every message first, the spy heard one in two minutes.)
         store = _client(self.port)
         while not self._stop.is_set() and self.next < self.count:
             key = f"{self.queue}/{self.next}"
-            value = bytes(store.compare_set(key, _ABSENT, _ABSENT))
-            if value != _ABSENT:
-                self.seen.append(value)
-                self.next += 1
+            if self._take(store, key):
                 continue
             # The counter is read, never `add`ed to: it holds "<index>:<tag>", and an `add` on
             # that breaks the connection.
             reserved = control.parse_counter(control.read(store, f"{self.queue}/n")) or 0
             if reserved > self.next:
-                self.next = reserved  # behind: the newest, still in flight or gone (found below)
+                self.next = reserved  # behind: from the newest reserved
                 continue
+            if reserved == self.next:
+                time.sleep(0.02)
+                if not self._take(store, key):
+                    self.next += 1  # taken before we looked
+                key = f"{self.queue}/{self.next}"
             try:
                 store.wait([key], datetime.timedelta(seconds=0.5))
-            except Exception:  # not written within the wait
+            except Exception:  # not written within the wait: a quiet queue
                 store = _client(self.port)
-                if reserved == self.next:
-                    self.next += 1  # reserved, and still not there: consumed before we looked
+
+    def _take(self, store: dist.TCPStore, key: str) -> bool:
+        """Read the message at `key` if it is there (the next one is looked for then)."""
+        value = bytes(store.compare_set(key, _ABSENT, _ABSENT))
+        if value == _ABSENT:
+            return False
+        self.seen.append(value)
+        self.next += 1
+        return True
 
     def heard(self, n: int, timeout: float) -> bool:
         """Whether the spy has read at least `n` messages within `timeout` seconds.
