@@ -206,3 +206,29 @@ def test_every_report_an_agent_sends_names_its_incarnation() -> None:
     assert (sent.node, sent.incarnation) == (4, 7)
     step = messages.from_agent(messages.Step, 4, 7, rank=0, gen=0, step=1, dt=0.1)  # the rank's: none
     assert not hasattr(step, "incarnation")
+
+
+def test_a_step_error_before_its_ranks_spawn_report_is_the_root_cause() -> None:
+    # On a loaded host rank 1 of a new generation failed in its first step before its agent's
+    # spawn report came: its error was dropped, and its exit, filed after rank 0's (brought down
+    # by it, in the allreduce), lost the root cause to rank 0.
+    from ffctl.controller.failures import root_cause
+
+    ctl, _ = _controller()
+    job = ctl.job
+    job.gen = 2
+    ctl.inbox.fleet = SimpleNamespace(host=lambda node: f"h{node}")  # type: ignore[assignment]
+    ctl.inbox.barrier = SimpleNamespace(exited=lambda *a: None)  # type: ignore[assignment]
+    ctl.inbox.dispatch(messages.StepError(rank=1, node=1, gen=2, step=3, error="RuntimeError: boom"))
+    assert job.pending is not None and set(job.pending.rank_failures) == {1}
+    ctl.inbox.dispatch(messages.StepError(rank=1, node=0, gen=2, step=3, error="not where it runs"))
+    ctl.inbox.dispatch(messages.StepError(rank=0, node=0, gen=1, step=3, error="an older generation's"))
+    assert set(job.pending.rank_failures) == {1}
+    for node, rank, pid in ((0, 0, 100), (1, 1, 101)):
+        ctl.inbox.dispatch(messages.Spawned(node=node, incarnation=0, gen=2, pids={str(rank): pid}))
+    for rank, pid in ((0, 100), (1, 101)):  # rank 0's exit is filed first
+        ctl.inbox.dispatch(messages.RankExited(node=rank, incarnation=0, rank=rank, gen=2, pid=pid, exitcode=1,
+                                               log_tail=["RecoveryError: allreduce failed"] if rank == 0 else None))
+    cause = root_cause(job.pending)
+    assert cause["rank"] == 1 and cause["error"] == "RuntimeError: boom" and cause["exitcode"] == 1, cause
+    assert cause["pid"] == 101
