@@ -38,12 +38,12 @@ def _lines(value: Any, limit: int = 50) -> list[str]:
     return [line[:500] for line in value[-limit:] if isinstance(line, str)]
 
 
-def _spawn_report_late(job: JobState, msg: messages.StepError) -> bool:
+def _of_open_generation(job: JobState, msg: messages.StepError) -> bool:
     """Whether `msg` comes from a rank of the open generation, on the node it was placed on,
-    whose agent's spawn report has not come yet (its pid is not known). On a loaded host a rank
-    failed in its first steps before that report, its error was dropped, and its exit, filed
-    later than a peer's, lost the root cause to the peer it had brought down."""
-    return msg.gen == job.gen and job.members.get(msg.rank) == msg.node and job.pids.get(msg.rank) is None
+    whether or not its agent's spawn report (its pid) has come. On a loaded host a rank failed
+    in its first steps before that report, its error was dropped, and its exit, filed later than
+    a peer's, lost the root cause to the peer it had brought down."""
+    return msg.gen == job.gen and job.members.get(msg.rank) == msg.node
 
 
 def _replaced(job: JobState, msg: messages.Message) -> int | None:
@@ -196,7 +196,7 @@ class Inbox:
         trace = _lines(msg.traceback)
         self.record(EventKind.RANK_EXITED, t=now, node=msg.node, rank=msg.rank, error=msg.error,
                     gen=msg.gen, reason="error-in-step", step=msg.step, traceback=trace)
-        if self.job.pids.get(msg.rank) or _spawn_report_late(self.job, msg):
+        if self.job.pids.get(msg.rank) or _of_open_generation(self.job, msg):
             rf = RankFailure(msg.rank, msg.node, self.fleet.host(msg.node), now, step=msg.step,
                              step_exact=msg.step is not None, pid=self.job.pids.get(msg.rank),
                              error=msg.error or "", tail=trace)
