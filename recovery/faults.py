@@ -1,9 +1,10 @@
 """Faults raised inside a rank's step: crash-rank, the GPU faults and the stragglers.
 
 An injector drops the fault's name in the rank's mailbox (`runs.shm.mailbox`, a file per fault) and
-sends SIGUSR1. The handler only sets a flag (nothing unsafe in a signal handler); the next
-`check()`, at the start of a step, takes every fault in the mailbox, oldest first (two signals
-close together arrive as one), and raises the fault there as the real failure would. On a CUDA host the GPU faults
+sends SIGUSR1. The handler only sets a flag (nothing unsafe in a signal handler); `check()`, at
+the start of every step, takes every fault in the mailbox, oldest first (whether or not a signal
+came: two close together arrive as one, and one can be missed), and raises the fault there as the
+real failure would. On a CUDA host the GPU faults
 act on the device; elsewhere they are emulated and say so.
 
 A straggler (`slow:<factor>:<seconds>`, from slow-rank and slow-node) makes every step slower
@@ -72,7 +73,10 @@ class InStepFaults:
         if self._last_check is not None:
             self._steps.append(max(0.0, now - self._last_check - self._slept))
         self._last_check, self._slept = now, 0.0
-        if self.pending and self.path is not None:
+        # The mailbox is looked at every step, not only after a signal: a signal can be missed
+        # (sent to a rank before its handler is in place, or two merged) and a fault armed for a
+        # later step once never landed. A look costs one scan of a small directory (20 us).
+        if self.path is not None:
             self._take()
         if self.slow_factor is not None:
             self._slow(now)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from fault_injectors.plan import NodePlace, RankPlace, Topology
-from fault_injectors.process import in_step_command
+from fault_injectors.process import DROP_FAULT_SCRIPT, in_step_command
 from recovery.faults import InStepFaults
 from runs import shm
 from runs.events import StepPhase
@@ -61,6 +61,19 @@ def test_a_fault_that_raises_leaves_the_later_ones_for_the_next_step(run_dir: Pa
     finally:
         signal.signal(signal.SIGUSR1, signal.SIG_DFL)
     assert faults.slow_factor == 2.0 and shm.mailbox(faults.path or "") == []
+
+
+def test_a_fault_whose_signal_never_came_is_taken_at_the_next_step(run_dir: Path) -> None:
+    # The file, without the SIGUSR1 that follows it (missed: sent before the rank's handler was
+    # in place, or merged with another). A kill armed for a later step once never landed so.
+    faults = InStepFaults(str(run_dir), "r", 0)
+    assert faults.path is not None
+    out = subprocess.run(("sh", "-c", DROP_FAULT_SCRIPT, "sh", str(run_dir), "kill-at:snapshot:48", str(faults.path)),
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert not faults.pending
+    faults.check()
+    assert faults.armed == (StepPhase.SNAPSHOT, 48) and shm.mailbox(faults.path) == []
 
 
 def test_a_link_in_the_mailbox_is_removed_unread(run_dir: Path, tmp_path: Path) -> None:
