@@ -99,8 +99,12 @@ class Agent:
 
     def _watch_stdin(self) -> None:
         # The controller holds our stdin open; EOF means it (or its SSH session) is gone.
+        # The descriptor itself, not sys.stdin's buffer: a thread blocked in the buffer holds its
+        # lock, and at the interpreter's shutdown the main thread, taking that lock to close
+        # stdin, aborted the agent ("could not acquire lock ... at interpreter shutdown").
         try:
-            while sys.stdin.buffer.read(4096):
+            fd = sys.stdin.fileno()
+            while os.read(fd, 4096):
                 pass
         except (OSError, ValueError):
             pass
