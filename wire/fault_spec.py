@@ -222,11 +222,13 @@ CRASH_SIGNALS = ("exception", "segv")
 # (DDP's root module), the step's first collective (its peers are in it), the optimizer update,
 # the snapshot of the step (its collectives done: peers may commit it).
 PHASES = tuple(p.value for p in StepPhase)
-# A fault at phase= reaches the rank this many committed steps before its step, so it is armed
-# when the step begins. Two were too few on a loaded host: the controller sees commits late and
-# the fault's command takes a shell's start-up, and a job of 0.1 s steps ran 2 steps past it. An
-# early arming costs nothing: the rank waits for its step.
+# A fault at phase= reaches the rank ahead of its step, so it is armed when the step begins: at
+# least this many committed steps before it, and at least PHASE_LEAD_S of the job's steps. A lead
+# in steps alone was too short on a loaded host: the controller sees commits late and the fault's
+# command takes a shell's start-up (2 steps of 0.1 s were run past; 6 steps of 30 ms once ran 8
+# past). An early arming costs nothing: the rank waits for its step.
 PHASE_LEAD_STEPS = 6
+PHASE_LEAD_S = 3.0
 ACTIONS = ("drop", "reject")
 COPIES = ("local", "replica")  # corrupt-snapshot's copy=
 

@@ -266,7 +266,7 @@ class Inbox:
                             **({"unreported_before": msg.unreported} if msg.unreported else {}))
 
     def _on_fault_landed(self, msg: messages.FaultLanded) -> None:
-        self.record(EventKind.FAULT_LANDED, rank=msg.rank, node=msg.node, gen=msg.gen, step=msg.step, phase=msg.phase)
+        self.injector.landed(msg.rank, node=msg.node, gen=msg.gen, step=msg.step, phase=msg.phase)
 
     def _on_replicas_corrupted(self, msg: messages.ReplicasCorrupted) -> None:
         # Where a corrupt-snapshot copy=replica landed: the holder and the steps of its copies.

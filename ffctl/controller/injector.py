@@ -12,15 +12,16 @@ after the library's default when it has none.
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 from fault_injectors import FaultSpec, FaultSpecError, PlanError, Transport, TransportError, deadman, network
 from fault_injectors.plan import FaultPlan, HostCommand, Role
 from fault_injectors.schedule import parse_chaos
 from fault_injectors.process import in_step_fault_path
-from wire.fault_spec import PHASE_LEAD_STEPS, FaultFamily, FaultKind
+from wire.fault_spec import PHASE_LEAD_S, PHASE_LEAD_STEPS, FaultFamily, FaultKind
 from ffctl.controller.cluster import FaultCluster
 from ffctl.controller.faultplan import chaos_faults, plan_fault
 from ffctl.controller.state import JobState
@@ -36,12 +37,24 @@ SETTLE_MAX_S = 60.0
 SURVIVE_MARGIN_S = 2.0
 
 
-def _due(spec: FaultSpec, committed_step: int, elapsed: float) -> bool:
+def phase_lead(median_step_s: float) -> int:
+    """How many steps ahead of its step a kill at a phase is armed, at the job's pace."""
+    if median_step_s <= 0:
+        return PHASE_LEAD_STEPS
+    return max(PHASE_LEAD_STEPS, math.ceil(PHASE_LEAD_S / median_step_s))
+
+
+def _due(spec: FaultSpec, committed_step: int, elapsed: float, lead: int) -> bool:
     trig = spec.trigger
-    # A kill at a phase lands in step `trig.step` itself: the rank arms it ahead of that step.
-    lead = PHASE_LEAD_STEPS if spec.option("phase") else 0
+    # A kill at a phase lands in step `trig.step` itself: the rank arms it `lead` steps ahead.
+    lead = lead if spec.option("phase") else 0
     return (trig.step is not None and committed_step >= trig.step - lead) or (
         trig.t is not None and elapsed >= trig.t) or (trig.step is None and trig.t is None)
+
+
+def _lands_in_step(spec: FaultSpec) -> bool:
+    """A kill armed in the rank ahead of its step: it takes effect when it lands there."""
+    return spec.kind is FaultKind.KILL_RANK and bool(spec.option("phase"))
 
 
 def _trigger_order(spec: FaultSpec) -> tuple[int, float]:
@@ -61,6 +74,7 @@ class ActiveFault:
     reverted: bool = False
     reverted_t: float | None = None
     applied_t: float | None = None  # when the fault took effect (applying can take seconds)
+    armed: bool = False  # a kill waiting in its rank for its step: no effect until it lands
 
 
 @dataclass
@@ -108,7 +122,9 @@ class Injector:
 
     def _survived(self, fault: ActiveFault) -> bool:
         """The job carries on: it committed a step after the fault was reverted, or longer after
-        the injection than any detector needs."""
+        the fault took effect than any detector needs (a kill still armed has not)."""
+        if fault.armed:
+            return False
         if fault.reverted_t is not None and self._progress_t > fault.reverted_t:
             return True
         hang_limit = self.job.progress.hang_limit(self.hang_min_s)
@@ -119,8 +135,14 @@ class Injector:
 
     def _settled(self) -> bool:
         now = time.time()
-        return all(f.detected or f.reverted or self._survived(f) or now - f.injected_t > SETTLE_MAX_S
-                   for f in self.faults)
+        return all(f.detected or f.reverted or self._survived(f) or self._missed(f)
+                   or now - f.injected_t > SETTLE_MAX_S for f in self.faults)
+
+    def _missed(self, fault: ActiveFault) -> bool:
+        """A kill still armed well past its step: the phase it waits for is not in the job's steps
+        (`backward` in a step function without DDP), and later faults need not wait for it."""
+        step = fault.spec.trigger.step
+        return fault.armed and step is not None and self._seen_step > step + PHASE_LEAD_STEPS
 
     def _draw_chaos(self, elapsed: float) -> None:
         while self._chaos is not None and self._chaos_next is not None and self._chaos_next[0] <= elapsed:
@@ -146,7 +168,12 @@ class Injector:
         # Due faults fire in trigger order, those sharing the first due trigger together (two
         # kills at one step are one event); a later one waits until these have been seen, so
         # faults that came due during a long recovery do not all land at once.
-        due = [s for s in self.scheduled if _due(s, committed_step, elapsed)]
+        # A kill armed ahead of its step never overtakes a fault due before it: it would hold
+        # that one back until it landed.
+        lead = phase_lead(self.job.progress.median_step_s())
+        next_step = min((s.trigger.step for s in self.scheduled if s.trigger.step is not None), default=None)
+        due = [s for s in self.scheduled if _due(s, committed_step, elapsed, lead)
+               and (s.trigger.step is None or s.trigger.step == next_step)]
         if due:
             first = min(due, key=_trigger_order).trigger
             for spec in [s for s in due if s.trigger == first]:
@@ -208,6 +235,7 @@ class Injector:
             fault.detected = fault.reverted = True  # nothing to detect: it never took effect
             return fault, str(exc)
         fault.applied_t = time.time()
+        fault.armed = _lands_in_step(plan.spec)
         if plan.revertible:
             # The duration counts from when the fault took effect: applying over SSH can take
             # seconds, and a 3 s partition must partition for 3 s.
@@ -249,6 +277,14 @@ class Injector:
                 except (TransportError, OSError):
                     pass
 
+    def landed(self, rank: int, **where: Any) -> None:
+        """A kill armed in `rank` reached its step and phase (`where`, recorded): it takes
+        effect now."""
+        self.cluster.record(EventKind.FAULT_LANDED, rank=rank, **where)
+        fault = next((f for f in self.faults if f.armed and rank in f.plan.ranks), None)
+        if fault is not None:
+            fault.armed, fault.applied_t = False, time.time()
+
     def attribute(self, ranks: set[int], nodes: set[int], strict: bool = False) -> list[str]:
         """Faults a detected failure is blamed on: undetected faults that hit these ranks or nodes,
         else every undetected fault (a partition shows up as a hang anywhere). A fault the job has
@@ -257,13 +293,16 @@ class Injector:
         that hit these ranks or nodes."""
         open_faults = [f for f in self.faults if not f.detected and not self._survived(f)]
         hits = [f for f in open_faults if set(f.plan.ranks) & ranks or set(f.plan.nodes) & nodes]
+        # A kill armed in its rank explains that rank's failure (its word that it landed may be
+        # lost with the controller out of reach), but nothing elsewhere: it has done nothing yet.
+        open_faults = [f for f in open_faults if not f.armed]
         # A straggler replaced under `--straggler replace`: the slow fault in force on it explains
         # it, however long ago it was detected.
         hits += [f for f in self.faults if f.spec.kind.family is FaultFamily.STRAGGLER and not f.reverted
                  and set(f.plan.ranks) & ranks and f not in hits]
         chosen = hits if hits or strict else open_faults
         for f in chosen:
-            f.detected = True
+            f.detected, f.armed = True, False
         return [f.fault_id for f in chosen]
 
     def explain_straggler(self, rank: int, onset_t: float) -> list[str]:

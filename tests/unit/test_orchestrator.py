@@ -561,6 +561,48 @@ def test_a_scheduled_fault_waits_while_a_failure_is_pending() -> None:
     assert not ran and not cluster.recorded(EventKind.FAULT_INJECTED)
 
 
+def _injected(cluster: FakeCluster) -> list[tuple[list[int], int]]:
+    """(ranks, committed step when injected) of each fault injected."""
+    return [(e["ranks"], e["at_step"]) for e in cluster.recorded(EventKind.FAULT_INJECTED)]
+
+
+def test_a_kill_at_a_phase_is_armed_seconds_of_steps_ahead_but_never_before_an_earlier_fault() -> None:
+    job = _job(steps=8)  # steps of 0.1 s: armed 30 steps (3 s) ahead, not just 6
+    cluster = _cluster(job)
+    ran: list[tuple[str, ...]] = []
+    injector = Injector(cluster, job, lambda cmd: FakeTransport(ran), scheduled=[
+        parse_spec("kill-rank:rank=1,step=37,phase=backward"), parse_spec("kill-rank:rank=2,step=9")])
+    injector.tick(1.0)
+    assert not ran  # the kill at step 9 is not due; the one armed ahead waits behind it
+    _report(job, 0, 9, [0, 1, 2, 3])
+    injector.tick(2.0)
+    assert _injected(cluster) == [([2], 9)]
+    injector.attribute({2}, set())  # rank 2's kill is seen
+    injector.tick(3.0)
+    assert _injected(cluster) == [([2], 9), ([1], 9)]  # 28 steps ahead of its step
+
+
+def test_a_kill_armed_in_its_rank_is_neither_survived_nor_blamed_elsewhere_until_it_lands() -> None:
+    job = _job(steps=8)
+    cluster = _cluster(job)
+    injector = Injector(cluster, job, lambda cmd: FakeTransport([]), scheduled=[
+        parse_spec("kill-rank:rank=1,step=30,phase=optimizer"), parse_spec("kill-rank:rank=3,step=31")],
+        hang_min_s=0.0)
+    injector.tick(1.0)
+    (armed,) = injector.faults
+    # The job goes on for longer than any detector needs: an applied fault would count as
+    # survived by now, and the next one would fire; this one has not taken effect yet.
+    armed.applied_t = armed.injected_t - 60.0
+    injector._progress_t = armed.injected_t
+    assert not injector._settled()
+    assert injector.attribute({0}, set()) == []  # rank 0's failure is not rank 1's armed kill
+    injector._seen_step = 37  # well past its step, still armed: its phase is not in these steps
+    assert injector._settled()  # later faults do not wait for it
+    injector.landed(1)
+    assert not armed.armed and armed.applied_t is not None and armed.applied_t >= armed.injected_t
+    assert injector.attribute({1}, set()) == [armed.fault_id]  # rank 1 dies where it landed
+
+
 def test_phase_transitions_follow_the_table() -> None:
     job = JobState.for_world(2, 1)
     assert job.phase is Phase.STARTING
