@@ -58,9 +58,11 @@ def test_slow_rank_is_named_within_5_steps_and_its_lost_time_matches_the_twin(wo
     report = res.report
     # A sleep changes no arithmetic: every step's loss is the twin's, bit for bit.
     assert report["loss_by_step"] == twin.report["loss_by_step"]
-    (fault,) = report["faults"]
+    # The injected one; a shared host's load can also slow a rank for a few steps, and the
+    # detector rightly names that too (a finding no fault explains).
+    (fault,) = [f for f in report["faults"] if f["kind"] != "detected"]
     assert fault["kind"] == "slow-rank" and fault["cause"] == "straggler" and fault["reverted_by"] == "controller"
-    (named,) = [ev for ev in res.events if ev.kind is EventKind.STRAGGLER_DETECTED]
+    (named,) = [ev for ev in res.events if ev.kind is EventKind.STRAGGLER_DETECTED and ev.get("fault_ids")]
     assert named.get("rank") == 1 and named.get("fault_ids") == [fault["fault_id"]]
     # Measured against the other rank's busy time then, not the asked 3x of the rank's own step
     # time at the onset: a shared host's load moves it.

@@ -191,7 +191,10 @@ def test_an_unauthenticated_store_client_can_neither_read_a_secret_nor_control_t
             spy.stop()
         heard = [m for spy in agents for m in spy.seen]
         spawns = [m for m in heard if b'"kind":"spawn"' in m]
-        assert len(spawns) == NNODES, heard  # it did read each agent's spawn command...
+        # It did read a spawn command... Each spy races the agent it spies on for the message
+        # (written once, deleted by the agent the moment it has read it): on a loaded host the
+        # agent can win one of the races, never both in practice.
+        assert spawns, heard
         assert b"FFCTL_RUN_ID" in spawns[0] and b"MASTER_PORT" in spawns[0]
         for value in [*heard, *ranks.seen, *plans]:
             assert token.encode() not in value  # ...and found no token in it, nor anywhere else
@@ -201,8 +204,11 @@ def test_an_unauthenticated_store_client_can_neither_read_a_secret_nor_control_t
             q = control.agent_queue(n, 0)
             control.send_dict(attacker, q, {"type": "kill", "ranks": [n], "grace": 0.0})
             control.send_dict(attacker, q, {"type": "stop"})
-            idx = attacker.add(f"{q}/n", 1)  # a genuine spawn, replayed: would start rank n twice
-            attacker.set(f"{q}/{idx}", spawns[0] if f'"to":"{q}"'.encode() in spawns[0] else spawns[1])
+            # A genuine spawn replayed (would start rank n twice), or one sealed for the other
+            # agent where this one's was not heard: either is refused.
+            own = [m for m in spawns if f'"to":"{q}"'.encode() in m]
+            idx = attacker.add(f"{q}/n", 1)
+            attacker.set(f"{q}/{idx}", (own or spawns)[0])
         for r in range(NNODES):
             control.send_dict(attacker, control.CTL_QUEUE,
                               {"type": "done", "rank": r, "node": r, "gen": 0, "step": STEPS})
@@ -277,8 +283,10 @@ def test_an_unauthenticated_store_client_can_neither_read_a_secret_nor_control_t
     for n in range(NNODES):
         by_agent = [e for e in rejected if e.get("reported_by_node") == n and e["queue"] == control.agent_queue(n, 0)]
         reasons = " | ".join(e["reason"] for e in by_agent)
-        # The unsealed kill and stop (too short to hold a MAC, or a wrong one), the replayed spawn.
-        assert len(by_agent) == 3 and "replayed" in reasons, by_agent
+        # The unsealed kill and stop (too short to hold a MAC, or a wrong one), the replayed spawn
+        # (or the other agent's, sealed for that agent's queue).
+        own = any(f'"to":"{control.agent_queue(n, 0)}"'.encode() in m for m in spawns)
+        assert len(by_agent) == 3 and ("replayed" if own else "sealed for") in reasons, by_agent
     assert report["messages_rejected"] >= len(rejected)  # the report counts what the record holds
     on_channel = [e for e in rejected if e["queue"] == "snapshot channel"]
     assert {e["reported_by_node"] for e in on_channel} == set(range(NNODES)), rejected
