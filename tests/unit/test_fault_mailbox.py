@@ -63,7 +63,7 @@ def test_a_fault_that_raises_leaves_the_later_ones_for_the_next_step(run_dir: Pa
     assert faults.slow_factor == 2.0 and shm.mailbox(faults.path or "") == []
 
 
-def test_a_fault_whose_signal_never_came_is_taken_at_the_next_step(run_dir: Path) -> None:
+def test_a_fault_whose_signal_never_came_is_taken_at_the_next_look(run_dir: Path) -> None:
     # The file, without the SIGUSR1 that follows it (missed: sent before the rank's handler was
     # in place, or merged with another). A kill armed for a later step once never landed so.
     faults = InStepFaults(str(run_dir), "r", 0)
