@@ -44,17 +44,17 @@ def phase_lead(median_step_s: float) -> int:
     return max(PHASE_LEAD_STEPS, math.ceil(PHASE_LEAD_S / median_step_s))
 
 
-def _due(spec: FaultSpec, committed_step: int, elapsed: float, lead: int) -> bool:
-    trig = spec.trigger
-    # A kill at a phase lands in step `trig.step` itself: the rank arms it `lead` steps ahead.
-    lead = lead if spec.option("phase") else 0
-    return (trig.step is not None and committed_step >= trig.step - lead) or (
-        trig.t is not None and elapsed >= trig.t) or (trig.step is None and trig.t is None)
-
-
 def _lands_in_step(spec: FaultSpec) -> bool:
     """A kill armed in the rank ahead of its step: it takes effect when it lands there."""
     return spec.kind is FaultKind.KILL_RANK and bool(spec.option("phase"))
+
+
+def _due(spec: FaultSpec, committed_step: int, elapsed: float, lead: int) -> bool:
+    trig = spec.trigger
+    # A kill at a phase lands in step `trig.step` itself: the rank arms it `lead` steps ahead.
+    lead = lead if _lands_in_step(spec) else 0
+    return (trig.step is not None and committed_step >= trig.step - lead) or (
+        trig.t is not None and elapsed >= trig.t) or (trig.step is None and trig.t is None)
 
 
 def _trigger_order(spec: FaultSpec) -> tuple[int, float]:
@@ -75,6 +75,7 @@ class ActiveFault:
     reverted_t: float | None = None
     applied_t: float | None = None  # when the fault took effect (applying can take seconds)
     armed: bool = False  # a kill waiting in its rank for its step: no effect until it lands
+    armed_step: int = 0  # the job's committed step when it was armed
 
 
 @dataclass
@@ -139,10 +140,11 @@ class Injector:
                    or now - f.injected_t > SETTLE_MAX_S for f in self.faults)
 
     def _missed(self, fault: ActiveFault) -> bool:
-        """A kill still armed well past its step: the phase it waits for is not in the job's steps
-        (`backward` in a step function without DDP), and later faults need not wait for it."""
-        step = fault.spec.trigger.step
-        return fault.armed and step is not None and self._seen_step > step + PHASE_LEAD_STEPS
+        """A kill still armed well past the step it lands in (its own, or the next one when it was
+        armed late): the phase it waits for is not in the job's steps (`backward` in a step
+        function without DDP), and later faults need not wait for it."""
+        lands = max(fault.spec.trigger.step or 0, fault.armed_step)
+        return fault.armed and self._seen_step > lands + PHASE_LEAD_STEPS
 
     def _draw_chaos(self, elapsed: float) -> None:
         while self._chaos is not None and self._chaos_next is not None and self._chaos_next[0] <= elapsed:
@@ -235,7 +237,7 @@ class Injector:
             fault.detected = fault.reverted = True  # nothing to detect: it never took effect
             return fault, str(exc)
         fault.applied_t = time.time()
-        fault.armed = _lands_in_step(plan.spec)
+        fault.armed, fault.armed_step = _lands_in_step(plan.spec), self._seen_step
         if plan.revertible:
             # The duration counts from when the fault took effect: applying over SSH can take
             # seconds, and a 3 s partition must partition for 3 s.

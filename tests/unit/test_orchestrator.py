@@ -598,6 +598,12 @@ def test_a_kill_armed_in_its_rank_is_neither_survived_nor_blamed_elsewhere_until
     assert injector.attribute({0}, set()) == []  # rank 0's failure is not rank 1's armed kill
     injector._seen_step = 37  # well past its step, still armed: its phase is not in these steps
     assert injector._settled()  # later faults do not wait for it
+    # Armed late (the job already past its step, faults held back before it): it lands in the
+    # next step, and later faults wait for it until well past that one.
+    armed.armed_step = 37
+    assert not injector._settled()
+    injector._seen_step = 44
+    assert injector._settled()
     injector.landed(1)
     assert not armed.armed and armed.applied_t is not None and armed.applied_t >= armed.injected_t
     assert injector.attribute({1}, set()) == [armed.fault_id]  # rank 1 dies where it landed
