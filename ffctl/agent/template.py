@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import IO, Any, Callable
 
 from ffctl.agent import diagnostics
+from ffctl.agent.teardown import guard_ddp_teardown
 
 log = logging.getLogger(__name__)
 PR_SET_PDEATHSIG = 1
@@ -251,6 +252,7 @@ def run_assignment(job: Assignment) -> None:
         hand_token(job.token)
     _unbuffered_stdio()
     faulthandler.register(STACKS_SIGNAL, file=2, all_threads=True)  # fd 2: its stderr log, set above
+    guard_ddp_teardown()  # a DDP model freed as the script ends must not deadlock it (teardown.py)
     main, code, argv, path0 = _main_module(job.argv)
     sys.argv = argv
     if sys.path and _path0 and sys.path[0] == _path0[0]:
