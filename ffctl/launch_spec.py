@@ -150,6 +150,10 @@ class LaunchSpec:
     # they are stopped and the run fails naming them. torchrun's agent waits 300 s at its exit
     # barrier.
     exit_barrier_timeout: float = 300.0
+    # How long a script's job may go with no rank printing a line or committing a step (no
+    # rank has exited, so the exit barrier has not started) before it is stopped as hung, each
+    # rank's stacks kept. torchrun has no such limit; NVRx's rank heartbeat is the nearest.
+    silence_timeout: float = 1800.0
     address: str = "127.0.0.1"  # where the controller's store listens
     extra_env: tuple[tuple[str, str], ...] = field(default=())
     keep_freed_memory: bool = True  # workers keep freed memory rather than fault it in each step
@@ -223,6 +227,7 @@ class LaunchSpec:
         parse_straggler(self.straggler)
         _seconds("pg_timeout", self.pg_timeout)
         _seconds("--exit-barrier-timeout", self.exit_barrier_timeout)
+        _seconds("--silence-timeout", self.silence_timeout)
         _whole("--batch", self.batch, 0, MAX_BATCH)
         _whole("--spares", self.spares, 0, MAX_PROCS_PER_NODE)
         _whole("--snapshot-copies", self.snapshot_copies, 1, MAX_COPIES)

@@ -96,6 +96,10 @@ class EventKind(str, Enum):
     # gen, ranks (still running), finished (exited 0), waited_s, timeout_s: some ranks finished
     # and others linger (said once per generation; the exit barrier stops them at timeout_s)
     EXIT_BARRIER = "exit_barrier"
+    # gen, ranks (each {rank, node, silent_s}), silent_s (the job's), timeout_s: no rank of a
+    # script's job printed a line or committed a step for a while (said once per generation;
+    # the job is stopped as hung at timeout_s, --silence-timeout)
+    RANKS_SILENT = "ranks_silent"
     # queue (or key), index, reason, raw (short repr); node/rank when an agent or rank refused it
     MESSAGE_REJECTED = "message_rejected"
     # rank, node, gen, factor (its step time over what the step would have taken had it been as

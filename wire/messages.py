@@ -74,6 +74,10 @@ class Kind(str, Enum):
     FAULT_LANDED = "fault_landed"
     # An agent flipped a byte in the replicas it holds of a rank (corrupt-snapshot copy=replica).
     REPLICAS_CORRUPTED = "replicas_corrupted"
+    # None of a node's ranks has printed a line for a while (`silent`), or one printed again
+    # after that (`output`): what tells the controller a script's job is silent as a whole.
+    SILENT = "silent"
+    OUTPUT = "output"
 
 
 class CommandKind(str, Enum):
@@ -623,8 +627,33 @@ class RankExited(Message):
     host: str | None = _optional(_str)
     log_tail: list[str] | None = _optional(_lines)
     err_tail: list[str] | None = _optional(_lines)
+    # The Python stacks it wrote when it was stopped to be looked at (a lingering or silent
+    # rank), and the file beside its log that keeps them.
+    stacks: list[str] | None = _optional(_lines)
+    stacks_file: str | None = _optional(_str)
     # The message of the error file torch's `@record` wrote (TORCHELASTIC_ERROR_FILE), if any.
     error: str | None = _optional(_str)
+
+
+@_report(Kind.SILENT)
+class Silent(Message):
+    """No rank of generation `gen` on the node has written a line to its logs for `silent_s`
+    seconds; `ranks`: each one's own silence. Sent once a silence is a few seconds old."""
+
+    node: int = _field(_node)
+    incarnation: int | None = _optional(_nat)  # of the agent that sent it
+    gen: int = _field(_nat)
+    silent_s: float = _field(_seconds)
+    ranks: dict[str, float] = _field(_rank_seconds)
+
+
+@_report(Kind.OUTPUT)
+class Output(Message):
+    """A rank of generation `gen` on the node wrote to its logs again after a `silent`."""
+
+    node: int = _field(_node)
+    incarnation: int | None = _optional(_nat)  # of the agent that sent it
+    gen: int = _field(_nat)
 
 
 @_report(Kind.REPLICATED)

@@ -40,6 +40,7 @@ from ffctl.agent.commands import CommandHandler
 from ffctl.agent.config import CONFIG_ENV, AgentConfig
 from ffctl.agent.heartbeat import Heartbeat
 from ffctl.agent.reporter import Reporter
+from ffctl.agent.silence import OutputWatch
 from ffctl.agent.snapshots import NodeSnapshots
 from ffctl.agent.sparepool import SparePool
 from ffctl.agent.stepscan import compile_step_regex
@@ -91,6 +92,7 @@ class Agent:
         self.steps = StepWatch(compile_step_regex(cfg.step_regex), self.reporter.report) if cfg.step_regex else None
         self.workers = WorkerSupervisor(cfg, template, self.spares, self.steps, self._worker_base_env,
                                         self.stopping, self.reporter.report)
+        self.output = OutputWatch(cfg.log_dir, self.reporter.report)
         self.commands = CommandHandler(self.inbox.queue, control.Limits(MAX_RANKS, cfg.nnodes), self.reporter,
                                        self.workers, self.snapshots, self.stopping, cfg.term_grace)
 
@@ -140,6 +142,7 @@ class Agent:
                         self.steps.poll()
                     self.snapshots.take_fault()
                     self.workers.reap()
+                    self.output.poll(self.workers.live())
                     self.workers.tend_template()
                     self.workers.reap_orphans()
                     self.spares.top_up()

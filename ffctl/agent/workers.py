@@ -17,7 +17,7 @@ import stat
 import subprocess
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -41,18 +41,71 @@ LOG_TAIL_BYTES = 16384
 # How long a rank is given to write its stacks (`STACKS_SIGNAL`) before it is stopped.
 STACKS_WRITE_S = 0.5
 LOG_LINE_CHARS = 400
+# What of a rank's stacks goes to the controller (all of them stay in the file beside its log).
+STACKS_BYTES = 1 << 20
+STACKS_LINES = 400
 
 
-def _stacks_then_kill(procs: list[psutil.Process], grace: float) -> None:
-    """Have each rank write its Python stacks to its stderr log (where it was stuck, for the
-    tail its exit reports), then end it as `kill_tree` does."""
+def _size(path: Path) -> int:
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return 0
+
+
+def _stacks_then_kill(procs: list[psutil.Process], grace: float, keep: Callable[[], None]) -> None:
+    """Have each rank write its Python stacks to its stderr log (where it was stuck), `keep`
+    them, then end it as `kill_tree` does."""
     for proc in procs:
         try:
             proc.send_signal(STACKS_SIGNAL)
         except psutil.Error:
             pass
     time.sleep(STACKS_WRITE_S)
-    kill_tree(procs, grace)
+    try:
+        keep()
+    finally:
+        kill_tree(procs, grace)
+
+
+def keep_stacks(log_dir: Path, rank: int, gen: int, err_from: int) -> tuple[list[str], str | None]:
+    """What the rank wrote to its stderr log from byte `err_from` on (its stacks, asked for just
+    before), bounded, and the file beside its log that now keeps them: `<rank>.gen<gen>.stacks`,
+    created new (O_EXCL, O_NOFOLLOW: a name planted there is refused, not written through)."""
+    try:
+        with open(log_dir / f"{rank}.err", "rb") as fh:
+            fh.seek(err_from)
+            data = fh.read(STACKS_BYTES)
+    except OSError:
+        return [], None
+    lines = python_stacks(data.decode("utf-8", errors="replace").splitlines())
+    if not lines:
+        return [], None
+    path = log_dir / f"{rank}.gen{gen}.stacks"
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        with os.fdopen(fd, "w") as fh:
+            fh.write("\n".join(lines) + "\n")
+    except OSError:
+        return [line[:LOG_LINE_CHARS] for line in lines[:STACKS_LINES]], None
+    return [line[:LOG_LINE_CHARS] for line in lines[:STACKS_LINES]], str(path)
+
+
+_HEADERS = ("Thread 0x", "Current thread 0x")
+
+
+def python_stacks(lines: list[str]) -> list[str]:
+    """The last stack dump in `lines` (what `faulthandler` writes: a "Thread 0x..." or "Current
+    thread 0x..." header per thread, each followed by its "  File ..." frames and a blank line),
+    or nothing."""
+    starts = [i for i, line in enumerate(lines) if line.startswith(_HEADERS)]
+    if not starts:
+        return []
+    first = starts[-1]
+    while first > 0 and (not lines[first - 1].strip() or lines[first - 1].startswith(("  File ", *_HEADERS))):
+        first -= 1
+    # Frames just above the dump may be another traceback's: the dump starts at a header.
+    return lines[min(i for i in starts if i >= first):]
 
 
 @dataclass
@@ -62,6 +115,8 @@ class Worker:
     proc: subprocess.Popen[bytes] | ForkedWorker | ForkedSpare
     expected_exit: bool = False
     report_tail: bool = False  # report the end of its log with its exit, even an expected one
+    stacks: list[str] = field(default_factory=list)  # what it wrote when asked for its stacks
+    stacks_file: str | None = None  # ... kept beside its log
 
 
 def read_error_file(path: Path) -> str | None:
@@ -209,7 +264,22 @@ class WorkerSupervisor:
                 w.expected_exit = True
                 w.report_tail = tail
         procs = as_processes([w.proc.pid for w in targets])
-        threading.Thread(target=_stacks_then_kill if tail else kill_tree, args=(procs, grace), daemon=True).start()
+        if not tail:
+            threading.Thread(target=kill_tree, args=(procs, grace), daemon=True).start()
+            return
+        log_dir = Path(self.cfg.log_dir)
+        ends = {w.rank: _size(log_dir / f"{w.rank}.err") for w in targets}
+
+        def keep() -> None:  # before the kill, so the exit (reaped after it) carries them
+            for w in targets:
+                w.stacks, w.stacks_file = keep_stacks(log_dir, w.rank, w.gen, ends[w.rank])
+
+        threading.Thread(target=_stacks_then_kill, args=(procs, grace, keep), daemon=True).start()
+
+    def live(self) -> dict[int, int]:
+        """The live ranks and their generations."""
+        with self.lock:
+            return {rank: w.gen for rank, w in self.workers.items()}
 
     def reap(self) -> None:
         with self.lock:
@@ -227,6 +297,8 @@ class WorkerSupervisor:
                 self.report(messages.RankExited, rank=rank, gen=w.gen, pid=w.proc.pid, exitcode=code,
                             expected=w.expected_exit, host=socket.gethostname(), log_tail=tail,
                             **({"err_tail": err_tail} if err_tail else {}),
+                            **({"stacks": w.stacks} if w.stacks else {}),
+                            **({"stacks_file": w.stacks_file} if w.stacks_file else {}),
                             **({"error": error} if error else {}))
 
     def error_file(self, rank: int, gen: int) -> Path:

@@ -84,7 +84,8 @@ class Controller:
         self.watchdog = Watchdog(self.job, self.plane, self.record, spec.heartbeat_timeout, spec.hang_min_s,
                                  self.plain_script, spec.last_step)
         self.barrier = ExitBarrier(self.job, spec.exit_barrier_timeout, self.record, self.announce,
-                                   self.fleet.send, self.wait_for, self.fleet.host)
+                                   self.fleet.send, self.wait_for, self.fleet.host,
+                                   spec.silence_timeout if spec.script else None)
         self.inbox = Inbox(self.job, self.record, self.plane, self.fleet, self.watchdog, self.barrier, self.injector,
                            self.stragglers, self.announce,
                            checkpoints=None if nodes.run_dir is not None else record.path / "checkpoints",

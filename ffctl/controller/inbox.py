@@ -62,6 +62,19 @@ def _replaced(job: JobState, msg: messages.Message) -> int | None:
     return None if st is None or incarnation == st.incarnation else st.incarnation
 
 
+# Reports handed on as they come (kept out of the class, which reads in one sitting).
+def _on_training(inbox: Inbox, msg: messages.Training) -> None:
+    inbox.training_api = msg.api
+
+
+def _on_silence(inbox: Inbox, msg: messages.Silent | messages.Output) -> None:
+    inbox.barrier.heard(msg)
+
+
+def _on_heartbeat(inbox: Inbox, msg: messages.Heartbeat) -> None:
+    inbox.watchdog.heartbeat(msg)
+
+
 class Inbox:
     def __init__(self, job: JobState, record: Record, plane: ControlPlane, fleet: Fleet, watchdog: Watchdog,
                  barrier: ExitBarrier, injector: Injector, stragglers: StragglerDetector,
@@ -272,12 +285,6 @@ class Inbox:
         # Where a corrupt-snapshot copy=replica landed: the holder and the steps of its copies.
         self.record(EventKind.FAULT_LANDED, rank=msg.rank, node=msg.node, steps=msg.steps, where="replica")
 
-    def _on_training(self, msg: messages.Training) -> None:
-        self.training_api = msg.api
-
-    def _on_heartbeat(self, msg: messages.Heartbeat) -> None:
-        self.watchdog.heartbeat(msg)
-
     def _on_rank_exited(self, msg: messages.RankExited) -> None:
         now = time.time()
         rank, pid, code = msg.rank, msg.pid, msg.exitcode
@@ -285,8 +292,9 @@ class Inbox:
         self.record(EventKind.RANK_EXITED, t=now, node=msg.node, rank=rank, pid=pid, exitcode=code,
                     gen=msg.gen, expected=bool(msg.expected), **({"log_tail": tail} if tail else {}),
                     **({"err_tail": err_tail} if err_tail else {}),
-                    **({"error_file": msg.error} if msg.error else {}))
-        self.barrier.exited(rank, tail, bool(msg.expected), err_tail)
+                    **({"error_file": msg.error} if msg.error else {}),
+                    **({"stacks_file": msg.stacks_file} if msg.stacks_file else {}))
+        self.barrier.exited(rank, tail, bool(msg.expected), _lines(msg.stacks, 200), msg.stacks_file)
         if self.job.pids.get(rank) != pid:
             return  # a process of an earlier generation, already replaced
         self.job.pids[rank] = None
@@ -350,6 +358,8 @@ class Inbox:
         messages.Kind.HEARTBEAT: _on_heartbeat,
         messages.Kind.FAULT_LANDED: _on_fault_landed,
         messages.Kind.REPLICAS_CORRUPTED: _on_replicas_corrupted,
+        messages.Kind.SILENT: _on_silence,
+        messages.Kind.OUTPUT: _on_silence,
     }
 
     def _ever_announced(self, rank: int) -> bool:

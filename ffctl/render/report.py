@@ -484,6 +484,10 @@ def status_notes(report: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _seconds_of(value: Any) -> str:
+    return f"{value:.1f}s" if isinstance(value, (int, float)) and not isinstance(value, bool) else "-"
+
+
 def root_cause_lines(cause: dict[str, Any], title: str) -> list[str]:
     """The root cause of a failed run, laid out as torchrun prints it: the first failed rank,
     its host, exit code or signal, time, and the last lines of its error."""
@@ -504,9 +508,15 @@ def root_cause_lines(cause: dict[str, Any], title: str) -> list[str]:
             lines.append(f"  step      : {cause['step']}")
         code, sig, pid = cause.get("exitcode"), cause.get("signal"), cause.get("pid")
         pid_text = f"pid: {pid}" if pid else "pid: -"
-        if cause.get("lingered_s") is not None:  # the exit barrier stopped it: it had not failed
-            lines.append(f"  lingered  : {cause['lingered_s']:.1f}s after the other ranks finished")
+        if cause.get("lingered_s") is not None:  # the barrier stopped it: it had not failed
+            lingered = _seconds_of(cause["lingered_s"])
+            if cause.get("cause") == "silence":
+                lines.append(f"  silent    : {lingered} (no rank printed a line or committed a step)")
+            else:
+                lines.append(f"  lingered  : {lingered} after the other ranks finished")
             lines.append(f"  last line : {cause.get('last_line') or '-'}")
+            if cause.get("stacks_file"):
+                lines.append(f"  stacks in : {cause['stacks_file']}")
         elif code is None:
             lines.append(f"  exitcode  : - (raised in the step; {pid_text})")
         elif sig:

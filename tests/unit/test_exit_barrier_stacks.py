@@ -2,7 +2,7 @@
 whatever it printed before, for the exit barrier's root cause."""
 from __future__ import annotations
 
-from ffctl.controller.barrier import python_stacks
+from ffctl.agent.workers import python_stacks
 
 DUMP = [
     "Thread 0x00007f1 (most recent call first):",
