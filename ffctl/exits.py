@@ -8,6 +8,10 @@ EXIT_INFRA = 3
 # A batch script must not requeue the job: a requeue would fail the same way, or its requeues are
 # spent (see README, Slurm).
 EXIT_NO_REQUEUE = 4
+# A run that completed while a fault it was asked for never took effect (its trigger never came,
+# or it was held back until the end): a chaos check that tested nothing must not pass.
+# `--allow-missed` accepts it (exit 0, the fault still recorded as missed).
+EXIT_FAULT_MISSED = 5
 EXIT_INTERRUPTED = 130
 
 

@@ -154,6 +154,9 @@ class LaunchSpec:
     # rank has exited, so the exit barrier has not started) before it is stopped as hung, each
     # rank's stacks kept. torchrun has no such limit; NVRx's rank heartbeat is the nearest.
     silence_timeout: float = 1800.0
+    # Run even though a requested fault can never fire, and exit 0 when one never took effect:
+    # the fault is recorded as missed either way (`fault_missed`).
+    allow_missed: bool = False
     address: str = "127.0.0.1"  # where the controller's store listens
     extra_env: tuple[tuple[str, str], ...] = field(default=())
     keep_freed_memory: bool = True  # workers keep freed memory rather than fault it in each step

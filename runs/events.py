@@ -53,6 +53,10 @@ class EventKind(str, Enum):
     FAULT_INJECTED = "fault_injected"  # fault_id, kind, target, ranks, nodes, at_step, emulated, breaks_job
     FAULT_REVERTED = "fault_reverted"  # fault_id; by, trigger, ok, exit when a dead man's switch did it
     FAULT_FAILED = "fault_failed"  # fault_id, error (the fault could not be applied)
+    # fault_id, kind, target, trigger, reason: a fault asked for that never took effect before the
+    # run ended (its trigger never came, it was held back behind others, or it was armed in a
+    # rank and its step's phase never came); recorded at the run's end
+    FAULT_MISSED = "fault_missed"
     # rank, node, gen, step, phase: an armed in-step fault (kill-rank with phase=) fired there,
     # as the rank said just before it killed itself
     FAULT_LANDED = "fault_landed"

@@ -146,6 +146,8 @@ class RunMetrics:
     # Seconds during which some rank's state had no copy on another node (`protection_lost` to
     # `protection_restored`, or to the end): a loss of its node then would have lost it.
     unprotected_s: float = 0.0
+    # Faults asked for that never took effect (`fault_missed`): fault_id, kind, target, trigger, reason.
+    missed_faults: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -826,6 +828,8 @@ def compute(run_id: str, events: list[Event], controller_alive: bool | None = No
                               for ev in events if ev.kind is EventKind.MESSAGE_REJECTED),
         step_known=bool(committed) or not plain_script,
         unprotected_s=_unprotected_seconds(events, end_t),
+        missed_faults=[{k: _text(ev.get(k)) for k in ("fault_id", "kind", "target", "trigger", "reason")}
+                       for ev in events if ev.kind is EventKind.FAULT_MISSED],
     )
 
 

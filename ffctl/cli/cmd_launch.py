@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
@@ -12,13 +13,13 @@ from fault_injectors import FaultSpecError
 from wire.fault_spec import parse_injection
 from ffctl.render import make_console
 from ffctl.backends import REQUEUED, backend_name
-from ffctl.exits import EXIT_EXPECTATION, EXIT_INTERRUPTED, EXIT_NO_REQUEUE, EXIT_OK, BadInput
+from ffctl.exits import EXIT_EXPECTATION, EXIT_FAULT_MISSED, EXIT_INTERRUPTED, EXIT_NO_REQUEUE, EXIT_OK, BadInput
 from ffctl.launch.echo import RankEcho, parse_ranks_filter
 from ffctl.launch.torchrun import TorchrunArgError, resolve
 from ffctl.launch_spec import LaunchSpec
 from ffctl.render.live import LiveView
 from ffctl.render.report import render_plan, render_report, root_cause_lines
-from runs.events import EventKind, RunStatus, finish_reason
+from runs.events import Event, EventKind, RunStatus, finish_reason
 from runs.metrics import compute
 
 if TYPE_CHECKING:
@@ -49,6 +50,15 @@ def _echo(plan: LaunchPlan, console: Any) -> AbstractContextManager[object]:
     return RankEcho(spec.runs_dir / plan.run_id / "logs", write, spec.nproc_per_node,
                     parse_ranks_filter(torchrun.get("local_ranks_filter", "")), write_err,
                     role=spec.role if teed else None)
+
+
+def _say_missed(events: Iterable[Event]) -> int:
+    """Say each requested fault that never took effect, with why; how many."""
+    missed = [e for e in events if e.kind is EventKind.FAULT_MISSED]
+    for e in missed:
+        typer.echo(f"ffctl launch: fault {e.get('fault_id')} ({e.get('kind')} {e.get('target')} {e.get('trigger')}) "
+                   f"missed: {e.get('reason')}", err=True)
+    return len(missed)
 
 
 def register(app: typer.Typer) -> None:
@@ -83,6 +93,7 @@ def register(app: typer.Typer) -> None:
         verify_restore: Annotated[bool, typer.Option("--verify-restore", help="Check every recovery from memory by replay: restore one snapshot further back and train the steps between again; each rank's loss must equal, bit for bit, the one it reported before the fault, or the job stops naming the rank and step (state the script never registered, such as a prefetched batch). Costs one step per recovery.")] = False,
         exit_barrier_timeout: Annotated[float, typer.Option("--exit-barrier-timeout", help="Once some ranks of the job have finished (exit 0), how many seconds the others may keep running before they are stopped and the run fails naming them, with their last output line (torchrun's agent waits 300 s at its exit barrier).")] = 300.0,
         silence_timeout: Annotated[float, typer.Option("--silence-timeout", help="A script's job in which no rank prints a line or commits a step for this many seconds (and none has exited) is hung: said on screen after 10 s of silence, and at this limit every rank's Python stacks are kept and the run fails naming each rank and its last line.")] = 1800.0,
+        allow_missed: Annotated[bool, typer.Option("--allow-missed", help="Run even if a requested fault's trigger can never fire (a step= for a script that reports no steps, a step past --steps), and exit 0 when a requested fault never took effect; such a fault is recorded as missed (fault_missed) with the reason. Without it such a run is refused before it starts (exit 2), or exits 5.")] = False,
         dry_run: Annotated[bool, typer.Option("--dry-run", help="Print what would run and start nothing.")] = False,
         hosts: Annotated[Optional[Path], typer.Option("--hosts", help="Hostfile: one node per host, agents started over SSH.")] = None,
         accept_new_host_keys: Annotated[bool, typer.Option("--accept-new-host-keys", help="Trust and save host keys not yet in known_hosts.")] = False,
@@ -148,7 +159,7 @@ def register(app: typer.Typer) -> None:
             nproc_per_node=default_layout if tr.nproc_per_node is None else tr.nproc_per_node, steps=steps, seed=seed, model=model, optimizer=optimizer, parallel=parallel, batch=batch,
             recovery=recovery, ckpt_every=ckpt_every, spares=spares, max_restarts=tr.max_restarts, injects=faults, run_id=run_id,
             runs_dir=runs_dir, script=tr.worker_argv, heartbeat_timeout=heartbeat_timeout, hang_min_s=hang_timeout,
-            exit_barrier_timeout=exit_barrier_timeout, silence_timeout=silence_timeout,
+            exit_barrier_timeout=exit_barrier_timeout, silence_timeout=silence_timeout, allow_missed=allow_missed,
             hostfile=hosts, accept_new_host_keys=accept_new_host_keys, master_addr=tr.master_addr,
             remote_python=remote_python, remote_runs_dir=remote_runs_dir,
             chaos=chaos, sandbox=sandbox or ("netns" if backend == "netns" else None),
@@ -188,6 +199,11 @@ def register(app: typer.Typer) -> None:
                 # Not one step trained: a requeue would start where this did and fail the same way.
                 typer.echo(f"ffctl launch: no step was trained: exit {EXIT_NO_REQUEUE}, do not requeue", err=True)
                 return EXIT_NO_REQUEUE
+        missed = _say_missed(record.events())
         if status is RunStatus.COMPLETED:
+            if missed and not spec.allow_missed:
+                typer.echo(f"ffctl launch: {missed} requested fault(s) never took effect: exit {EXIT_FAULT_MISSED} "
+                           f"(--allow-missed accepts that)", err=True)
+                return EXIT_FAULT_MISSED
             return EXIT_OK
         return EXIT_INTERRUPTED if status is RunStatus.INTERRUPTED else EXIT_EXPECTATION

@@ -296,6 +296,7 @@ class Controller:
             for finding in self.stragglers.close():  # a slowdown still under way at the end
                 self.inbox.straggler(finding)
             self._teardown()
+            self.injector.record_missed(self.plain_script and not self.spec.step_regex, time.time() - self.started)
             cause: dict[str, Any] = {"root_cause": self.root_cause} if status is RunStatus.FAILED and self.root_cause else {}
             self.record(EventKind.RUN_FINISHED, status=status.value, steps_completed=self.job.progress.committed_step,
                         reason=reason, path=self.training_path(), api=self.inbox.training_api, **cause)

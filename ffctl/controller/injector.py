@@ -194,6 +194,34 @@ class Injector:
             if fault.revert_at is not None and not fault.reverted and now >= fault.revert_at:
                 self.revert(fault)
 
+    def record_missed(self, steps_unknown: bool, elapsed: float) -> list[str]:
+        """At the run's end: every fault asked for that never took effect, recorded
+        `fault_missed` with the reason. `steps_unknown`: the job reports no steps (a plain
+        script without --step-regex). Returns their ids."""
+        last = self._seen_step
+        missed: list[tuple[FaultSpec, str]] = []
+        for spec in self.scheduled:
+            trig = spec.trigger
+            if trig.step is not None and steps_unknown:
+                why = (f"step={trig.step}: the script reports no steps (recovery.report_step or --step-regex), "
+                       f"so no step trigger can fire")
+            elif trig.step is not None and last < trig.step:
+                why = f"the job ended at step {last}, before step {trig.step}"
+            elif trig.t is not None and elapsed < trig.t:
+                why = f"the job ended {elapsed:.1f}s in, before t={trig.t:g}"
+            else:
+                why = f"due ({trig}), held back behind earlier faults until the job ended at step {last}"
+            missed.append((spec, why))
+        missed += [(spec, f"due at t={t:g}, held back behind earlier faults until the job ended") for t, spec in self.timed]
+        for fault in self.faults:
+            if fault.armed:
+                missed.append((fault.spec, f"armed in its rank for step {fault.spec.trigger.step}; its phase "
+                                            f"{fault.spec.option('phase')} never came before the job ended"))
+        for spec, why in missed:
+            self.cluster.record(EventKind.FAULT_MISSED, fault_id=spec.fault_id, kind=spec.kind.value,
+                                target=str(spec.target), trigger=str(spec.trigger), reason=why)
+        return [str(spec.fault_id) for spec, _ in missed]
+
     # -- injection ----------------------------------------------------------------------------
     def plan(self, spec: FaultSpec) -> FaultPlan:
         """The checked plan `spec` would run now (for `--dry-run`): touches nothing, raises

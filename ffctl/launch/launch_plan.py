@@ -112,6 +112,7 @@ def plan_launch(spec: LaunchSpec) -> LaunchPlan:
 
         plain = not uses_recovery_library(spec.script)
         recovery = run_strategy(spec.recovery, plain)
+    refuse_unfireable(spec, plain)
     lines = [f"run {run_id}: {spec.nnodes} node(s) x {spec.nproc_per_node} rank(s), {steps}, "
              f"recovery {recovery}" + (f", checkpoint every {spec.ckpt_every}" if spec.ckpt_every else "")
              + (f", {spec.spares} warm spare(s) per node" if spec.spares else "")]
@@ -137,18 +138,43 @@ def plan_launch(spec: LaunchSpec) -> LaunchPlan:
 def timeout_findings(spec: LaunchSpec, plain: bool) -> list[str]:
     """What the launch's detection timeouts say (ffctl.launch.timeouts): the script's own
     process-group timeout where its source shows it, the environment's NCCL settings."""
-    source = None
-    library = not plain
-    if spec.script and not spec.script[0].startswith("-"):
-        try:
-            with open(spec.script[0], "rb") as fh:
-                source = fh.read(1 << 20).decode("utf-8", errors="replace")
-        except OSError:
-            source = None
+    source = _script_source(spec)
     found = read_timeouts(heartbeat_s=spec.heartbeat_timeout, hang_s=spec.hang_min_s, script_source=source,
-                          library=library, env=os.environ, rdzv_conf=dict(spec.torchrun).get("rdzv_conf", ""))
-    return findings(found, steps_known=library or bool(spec.step_regex)
-                    or (source is not None and "report_step" in source))
+                          library=not plain, env=os.environ, rdzv_conf=dict(spec.torchrun).get("rdzv_conf", ""))
+    return findings(found, steps_known=_steps_known(spec, plain, source))
+
+
+def _script_source(spec: LaunchSpec) -> str | None:
+    if not spec.script or spec.script[0].startswith("-"):
+        return None
+    try:
+        with open(spec.script[0], "rb") as fh:
+            return fh.read(1 << 20).decode("utf-8", errors="replace")
+    except OSError:
+        return None
+
+
+def _steps_known(spec: LaunchSpec, plain: bool, source: str | None) -> bool:
+    """Whether ffctl will see the job's steps: the built-in GPT's and the library's, a script's
+    `recovery.report_step` calls, or its output through --step-regex."""
+    return not plain or bool(spec.step_regex) or (source is not None and "report_step" in source)
+
+
+def refuse_unfireable(spec: LaunchSpec, plain: bool) -> None:
+    """A step fault in a script whose steps ffctl will never see is refused before anything starts
+    (one line, exit 2), unless --allow-missed: then it runs and the fault is recorded as missed at
+    the end. (A step past the built-in GPT's --steps is refused by the spec itself.)"""
+    if spec.allow_missed:
+        return
+    source = _script_source(spec)
+    for fault in spec.injects:
+        step = fault.trigger.step
+        if step is None:
+            continue
+        if not _steps_known(spec, plain, source):
+            raise BadInput(f"--inject {fault}: step={step} can never fire: the script reports no steps (call "
+                           f"recovery.report_step(step, loss) after each one, or pass --step-regex); use t= "
+                           f"(seconds from its first step) or --allow-missed")
 
 
 def _preview_sandbox(spec: LaunchSpec, run_id: str) -> NetnsSandbox:
@@ -195,7 +221,9 @@ def _fault_lines(spec: LaunchSpec, topo: Topology, probe: bool) -> list[str]:
     lines: list[str] = []
     for i, fault in enumerate(spec.injects, start=1):
         body = _checked(fault, topo, f"f{i}", f"--inject {fault.kind.value}", probe)
-        lines.append(f"fault f{i}: {fault} (pids resolved when it fires):")
+        # A script's step is its own, as it reports it: the trigger waits on its output.
+        on_output = " on the script's own reported step" if spec.script and fault.trigger.step is not None else ""
+        lines.append(f"fault f{i}: {fault} (fires{on_output}; pids resolved when it fires):")
         lines += body
     if spec.chaos:
         try:

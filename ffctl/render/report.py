@@ -211,6 +211,10 @@ def render_report(report: dict[str, Any], console: Console) -> None:
         console.print(_kv(f"fault {f['fault_id']}", fault_fields(f)))
         _table_or_blocks(console, f"fault {f['fault_id']}: recovery breakdown (s)", list(BREAKDOWN),
                          [breakdown_row(f)], left=0)
+    for m in report.get("missed_faults") or []:  # asked for, never took effect: the run tested less
+        if isinstance(m, dict):
+            console.print(f"fault {m.get('fault_id')} MISSED ({m.get('kind')} {m.get('target')} {m.get('trigger')}): "
+                          f"{m.get('reason')}", markup=False, highlight=False, soft_wrap=True)
     for line in status_notes(report):
         console.print(line, markup=False, highlight=False, soft_wrap=True)
 
@@ -233,7 +237,8 @@ COMPARE_FIELDS: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
     ("steps", _steps_done),
     ("final loss", lambda r: _s(r.get("final_loss"), 4)),
     ("goodput", lambda r: _s(r.get("goodput"), 3)),
-    ("faults", lambda r: str(len(r.get("faults") or []))),
+    ("faults", lambda r: str(len(r.get("faults") or []))
+     + (f" ({len(r['missed_faults'])} missed)" if isinstance(r.get("missed_faults"), list) and r["missed_faults"] else "")),
     ("max recovery s", lambda r: _s(max((f["recovery_s"] for f in r.get("faults") or []
                                          if f.get("recovery_s") is not None), default=None))),
     ("lost s", lambda r: _s(sum(float(f.get("lost_s") or 0.0) for f in r.get("faults") or []))),
