@@ -67,6 +67,7 @@ class Controller:
         self.root_cause: dict[str, Any] | None = None  # the failure that stopped the job
         self.recoveries: list[RecoveryOutcome] = []  # what each completed recovery did, in order
         self.plain_script = not uses_recovery_library(spec.script)
+        self.steps_unknown = self.plain_script and not spec.step_regex  # no step will ever be seen
         # torchrun's default for an unchanged script is no restart; the library keeps ffctl's.
         self.max_restarts = spec.max_restarts if spec.max_restarts is not None else (
             PLAIN_MAX_RESTARTS if self.plain_script else LIBRARY_MAX_RESTARTS)
@@ -296,7 +297,7 @@ class Controller:
             for finding in self.stragglers.close():  # a slowdown still under way at the end
                 self.inbox.straggler(finding)
             self._teardown()
-            self.injector.record_missed(self.plain_script and not self.spec.step_regex, time.time() - self.started)
+            self.injector.record_missed(self.steps_unknown, self.injector.since_training(self.steps_unknown))
             cause: dict[str, Any] = {"root_cause": self.root_cause} if status is RunStatus.FAILED and self.root_cause else {}
             self.record(EventKind.RUN_FINISHED, status=status.value, steps_completed=self.job.progress.committed_step,
                         reason=reason, path=self.training_path(), api=self.inbox.training_api, **cause)
@@ -316,7 +317,8 @@ class Controller:
             if self.inbox.restore_check.diverged is not None:  # a --verify-restore replay differed
                 raise FatalRun(*self.inbox.restore_check.diverged)
             self.watchdog.check_hang()
-            self.injector.tick(time.time() - self.started)  # (a step trigger waits for every rank)
+            # t= counts from the first step; a step trigger waits for every rank
+            self.injector.tick(self.injector.since_training(self.steps_unknown))
             if self.job.pending is not None:
                 self.job.enter(Phase.RECOVERING)
                 self.recoveries.append(self.coordinator.recover())

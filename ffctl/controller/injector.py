@@ -24,7 +24,7 @@ from fault_injectors.process import in_step_fault_path
 from wire.fault_spec import PHASE_LEAD_S, PHASE_LEAD_STEPS, FaultFamily, FaultKind
 from ffctl.controller.cluster import FaultCluster
 from ffctl.controller.faultplan import chaos_faults, plan_fault
-from ffctl.controller.state import JobState
+from ffctl.controller.state import JobState, Phase
 from runs.events import EventKind
 
 # A scheduled fault waits while an earlier one is still unseen (not detected, not reverted, not
@@ -96,6 +96,7 @@ class Injector:
     _progress_t: float = 0.0  # when the committed step last moved
     chaos: str | None = None  # a `--chaos` schedule
     hang_min_s: float = 5.0  # the floor of the hang limit (a fault outlasting it was survived)
+    trained_from: float | None = None  # when the job's first step committed (`since_training`)
 
     def __post_init__(self) -> None:
         # Scheduled faults get their ids up front, in the order given, so the ids (and the chain
@@ -145,6 +146,16 @@ class Injector:
         function without DDP), and later faults need not wait for it."""
         lands = max(fault.spec.trigger.step or 0, fault.armed_step)
         return fault.armed and self._seen_step > lands + PHASE_LEAD_STEPS
+
+    def since_training(self, steps_unknown: bool) -> float:
+        """Seconds since the job's first committed step (for a job that reports no steps, since
+        its ranks started): where `t=` and `--chaos` count from, so that a start-up of seconds on
+        a loaded host never puts a fault before the first step. -1 until then."""
+        now = time.time()
+        if self.trained_from is None and (self.job.progress.started()
+                                          or (steps_unknown and self.job.phase is Phase.RUNNING)):
+            self.trained_from = now
+        return -1.0 if self.trained_from is None else now - self.trained_from
 
     def _draw_chaos(self, elapsed: float) -> None:
         while self._chaos is not None and self._chaos_next is not None and self._chaos_next[0] <= elapsed:
@@ -198,7 +209,7 @@ class Injector:
         """At the run's end: every fault asked for that never took effect, recorded
         `fault_missed` with the reason. `steps_unknown`: the job reports no steps (a plain
         script without --step-regex). Returns their ids."""
-        last = self._seen_step
+        last = max(self._seen_step, self.job.progress.everywhere(sorted(self.job.members)))
         missed: list[tuple[FaultSpec, str]] = []
         for spec in self.scheduled:
             trig = spec.trigger
@@ -207,8 +218,10 @@ class Injector:
                        f"so no step trigger can fire")
             elif trig.step is not None and last < trig.step:
                 why = f"the job ended at step {last}, before step {trig.step}"
+            elif trig.t is not None and elapsed < 0:
+                why = f"t={trig.t:g} counts from the job's first step, and it committed none"
             elif trig.t is not None and elapsed < trig.t:
-                why = f"the job ended {elapsed:.1f}s in, before t={trig.t:g}"
+                why = f"the job ended {elapsed:.1f}s after its first step, before t={trig.t:g}"
             else:
                 why = f"due ({trig}), held back behind earlier faults until the job ended at step {last}"
             missed.append((spec, why))

@@ -6,6 +6,7 @@ No process, no store, no socket: each case runs in milliseconds and asserts on t
 the events recorded and the outcome returned (or the reason the job stopped)."""
 from __future__ import annotations
 
+import time
 from typing import Any, Callable
 
 import pytest
@@ -838,3 +839,46 @@ def test_replacements_started_ahead_by_an_abandoned_attempt_are_kept_by_the_next
     assert cluster.spawned_ahead == [(1, [1]), (1, [3])]
     assert cluster.opened_ahead == [frozenset({1, 3})] and not cluster.kills()
     assert job.pids[1] == 2001 and job.pids[3] == 2003
+
+
+def test_a_time_trigger_counts_from_the_first_committed_step_not_the_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A loaded host's start-up takes seconds: t=2 must land 2 s into training, not before step 1.
+    job = _job(steps=0)
+    cluster = _cluster(job)
+    ran: list[tuple[str, ...]] = []
+    injector = Injector(cluster, job, lambda cmd: FakeTransport(ran), scheduled=[parse_spec("kill-rank:rank=1,t=2")])
+    now = [1000.0]
+    monkeypatch.setattr(time, "time", lambda: now[0])
+    for _ in range(5):  # ten seconds of start-up: no step yet, so no time has passed for t=
+        now[0] += 2.0
+        injector.tick(injector.since_training(steps_unknown=False))
+    assert injector.since_training(steps_unknown=False) == -1.0 and not cluster.recorded(EventKind.FAULT_INJECTED)
+    _report(job, 0, 1, [0, 1, 2, 3])  # the first step
+    injector.tick(injector.since_training(steps_unknown=False))
+    now[0] += 1.5
+    injector.tick(injector.since_training(steps_unknown=False))
+    assert not cluster.recorded(EventKind.FAULT_INJECTED)
+    now[0] += 0.6
+    injector.tick(injector.since_training(steps_unknown=False))
+    (injected,) = cluster.recorded(EventKind.FAULT_INJECTED)
+    assert injected["fault_id"] == "f1"
+    # A job that reports no steps counts from its ranks' start (its phase `running`) instead.
+    other = _job(steps=0)
+    plain = Injector(_cluster(other), other, lambda cmd: FakeTransport(ran))
+    assert plain.since_training(steps_unknown=True) == 0.0
+
+
+def test_faults_that_never_took_effect_are_recorded_missed_with_their_reason() -> None:
+    job = _job(steps=5)
+    cluster = _cluster(job)
+    injector = Injector(cluster, job, lambda cmd: FakeTransport([]),
+                        scheduled=[parse_spec("kill-rank:rank=1,step=9"), parse_spec("kill-rank:rank=2,t=30")])
+    assert injector.record_missed(steps_unknown=False, elapsed=12.0) == ["f1", "f2"]
+    first, second = cluster.recorded(EventKind.FAULT_MISSED)
+    assert first["reason"] == "the job ended at step 5, before step 9" and first["kind"] == "kill-rank"
+    assert second["reason"] == "the job ended 12.0s after its first step, before t=30"
+    cluster2 = _cluster(job)
+    plain = Injector(cluster2, job, lambda cmd: FakeTransport([]), scheduled=[parse_spec("kill-rank:rank=1,step=3")])
+    plain.record_missed(steps_unknown=True, elapsed=-1.0)
+    (missed,) = cluster2.recorded(EventKind.FAULT_MISSED)
+    assert "reports no steps" in missed["reason"]
