@@ -13,6 +13,7 @@ from ffctl.exits import EXIT_BAD_INPUT, EXIT_FAULT_MISSED
 from runs.events import EventKind
 from tests.helpers.launch import assert_nothing_left, launch, rid, run_ffctl
 
+# Whole jobs launched, a few a test: minutes on a loaded 2-core host.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 # A plain script that prints its steps (no torch: only the launch is under test), five of them.

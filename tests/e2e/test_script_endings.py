@@ -20,6 +20,7 @@ import pytest
 from runs.events import EventKind
 from tests.helpers.launch import TORCH_EXIT_ABORT, Result, assert_nothing_left, launch, rid, shm_left
 
+# Thirty whole jobs a test, three at a time: about five minutes on a loaded 2-core host.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 RUNS = 30

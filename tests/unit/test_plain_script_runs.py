@@ -57,15 +57,20 @@ def test_a_step_trigger_past_the_built_in_gpt_s_steps_is_refused() -> None:
 def test_dry_run_of_a_script_takes_a_fault_at_its_step_300(tmp_path: Path) -> None:
     _script(tmp_path)
     code, printed = run_cli(["launch", "--dry-run", "--nnodes", "1", "--nproc-per-node", "2",
-                             "--inject", "kill-rank:rank=1,step=300", "train.py"], tmp_path / "runs", tmp_path)
+                             "--step-regex", r"step (?P<step>\d+)", "--inject", "kill-rank:rank=1,step=300",
+                             "train.py"], tmp_path / "runs", tmp_path)
     assert code == 0, printed
     head = printed.splitlines()[0]
     # No "60 steps": the plan names the script's own steps and the recovery it will really get.
     # (the run id, a time stamp, may hold "60" itself: only the plan's own words are read)
     assert "the script's own steps" in head and "60 steps" not in head, head
     assert f"recovery {SCRIPT_RESTART}" in head, head
-    assert "kill-rank rank:1 @step=300" in printed, printed
+    assert "kill-rank rank:1 @step=300 (fires on the script's own reported step" in printed, printed
     assert not (tmp_path / "runs").exists()
+    # Without a step source the trigger could never fire: refused, one line, nothing started.
+    code, printed = run_cli(["launch", "--dry-run", "--nnodes", "1", "--nproc-per-node", "2",
+                             "--inject", "kill-rank:rank=1,step=300", "train.py"], tmp_path / "runs", tmp_path)
+    assert_refused(code, printed, "step=300 can never fire")
 
 
 def test_launch_of_the_built_in_gpt_still_refuses_a_step_past_its_steps(tmp_path: Path) -> None:
