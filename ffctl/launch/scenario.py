@@ -487,6 +487,14 @@ def evaluate(expect: dict[str, Any], report: dict[str, Any], twin: dict[str, Any
                 add(key, False, f"differs at step {diff.step}", "bit-identical",
                     f"first differing step {diff.step}: loss {_loss(diff.loss)}, fault-free twin "
                     f"({twin.get('run_id')}) {_loss(diff.twin_loss)}", float(diff.step))
+    # Whatever the file expects: a fault it asked for that never took effect means the scenario
+    # tested less than it says, and must not pass as if it had.
+    missed = [m for m in report.get("missed_faults") or [] if isinstance(m, dict)]
+    if missed:
+        first = missed[0]
+        add("faults_landed", False, f"{len(missed)} missed", "all landed",
+            f"{len(missed)} requested fault(s) never took effect; {first.get('fault_id')} "
+            f"({first.get('kind')} {first.get('trigger')}): {first.get('reason')}", float(len(missed)))
     return checks
 
 

@@ -217,6 +217,17 @@ def test_a_fault_never_recovered_misses_and_no_fault_is_no_pass() -> None:
     assert not empty["max_recovery_s"].passed and empty["faults"].passed
 
 
+def test_a_fault_that_never_took_effect_fails_the_scenario_whatever_it_expects() -> None:
+    missed = {"fault_id": "f2", "kind": "kill-rank", "target": "rank:1", "trigger": "@step=50",
+              "reason": "the job ended at step 40, before step 50"}
+    checks = by_name(evaluate({"completes": True, "faults": 2}, {**REPORT, "missed_faults": [missed]}))
+    assert checks["completes"].passed and checks["faults"].passed  # the two that landed are as expected ...
+    landed = checks["faults_landed"]  # ... but a third never did
+    assert not landed.passed and landed.measured == "1 missed"
+    assert "f2" in landed.detail and "before step 50" in landed.detail
+    assert "faults_landed" not in by_name(evaluate({"completes": True}, {**REPORT, "missed_faults": []}))
+
+
 def test_compare_losses_bit_for_bit() -> None:
     a = [[1, 2.5], [2, 2.25], [3, 2.0]]
     assert compare_losses(a, [list(x) for x in a]) is None
