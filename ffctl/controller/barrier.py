@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 from ffctl.controller.cluster import FatalRun, Record
 from ffctl.controller.state import JobState, Phase, Report
+from ffctl.controller.watchdog import wall
 from wire import messages
 from runs.events import EventKind
 
@@ -51,10 +52,6 @@ class Stopped:
     @property
     def last_line(self) -> str:
         return next((line for line in reversed(self.tail) if line.strip()), "")
-
-
-def _wall(monotonic_t: float) -> float:
-    return time.time() - (time.monotonic() - monotonic_t)
 
 
 class ExitBarrier:
@@ -139,7 +136,7 @@ class ExitBarrier:
         heard = {n: self.silent.get(n) for n in nodes}
         if any(v is None or v[0] != job.gen for v in heard.values()):
             return None
-        progress = _wall(job.last_progress)  # a step (or the generation's start) is a sign of life
+        progress = wall(job.last_progress)  # a step (or the generation's start) is a sign of life
         since = max([progress, *(v[1] for v in heard.values() if v is not None)])
         now = time.time()
         each = {r: now - max(progress, t) for v in heard.values() if v is not None for r, t in v[2].items()}

@@ -33,7 +33,7 @@ from ffctl.controller.inbox import Inbox
 from ffctl.controller.injector import Injector
 from ffctl.controller.plane import ControlPlane
 from ffctl.controller.protection import Protection
-from ffctl.controller.script import uses_recovery_library
+from ffctl.controller.script import steps_seen, uses_recovery_library
 from ffctl.controller.state import JobState, Phase, Report
 from ffctl.controller.stragglers import StragglerDetector
 from ffctl.controller.watchdog import Watchdog
@@ -67,7 +67,7 @@ class Controller:
         self.root_cause: dict[str, Any] | None = None  # the failure that stopped the job
         self.recoveries: list[RecoveryOutcome] = []  # what each completed recovery did, in order
         self.plain_script = not uses_recovery_library(spec.script)
-        self.steps_unknown = self.plain_script and not spec.step_regex  # no step will ever be seen
+        self.steps_unknown = not steps_seen(spec.script, spec.step_regex)  # no step will ever be seen
         # torchrun's default for an unchanged script is no restart; the library keeps ffctl's.
         self.max_restarts = spec.max_restarts if spec.max_restarts is not None else (
             PLAIN_MAX_RESTARTS if self.plain_script else LIBRARY_MAX_RESTARTS)

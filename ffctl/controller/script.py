@@ -43,6 +43,20 @@ def uses_recovery_library(script: tuple[str, ...]) -> bool:
     return runs_the_library(text)
 
 
+def steps_seen(script: tuple[str, ...], step_regex: str | None) -> bool:
+    """Whether ffctl will see the job's steps: the built-in workload's and the library's, a plain
+    script's `report_step` calls (read from its source), or its output through --step-regex.
+    Where not, no `step=` trigger can fire and `t=` counts from the ranks' start."""
+    if step_regex or uses_recovery_library(script):
+        return True
+    if script and not script[0].startswith("-"):
+        try:
+            return "report_step" in Path(script[0]).read_text(errors="replace")
+        except OSError:
+            return False
+    return False
+
+
 # What a script may take from `recovery` and stay an unchanged script: one line reporting its steps.
 _PLAIN_NAMES = frozenset({"report_step", "steps"})
 

@@ -112,7 +112,7 @@ def plan_launch(spec: LaunchSpec) -> LaunchPlan:
 
         plain = not uses_recovery_library(spec.script)
         recovery = run_strategy(spec.recovery, plain)
-    refuse_unfireable(spec, plain)
+    refuse_unfireable(spec)
     lines = [f"run {run_id}: {spec.nnodes} node(s) x {spec.nproc_per_node} rank(s), {steps}, "
              f"recovery {recovery}" + (f", checkpoint every {spec.ckpt_every}" if spec.ckpt_every else "")
              + (f", {spec.spares} warm spare(s) per node" if spec.spares else "")]
@@ -141,7 +141,9 @@ def timeout_findings(spec: LaunchSpec, plain: bool) -> list[str]:
     source = _script_source(spec)
     found = read_timeouts(heartbeat_s=spec.heartbeat_timeout, hang_s=spec.hang_min_s, script_source=source,
                           library=not plain, env=os.environ, rdzv_conf=dict(spec.torchrun).get("rdzv_conf", ""))
-    return findings(found, steps_known=_steps_known(spec, plain, source))
+    from ffctl.controller.script import steps_seen
+
+    return findings(found, steps_known=steps_seen(spec.script, spec.step_regex))
 
 
 def _script_source(spec: LaunchSpec) -> str | None:
@@ -154,27 +156,21 @@ def _script_source(spec: LaunchSpec) -> str | None:
         return None
 
 
-def _steps_known(spec: LaunchSpec, plain: bool, source: str | None) -> bool:
-    """Whether ffctl will see the job's steps: the built-in GPT's and the library's, a script's
-    `recovery.report_step` calls, or its output through --step-regex."""
-    return not plain or bool(spec.step_regex) or (source is not None and "report_step" in source)
-
-
-def refuse_unfireable(spec: LaunchSpec, plain: bool) -> None:
+def refuse_unfireable(spec: LaunchSpec) -> None:
     """A step fault in a script whose steps ffctl will never see is refused before anything starts
     (one line, exit 2), unless --allow-missed: then it runs and the fault is recorded as missed at
     the end. (A step past the built-in GPT's --steps is refused by the spec itself.)"""
-    if spec.allow_missed:
+    from ffctl.controller.script import steps_seen
+
+    if spec.allow_missed or not spec.script or steps_seen(spec.script, spec.step_regex):
         return
-    source = _script_source(spec)
     for fault in spec.injects:
         step = fault.trigger.step
         if step is None:
             continue
-        if not _steps_known(spec, plain, source):
-            raise BadInput(f"--inject {fault}: step={step} can never fire: the script reports no steps (call "
-                           f"recovery.report_step(step, loss) after each one, or pass --step-regex); use t= "
-                           f"(seconds from its first step) or --allow-missed")
+        raise BadInput(f"--inject {fault}: step={step} can never fire: the script reports no steps (call "
+                       f"recovery.report_step(step, loss) after each one, or pass --step-regex); use t= "
+                       f"(seconds from its first step) or --allow-missed")
 
 
 def _preview_sandbox(spec: LaunchSpec, run_id: str) -> NetnsSandbox:
