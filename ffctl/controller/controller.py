@@ -297,7 +297,7 @@ class Controller:
             for finding in self.stragglers.close():  # a slowdown still under way at the end
                 self.inbox.straggler(finding)
             self._teardown()
-            self.injector.record_missed(self.steps_unknown, self.injector.since_training(self.steps_unknown))
+            self.injector.record_missed(self.steps_unknown, self.injector.since_training(self.plain_script))
             cause: dict[str, Any] = {"root_cause": self.root_cause} if status is RunStatus.FAILED and self.root_cause else {}
             self.record(EventKind.RUN_FINISHED, status=status.value, steps_completed=self.job.progress.committed_step,
                         reason=reason, path=self.training_path(), api=self.inbox.training_api, **cause)
@@ -318,7 +318,7 @@ class Controller:
                 raise FatalRun(*self.inbox.restore_check.diverged)
             self.watchdog.check_hang()
             # t= counts from the first step; a step trigger waits for every rank
-            self.injector.tick(self.injector.since_training(self.steps_unknown))
+            self.injector.tick(self.injector.since_training(self.plain_script))
             if self.job.pending is not None:
                 self.job.enter(Phase.RECOVERING)
                 self.recoveries.append(self.coordinator.recover())

@@ -147,13 +147,15 @@ class Injector:
         lands = max(fault.spec.trigger.step or 0, fault.armed_step)
         return fault.armed and self._seen_step > lands + PHASE_LEAD_STEPS
 
-    def since_training(self, steps_unknown: bool) -> float:
-        """Seconds since the job's first committed step (for a job that reports no steps, since
-        its ranks started): where `t=` and `--chaos` count from, so that a start-up of seconds on
-        a loaded host never puts a fault before the first step. -1 until then."""
+    def since_training(self, from_ranks_start: bool) -> float:
+        """Seconds since the job's first committed step, or with `from_ranks_start` (a plain
+        script) since its ranks started: where `t=` and `--chaos` count from, so that a start-up
+        of seconds on a loaded host never puts a fault before the first step. -1 until then.
+        A plain script's clock starts with its ranks, whether or not it reports steps: whether it
+        will is known only when it does (its `report_step` may sit behind a flag)."""
         now = time.time()
         if self.trained_from is None and (self.job.progress.started()
-                                          or (steps_unknown and self.job.phase is Phase.RUNNING)):
+                                          or (from_ranks_start and self.job.phase is Phase.RUNNING)):
             self.trained_from = now
         return -1.0 if self.trained_from is None else now - self.trained_from
 
@@ -219,9 +221,9 @@ class Injector:
             elif trig.step is not None and last < trig.step:
                 why = f"the job ended at step {last}, before step {trig.step}"
             elif trig.t is not None and elapsed < 0:
-                why = f"t={trig.t:g} counts from the job's first step, and it committed none"
+                why = f"t={trig.t:g} counts from the job's first step (a script's: its ranks' start), which never came"
             elif trig.t is not None and elapsed < trig.t:
-                why = f"the job ended {elapsed:.1f}s after its first step, before t={trig.t:g}"
+                why = f"the job ended at t={elapsed:.1f}, before t={trig.t:g}"
             else:
                 why = f"due ({trig}), held back behind earlier faults until the job ended at step {last}"
             missed.append((spec, why))

@@ -95,13 +95,14 @@ def _results(res_dir: Path, run_id: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def fault_free(workdir: Path) -> tuple[list[str], float]:
-    """The fault-free run's RESULT lines, and the time after the run started that lies halfway
+    """The fault-free run's RESULT lines, and the time after its ranks started that lies halfway
     between its first checkpoint and its last step."""
     res = launch(workdir, rid("plain"), *COMMON, "train.py", "--ckpt", str(workdir / "free.pt"))
     assert res.returncode == 0, res.stdout + res.stderr
     results = _results(res.runs_dir, res.run_id or "")
     assert len(results) == 2, results
-    started = next(e for e in res.events if e.kind is EventKind.RUN_STARTED)
+    # t= of a plain script counts from its ranks' start, not the launch.
+    started = next(e for e in res.events if e.kind is EventKind.RANKS_SPAWNED)
     log = (res.runs_dir / (res.run_id or "") / "logs" / "0" / "1.log").read_text()
     def done(step: int) -> float:
         return float(re.search(rf"^step {step} loss \S+ at (\S+)$", log, re.M).group(1))  # type: ignore[union-attr]

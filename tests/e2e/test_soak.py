@@ -1,10 +1,10 @@
-"""The chaos soak: three seeded jobs of 60 faults each (six kinds: rank kills, SIGTERMs, crashes,
+"""The chaos soak: two seeded jobs of 60 faults each (six kinds: rank kills, SIGTERMs, crashes,
 GPU errors, node kills and reboots, a mean of 1.5 s apart), on two nodes of two ranks with a
 spare node, run side by side with their fault-free twin on one host.
 
 Each job must complete with every step's loss equal, bit for bit, to the twin's; every fault it
 was dealt is in its report and recovered; no failure the faults do not explain and no recovery
-that failed. Three jobs and the twin at once load the host as a shared CI machine does, so this is
+that failed. Two jobs and the twin at once load the host as a shared CI machine does, so this is
 also the heartbeat and detection paths under load: a node taken for lost that was fine shows as a
 `detected` fault and fails the test (a rank the load slowed for a moment, named a straggler and
 back at pace by itself, is reported and does not).
@@ -21,10 +21,11 @@ from ffctl.controller.injector import chaos_faults
 from fault_injectors.schedule import parse_chaos
 from tests.helpers.launch import assert_nothing_left, ffctl_argv, shm_left
 
-# Four whole jobs at once on a 2-core host, 180 faults among them: about three minutes here.
+# Three whole jobs at once on a 2-core host, 120 faults among them: about six minutes here. (A
+# third seed took the test to ten minutes alone on the host, a quarter of the suite's time.)
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500), pytest.mark.exclusive]
 
-SEEDS = (1, 2, 3)
+SEEDS = (1, 2)
 FAULTS = 60
 KINDS = "kill-rank|term-rank|crash-rank|gpu-error|kill-node|reboot-node"
 # Steps enough that every job outlives its schedule: faults wait while a recovery runs. Since
@@ -57,7 +58,7 @@ def _losses(runs: Path, run_id: str) -> dict[int, float]:
 
 
 def _start(cwd: Path, run_id: str, *args: str) -> subprocess.Popen[bytes]:
-    # Output to a file, not a pipe: four jobs at once, and a pipe nobody reads while the test
+    # Output to a file, not a pipe: three jobs at once, and a pipe nobody reads while the test
     # waits on another job would fill and stop its job.
     with open(cwd / f"{run_id}.out", "wb") as out:  # the job holds its own copy
         return subprocess.Popen(ffctl_argv("launch", "--run-id", run_id, "--runs-dir", str(cwd / "runs"), *args),
@@ -97,7 +98,7 @@ def _stalls(runs: Path, run_id: str) -> str:
     return "\n".join(out)
 
 
-def test_three_seeded_soaks_of_sixty_faults_match_the_fault_free_run(tmp_path: Path) -> None:
+def test_two_seeded_soaks_of_sixty_faults_match_the_fault_free_run(tmp_path: Path) -> None:
     procs = {"free": _start(tmp_path, "free", *COMMON)}
     for seed in SEEDS:
         procs[f"soak-{seed}"] = _start(tmp_path, f"soak-{seed}", *COMMON, "--spares", "1", "--chaos", chaos(seed))

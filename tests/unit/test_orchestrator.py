@@ -851,21 +851,21 @@ def test_a_time_trigger_counts_from_the_first_committed_step_not_the_launch(monk
     monkeypatch.setattr(time, "time", lambda: now[0])
     for _ in range(5):  # ten seconds of start-up: no step yet, so no time has passed for t=
         now[0] += 2.0
-        injector.tick(injector.since_training(steps_unknown=False))
-    assert injector.since_training(steps_unknown=False) == -1.0 and not cluster.recorded(EventKind.FAULT_INJECTED)
+        injector.tick(injector.since_training(from_ranks_start=False))
+    assert injector.since_training(from_ranks_start=False) == -1.0 and not cluster.recorded(EventKind.FAULT_INJECTED)
     _report(job, 0, 1, [0, 1, 2, 3])  # the first step
-    injector.tick(injector.since_training(steps_unknown=False))
+    injector.tick(injector.since_training(from_ranks_start=False))
     now[0] += 1.5
-    injector.tick(injector.since_training(steps_unknown=False))
+    injector.tick(injector.since_training(from_ranks_start=False))
     assert not cluster.recorded(EventKind.FAULT_INJECTED)
     now[0] += 0.6
-    injector.tick(injector.since_training(steps_unknown=False))
+    injector.tick(injector.since_training(from_ranks_start=False))
     (injected,) = cluster.recorded(EventKind.FAULT_INJECTED)
     assert injected["fault_id"] == "f1"
     # A job that reports no steps counts from its ranks' start (its phase `running`) instead.
     other = _job(steps=0)
     plain = Injector(_cluster(other), other, lambda cmd: FakeTransport(ran))
-    assert plain.since_training(steps_unknown=True) == 0.0
+    assert plain.since_training(from_ranks_start=True) == 0.0
 
 
 def test_faults_that_never_took_effect_are_recorded_missed_with_their_reason() -> None:
@@ -876,7 +876,7 @@ def test_faults_that_never_took_effect_are_recorded_missed_with_their_reason() -
     assert injector.record_missed(steps_unknown=False, elapsed=12.0) == ["f1", "f2"]
     first, second = cluster.recorded(EventKind.FAULT_MISSED)
     assert first["reason"] == "the job ended at step 5, before step 9" and first["kind"] == "kill-rank"
-    assert second["reason"] == "the job ended 12.0s after its first step, before t=30"
+    assert second["reason"] == "the job ended at t=12.0, before t=30"
     cluster2 = _cluster(job)
     plain = Injector(cluster2, job, lambda cmd: FakeTransport([]), scheduled=[parse_spec("kill-rank:rank=1,step=3")])
     plain.record_missed(steps_unknown=True, elapsed=-1.0)
