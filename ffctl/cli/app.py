@@ -13,6 +13,7 @@ except ImportError:  # pragma: no cover - older typer uses click itself
 from ffctl import __version__
 from ffctl.cli import (cmd_agent, cmd_bench, cmd_doctor, cmd_inject, cmd_launch, cmd_project, cmd_report,
                        cmd_scenario)
+from ffctl.cli.help import use_plain_help
 from ffctl.exits import EXIT_BAD_INPUT, EXIT_INFRA, EXIT_NO_REQUEUE, BadInput, InfraError, NoRequeue
 
 app = typer.Typer(
@@ -29,6 +30,7 @@ cmd_agent.register(app)
 cmd_doctor.register(app)
 cmd_scenario.register(app)
 cmd_bench.register(app)
+use_plain_help(app)
 
 
 @app.callback(invoke_without_command=True)

@@ -177,7 +177,7 @@ def register(app: typer.Typer) -> None:
         html: Annotated[Optional[Path], typer.Option(
             "--html", metavar="FILE",
             help="Also write a self-contained HTML page with the tables and ETTR against GPU count "
-                 "(needs the html extra: pip install 'ffctl\\[html]').")] = None,
+                 "(needs the html extra: pip install 'ffctl[html]').")] = None,
         check: Annotated[Optional[str], typer.Option(
             "--check", metavar="RUN",
             help="Instead of a fleet: predict RUN's goodput (a run with many faults, e.g. --chaos) from the "

@@ -5,7 +5,7 @@ from typing import Sequence
 
 from rich.console import Console
 from rich.markup import escape
-from rich.table import Table
+from ffctl.render.tables import table_or_records
 
 from ffctl.hosts.doctor import HostReport, QdiscSupport
 
@@ -60,24 +60,22 @@ def _clock(report: HostReport) -> str:
 
 def render_doctor(reports: Sequence[HostReport], console: Console) -> None:
     """Draw the hosts table, then one line per problem found (nothing when all is well)."""
-    table = Table(title="ffctl doctor", title_justify="left")
-    columns = (
+    columns = [
         "host", "ssh", "python", "torch", "ffctl", "mem avail", "/dev/shm free", "root",
         "iptables", "tc", "tbf", "netem", "GPUs", "clock offset", "can run job",
-    )
-    for name in columns:
-        table.add_column(name, justify="left" if name in ("host", "clock offset") else "center")
+    ]
+    rows = []
     for r in reports:
         if not r.ssh_ok:
-            table.add_row(escape(r.host), _NO, *[_DASH] * (len(columns) - 3), _NO)
+            rows.append([escape(r.host), _NO, *[_DASH] * (len(columns) - 3), _NO])
             continue
-        table.add_row(
+        rows.append([
             escape(r.host), _YES, _version(r.python), _version(r.torch), _version(r.ffctl),
             _bytes(r.mem_available_bytes), _bytes(r.shm_free_bytes), _flag(r.is_root),
             _flag(r.iptables), _flag(r.tc), _qdisc(r.tbf), _qdisc(r.netem), _gpu(r), _clock(r),
             _flag(r.can_run_job),
-        )
-    console.print(table)
+        ])
+    table_or_records(console, "ffctl doctor", columns, rows, one_line=True)
     for r in reports:
         for problem in r.problems():
             line = problem if problem.startswith(r.host) else f"{r.host}: {problem}"

@@ -10,10 +10,10 @@ from __future__ import annotations
 import re
 from typing import Any, Callable
 
-from rich import box
 from rich.console import Console
 from rich.padding import Padding
-from rich.table import Table
+
+from ffctl.render.tables import fits, grid, key_values, table_or_records
 
 BREAKDOWN = ("detect", "decide", "spawn", "rendezvous", "restore", "replay")
 
@@ -156,60 +156,17 @@ def breakdown_row(fault: dict[str, Any]) -> list[str]:
     return [_s(b.get(k)) for k in BREAKDOWN]
 
 
-def _kv(title: str | None, fields: list[tuple[str, str]]) -> Table:
-    table = Table(show_header=False, box=None, padding=(0, 2, 0, 0), title=title, title_justify="left",
-                  title_style="bold")
-    table.add_column(style="bold", no_wrap=True)
-    # Only a value wider than the whole line is folded: nothing is ever cut.
-    table.add_column(overflow="fold")
-    for key, value in fields:
-        table.add_row(key, value)
-    return table
-
-
-def _grid(title: str | None, headers: list[str], rows: list[list[str]], left: int = 1,
-          tight: bool = False) -> Table:
-    # Two spaces between columns; `tight`: one, before giving up on a table.
-    table = Table(title=title, title_justify="left", title_style="bold", box=box.SIMPLE_HEAD,
-                  show_edge=False, pad_edge=False, padding=(0, 0) if tight else (0, 1), collapse_padding=True)
-    for i, header in enumerate(headers):
-        table.add_column(header, justify="left" if i < left else "right", no_wrap=True)
-    for row in rows:
-        table.add_row(*row)
-    return table
-
-
-def _fits(console: Console, table: Table) -> bool:
-    # Measured against a very wide line: measuring against the console's own width clamps the
-    # answer to it, and every table would seem to fit.
-    natural = console.measure(table, options=console.options.update_width(1 << 16))
-    return natural.maximum <= console.width
-
-
-def _table_or_blocks(console: Console, title: str, headers: list[str], rows: list[list[str]],
-                     left: int = 1) -> None:
-    for tight in (False, True):
-        table = _grid(title, headers, rows, left, tight)
-        if _fits(console, table):
-            console.print(table)
-            return
-    console.print(title, style="bold", markup=False, highlight=False)
-    for row in rows:
-        console.print(_kv(None, list(zip(headers, row))))
-        console.print()
-
-
 def render_report(report: dict[str, Any], console: Console) -> None:
     """A run's summary, its faults at a glance, then each fault's figures and recovery breakdown."""
-    console.print(_kv("summary", summary_fields(report)))
+    console.print(key_values("summary", summary_fields(report)))
     faults = report.get("faults") or []
     if faults:
         console.print()
-        _table_or_blocks(console, "faults", FAULT_OVERVIEW, fault_overview_rows(faults), left=3)
+        table_or_records(console, "faults", FAULT_OVERVIEW, fault_overview_rows(faults), left=3)
     for f in faults:
         console.print()
-        console.print(_kv(f"fault {f['fault_id']}", fault_fields(f)))
-        _table_or_blocks(console, f"fault {f['fault_id']}: recovery breakdown (s)", list(BREAKDOWN),
+        console.print(key_values(f"fault {f['fault_id']}", fault_fields(f)))
+        table_or_records(console, f"fault {f['fault_id']}: recovery breakdown (s)", list(BREAKDOWN),
                          [breakdown_row(f)], left=0)
     for m in report.get("missed_faults") or []:  # asked for, never took effect: the run tested less
         if isinstance(m, dict):
@@ -226,8 +183,8 @@ def render_run_list(reports: list[dict[str, Any]], console: Console, runs_dir: s
         return
     rows = [run_row(r) for r in reports]
     headers = list(rows[0])
-    _table_or_blocks(console, f"runs in {runs_dir} (newest first)", headers,
-                     [list(r.values()) for r in rows], left=3)
+    table_or_records(console, f"runs in {runs_dir} (newest first)", headers,
+                     [list(r.values()) for r in rows], left=3, one_line=True)
 
 
 COMPARE_FIELDS: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
@@ -260,15 +217,15 @@ def render_comparison(reports: list[dict[str, Any]], console: Console) -> None:
         end = len(reports)
         while True:
             group = reports[start:end]
-            table = _grid("runs compared" if start == 0 else None, ["run"] + [r["run_id"] for r in group],
+            table = grid("runs compared" if start == 0 else None, ["run"] + [r["run_id"] for r in group],
                           comparison_rows(group))
-            if end - start == 1 or _fits(console, table):
+            if end - start == 1 or fits(console, table):
                 break
             end -= 1
         if start > 0:
             console.print()
-        if end - start == 1 and not _fits(console, table):
-            console.print(_kv(f"run {group[0]['run_id']}", [(n, g(group[0])) for n, g in COMPARE_FIELDS]))
+        if end - start == 1 and not fits(console, table):
+            console.print(key_values(f"run {group[0]['run_id']}", [(n, g(group[0])) for n, g in COMPARE_FIELDS]))
         else:
             console.print(table)
         start = end
@@ -369,10 +326,10 @@ def render_fleet_projection(doc: dict[str, Any], console: Console) -> None:
     # Prose is word-wrapped to the console (80 columns in a pipe); the tables never cut a value.
     console.print(fleet_title(doc), style="bold", markup=False, highlight=False)
     headers = ["measured"] + [s["strategy"] for s in doc["strategies"]]
-    _table_or_blocks(console, "inputs from the runs", headers, input_rows(doc))
+    table_or_records(console, "inputs from the runs", headers, input_rows(doc))
     for strategy in doc["strategies"]:
         console.print()
-        _table_or_blocks(console, strategy["strategy"], PROJECTION_HEADERS, fleet_rows(strategy), left=0)
+        table_or_records(console, strategy["strategy"], PROJECTION_HEADERS, fleet_rows(strategy), left=0)
     console.print()
     for line in fleet_notes(doc):
         console.print(line, markup=False, highlight=False)
@@ -400,7 +357,7 @@ def render_run_check(doc: dict[str, Any], console: Console) -> None:
     if doc["within_points"] is not None:
         rows.append([f"within {doc['within_points']:g} points", "yes" if doc["ok"] else "NO"])
     title = f"run {doc['run']} ({doc['strategy']}) predicted from {', '.join(doc['from_runs'])}"
-    _table_or_blocks(console, title, ["", "value"], rows)
+    table_or_records(console, title, ["", "value"], rows)
     if doc["unpredicted_faults"]:
         console.print(f"faults of a kind no single-fault run measured, taken as measured: "
                       f"{', '.join(doc['unpredicted_faults'])}", markup=False, highlight=False)
