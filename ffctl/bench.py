@@ -7,8 +7,8 @@ result: both sides run on the same machine within minutes of each other.
 `compare_strategies` is what `ffctl bench` runs: the same job and the same seeded fault schedule
 under `peer`, `restart-memory` and `restart-disk`, each figure as a ratio to `restart-disk`, whose
 checkpoint interval is Young's (sqrt(2 x MTBF x save time), the save time measured first) so that
-the baseline is the best it can be. `BENCHMARKS` are the narrower measurements behind the README's
-goals (`ffctl bench --only NAME`, `python benchmarks/NAME.py`); `control-plane` among them runs
+the baseline is the best it can be. `BENCHMARKS` are the narrower measurements behind the goals in
+docs/benchmarks.md (`ffctl bench --only NAME`, `python benchmarks/NAME.py`); `control-plane` among them runs
 no training at all: a real controller and up to 1,024 simulated nodes (`ffctl.sim`).
 """
 from __future__ import annotations

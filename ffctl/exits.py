@@ -6,7 +6,7 @@ EXIT_EXPECTATION = 1
 EXIT_BAD_INPUT = 2
 EXIT_INFRA = 3
 # A batch script must not requeue the job: a requeue would fail the same way, or its requeues are
-# spent (see README, Slurm).
+# spent (see docs/guides/hosts.md, Slurm).
 EXIT_NO_REQUEUE = 4
 # A run that completed while a fault it was asked for never took effect (its trigger never came,
 # or it was held back until the end): a chaos check that tested nothing must not pass.

@@ -3,7 +3,7 @@
 Register the training state as callables, call `Job.run(step_fn, steps)`, and use `job.allreduce`
 for the collectives that may be interrupted; or, with torch's DistributedDataParallel, build it
 over `job.ddp_group()` and hand model, optimizer, scheduler and data loader to
-`job.register_ddp` (`recovery.ddp`, docs/ddp.md). The library keeps a per-step snapshot in the node
+`job.register_ddp` (`recovery.ddp`, docs/guides/ddp.md). The library keeps a per-step snapshot in the node
 agent's shared memory, aborts a failed collective, rebuilds the process group for the next
 generation and restores (at most one step back) in one step. It never imports ffctl.
 """

@@ -1,4 +1,4 @@
-"""Pure metrics: a run's events in, its recovery figures out (DESIGN.md, "Run record and metrics").
+"""Pure metrics: a run's events in, its recovery figures out (docs/guides/reports.md).
 
 Definitions, all on the controller clock:
 - detection_s = detected - injected.

@@ -3,7 +3,7 @@ and a one-cycle LR schedule; rank 0 prints its loss at every step.
 
 `plain.py` is an ordinary torchrun script (`torchrun --nproc-per-node 2 examples/ddp/plain.py`);
 `with_ffctl.py` is the same with one-step recovery (`ffctl launch --nnodes 2 --nproc-per-node 2
---spares 2 examples/ddp/with_ffctl.py`). docs/ddp.md explains the difference line by line.
+--spares 2 examples/ddp/with_ffctl.py`). docs/guides/ddp.md explains the difference line by line.
 """
 from __future__ import annotations
 

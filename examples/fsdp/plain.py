@@ -4,7 +4,7 @@ its loss at every step.
 
 `plain.py` is an ordinary torchrun script (`torchrun --nproc-per-node 2 examples/fsdp/plain.py`);
 `with_ffctl.py` is the same with one-step recovery (`ffctl launch --nnodes 2 --nproc-per-node 2
---spares 2 examples/fsdp/with_ffctl.py`). docs/fsdp.md explains the difference line by line.
+--spares 2 examples/fsdp/with_ffctl.py`). docs/guides/fsdp.md explains the difference line by line.
 `--mesh R,S` trains HSDP instead: replicated over R groups, sharded over S ranks in each.
 """
 from __future__ import annotations

@@ -13,8 +13,8 @@ GIL, the destructor waits for it: the rank prints its last line and never exits.
 The window is one GIL switch interval after the last allreduce, so it is hit when the script's
 last lines run fast: measured on the DDP tutorial's pattern (2 ranks, gloo, a few epochs), 3-4
 runs in 10 hang once torch's lazy modules are imported before the script starts (as in a warm
-worker), 0 in 30 in a fresh interpreter, 0 in 20 with this guard (see docs/DESIGN.md, "A
-finished script always ends").
+worker), 0 in 30 in a fresh interpreter, 0 in 20 with this guard (docs/decisions/
+0009-scripts-end-as-under-python.md).
 
 The guard gives DDP a finalizer that frees the Reducer while the group is still held by the
 Python object, then drops that object: the group is destroyed through its own binding, which

@@ -1,5 +1,5 @@
 """`ffctl bench`: the recovery strategies side by side on the built-in workload under one seeded
-fault schedule (`--only NAME`: one of the narrow benchmarks behind the README's goals)."""
+fault schedule (`--only NAME`: one of the narrow benchmarks behind the goals in docs/benchmarks.md)."""
 from __future__ import annotations
 
 import json

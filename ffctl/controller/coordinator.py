@@ -3,7 +3,7 @@
 It aborts the failed generation, waits for survivors to acknowledge (killing those that cannot),
 collects the agents' snapshot inventories, decides the restore step and sources (`decide`),
 places the lost ranks (warm spares on surviving nodes, or the lost node's restarted agent), and
-opens and awaits generation g+1 (DESIGN.md, One-step restoration, steps 3 to 5). A failure that
+opens and awaits generation g+1 (DESIGN.md, One-step restoration, steps 3 to 5: start ahead, decide, open). A failure that
 arrives meanwhile abandons the attempt and the recovery starts over with both failures merged.
 It acts through a `Cluster` (the controller implements it: control plane, agents, run record,
 screen), reads and updates the shared `JobState`, and returns what it did as a `RecoveryOutcome`
@@ -471,7 +471,7 @@ def await_answers(cluster: Cluster, ranks: set[int], answered: Callable[[], set[
 
 def ahead_of_decision(job: JobState, lost: set[int], lost_nodes: set[int]) -> list[int]:
     """The lost ranks whose replacements start now, into the next generation, before the
-    survivors have left the failed step and the plan is decided (DESIGN.md, step 3): their
+    survivors have left the failed step and the plan is decided (DESIGN.md, One-step restoration, step 4): their
     start (the script's imports and model, a first look at the optimizer's sharded state) then
     runs while the survivors leave their step, instead of after the decision.
 

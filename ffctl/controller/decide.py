@@ -1,5 +1,5 @@
 """The recovery decision, as a pure function: which step to restore and where each rank's state
-comes from (DESIGN.md step 3).
+comes from (DESIGN.md, One-step restoration, step 4).
 
 The restore step s is the newest step that every rank of the next generation can get: a survivor
 from its own node's slots, a lost rank from its node's slots when the node survived (process

@@ -1,7 +1,7 @@
 """Entry point of the built-in workload: `python -m ffctl.workload.train --model tiny --steps N`.
 
 With AdamW (the default) the GPT trains on the recovery library's public DDP path, as a user's
-script does (docs/ddp.md): torch's `DistributedDataParallel` over `job.ddp_group()`, its
+script does (docs/guides/ddp.md): torch's `DistributedDataParallel` over `job.ddp_group()`, its
 gradients reduced by the library's communication hook, the model and optimizer handed over with
 `job.register_ddp`, the loss reduced with the gradients (`ctx.reduce_loss`). The sharded
 optimizer (ZeRO-1) keeps the step-function path: each rank's optimizer state is its own
@@ -9,7 +9,7 @@ optimizer (ZeRO-1) keeps the step-function path: each rank's optimizer state is 
 buffer through `ctx.allreduce`. Either way the gradients are averaged over the ranks in one flat
 buffer in parameter order, so with the same seed the losses are bit-identical run to run, with
 faults or without. `--parallel fsdp|hsdp` shards the GPT with torch's `fully_shard` instead
-(docs/fsdp.md): FSDP2's own collectives on ffctl's process group, each rank's shards snapshotted.
+(docs/guides/fsdp.md): FSDP2's own collectives on ffctl's process group, each rank's shards snapshotted.
 
 A scheduler's preemption notice (SIGUSR1/SIGUSR2, which `ffctl launch` passes on to the ranks)
 is written to the rank's log and training goes on: its disk checkpoints (--ckpt-every) are what
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _train_sharded(job: Job | PlainJob, model: GPT, args: argparse.Namespace) -> None:
-    """The GPT sharded with torch's `fully_shard` (docs/fsdp.md): each block and the root, on a
+    """The GPT sharded with torch's `fully_shard` (docs/guides/fsdp.md): each block and the root, on a
     mesh of every rank (fsdp) or of nodes x ranks per node (hsdp: a replica per node, its ranks
     sharding it). The loss reported is the mean over the ranks."""
     from torch.distributed.fsdp import fully_shard

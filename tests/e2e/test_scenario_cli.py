@@ -25,7 +25,7 @@ EXAMPLES = ROOT / "examples" / "scenarios"
 @pytest.mark.timeout(1200)  # every example scenario in turn, two of them with a fault-free twin
 def test_the_example_scenarios_pass_as_ci_runs_them(tmp_path: Path) -> None:
     if os.geteuid() == 0:
-        args = [str(EXAMPLES)]  # the folder, as the workflow in docs/ci.md runs it
+        args = [str(EXAMPLES)]  # the folder, as the workflow in docs/guides/ci.md runs it
     else:  # the netns sandbox needs root; every other scenario runs as anyone
         args = [str(p) for p in sorted(EXAMPLES.glob("*.toml")) if "sandbox" not in p.read_text()]
     junit, summary = tmp_path / "chaos.xml", tmp_path / "summary.md"

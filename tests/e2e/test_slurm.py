@@ -47,7 +47,7 @@ def test_private_cluster_runs_steps_on_named_nodes_and_cancels_them(cluster: Slu
     cluster.run(["scancel", env["SLURM_JOB_ID"]])
 
 
-# Slurm's recovery beside the local backend's, both printed (the README's figures).
+# Slurm's recovery beside the local backend's, both printed (docs/benchmarks.md's figures).
 @pytest.mark.exclusive
 def test_sbatch_example_kills_a_node_and_recovers_it_from_peer_memory(cluster: SlurmCluster, tmp_path: Path) -> None:
     work = tmp_path / "work"
@@ -96,7 +96,7 @@ def test_sbatch_example_kills_a_node_and_recovers_it_from_peer_memory(cluster: S
     back = [i for i, e in enumerate(events) if e["event"] == "agent_started" and e["node"] == 1 and e["host"] == "n3"]
     respawned = [i for i, e in enumerate(events) if e["event"] == "ranks_spawned" and e["gen"] == decided["gen"]]
     assert back and respawned and back[0] < respawned[0], (back, respawned)
-    # Recovery through Slurm beside the local backend's in the same run, printed for the README's
+    # Recovery through Slurm beside the local backend's in the same run, printed for docs/benchmarks.md's
     # figures and never asserted: a shared host's load moves either by a factor, and speed is the
     # benchmarks' business. Both recovered the step in flight from peer memory.
     (lf,) = local.report["faults"]

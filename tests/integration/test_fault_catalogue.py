@@ -1,4 +1,4 @@
-"""The fault catalogue end to end: every kind of DESIGN.md's fault table injected into a running
+"""The fault catalogue end to end: every kind of docs/guides/faults.md's table injected into a running
 two-node job through `ffctl launch --inject` or `ffctl inject`, with real processes, real gloo
 and (for the network kinds) real network namespaces.
 

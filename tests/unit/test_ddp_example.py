@@ -1,5 +1,5 @@
 """The DDP before/after pair: `examples/ddp/with_ffctl.py` is `plain.py` plus at most 15 added or
-changed lines, and docs/ddp.md shows exactly that difference."""
+changed lines, and docs/guides/ddp.md shows exactly that difference."""
 from __future__ import annotations
 
 import difflib
@@ -22,7 +22,7 @@ def test_with_ffctl_differs_from_plain_by_at_most_15_lines() -> None:
 
 
 def test_docs_show_the_diff() -> None:
-    doc = (ROOT / "docs/ddp.md").read_text()
+    doc = (ROOT / "docs/guides/ddp.md").read_text()
     for line in _diff()[2:]:
         if line.startswith(("+", "-")) and line[1:].strip():
-            assert line in doc, f"docs/ddp.md does not show: {line}"
+            assert line in doc, f"docs/guides/ddp.md does not show: {line}"

@@ -1,6 +1,6 @@
 """Fault specs (`KIND:key=value,...`) and their targets resolved against a topology.
 
-Covers DESIGN.md's examples, `t=` triggers, the seeded modes one/all/fixed:N/percent:P, and every
+Covers docs/guides/faults.md's examples, `t=` triggers, the seeded modes one/all/fixed:N/percent:P, and every
 error path: each is a `FaultSpecError` with one line naming the bad value.
 """
 from __future__ import annotations

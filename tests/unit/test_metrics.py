@@ -1,6 +1,6 @@
 """Recovery metrics computed from hand-written event streams (`runs.metrics.compute`).
 
-Each scenario spells out a run's events on the controller clock and checks the figures DESIGN.md
+Each scenario spells out a run's events on the controller clock and checks the figures docs/guides/reports.md
 defines: detection_s, recovery_s (to the commit of step m+1), the breakdown, lost_steps,
 lost_gpu_hours and the per-run totals, and the JSON shape of `ffctl report --json`.
 """
