@@ -31,7 +31,7 @@ class FaultFamily(str, Enum):
 
 
 class FaultKind(str, Enum):
-    """DESIGN.md's fault table."""
+    """The fault kinds (`ffctl faults` lists each with its keys and needs)."""
 
     KILL_RANK = "kill-rank"  # SIGKILL the rank's process
     TERM_RANK = "term-rank"  # SIGTERM
@@ -173,6 +173,8 @@ _TIME_SCALE = {None: 1.0, "ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "us": 1
 _RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12,
                "bps": 8, "kbps": 8 * 10**3, "mbps": 8 * 10**6, "gbps": 8 * 10**9, "tbps": 8 * 10**12}
 
+# The controller's fault ids, `f1`, `f2`, ... (`fault_injectors.deadman.with_fault_id`).
+FAULT_ID = re.compile(r"f[1-9][0-9]{0,8}", re.ASCII)
 MAX_DURATION_S = 86_400.0  # a fault lasts at most a day: its dead man's switch must fire some day
 MAX_T_S = 7 * 86_400.0  # t= at most a week after the start
 MAX_STEP = 1_000_000_000

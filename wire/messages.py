@@ -25,7 +25,7 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, NamedTuple, TypeVar
 
 from runs.events import RestoreHow, RestoreSource, StepPhase
-from wire.fault_spec import FaultSpec, FaultSpecError, parse_injection
+from wire.fault_spec import FAULT_ID, FaultSpec, FaultSpecError, parse_injection
 
 if TYPE_CHECKING:
     from typing import dataclass_transform
@@ -64,6 +64,8 @@ class Kind(str, Enum):
     REPLICATED = "replicated"
     INVENTORY = "inventory"
     INJECT_REQUEST = "inject_request"
+    # `ffctl inject revert FAULT --run ID`: end one fault of the job now (chaosd's recover by id).
+    REVERT_REQUEST = "revert_request"
     # A sender that refused something it read (an agent's queue, an abort flag, a plan).
     REJECTED = "rejected"
     TRAINING = "training"
@@ -222,6 +224,10 @@ def _req(v: Any, _: Limits | None) -> bool:  # an inject request id: it names a 
     return isinstance(v, str) and 0 < len(v) <= 64 and v.isascii() and v.isalnum()
 
 
+def _fault_id(v: Any, _: Limits | None) -> bool:  # the controller's ids: f1, f2, ...
+    return isinstance(v, str) and FAULT_ID.fullmatch(v) is not None
+
+
 def _addr(v: Any, _: Limits | None) -> bool:
     return isinstance(v, str) and 0 < len(v) <= 255
 
@@ -294,7 +300,7 @@ _WANT: dict[Check, str] = {
     _bool: "true or false", _rank: "a rank of the job", _node: "a node of the job",
     _ranks: "a list of ranks", _lines: "a list of strings", _pids: "{rank: pid}",
     _rank_words: "{rank: string}", _rank_seconds: "{rank: seconds}", _held: "{rank: [steps]}", _steps: "[steps]",
-    _req: "1-64 ASCII letters or digits", _addr: "a host address", _port: "a port (1-65535)",
+    _req: "1-64 ASCII letters or digits", _fault_id: "a fault id (f1, f2, ...)", _addr: "a host address", _port: "a port (1-65535)",
     _rank_specs: '[{"rank": rank, "env": {string: string}}]', _api: " or ".join(APIS),
     _restore_source: " or ".join(s.value for s in RestoreSource),
     _restore_how: " or ".join(h.value for h in RestoreHow),
@@ -684,6 +690,16 @@ class InjectRequest(Message):
     does not parse is refused like any malformed message (`ffctl inject` parsed it first)."""
 
     fault: FaultSpec = _field(_str, _as_fault)
+    req: str = _field(_req)
+    dry_run: bool | None = _optional(_bool)
+
+
+@_report(Kind.REVERT_REQUEST)
+class RevertRequest(Message):
+    """`ffctl inject revert` asks to revert fault `fault_id` now; answered like an inject request,
+    an `InjectReply` under `inject_reply_key(req)`."""
+
+    fault_id: str = _field(_fault_id)
     req: str = _field(_req)
     dry_run: bool | None = _optional(_bool)
 

@@ -11,8 +11,8 @@ except ImportError:  # pragma: no cover - older typer uses click itself
     from click import exceptions as click_exc  # type: ignore[no-redef]
 
 from ffctl import __version__
-from ffctl.cli import (cmd_agent, cmd_bench, cmd_doctor, cmd_inject, cmd_launch, cmd_project, cmd_report,
-                       cmd_scenario)
+from ffctl.cli import (cmd_agent, cmd_bench, cmd_doctor, cmd_faults, cmd_inject, cmd_launch, cmd_project,
+                       cmd_report, cmd_scenario)
 from ffctl.cli.help import use_plain_help
 from ffctl.exits import EXIT_BAD_INPUT, EXIT_INFRA, EXIT_NO_REQUEUE, BadInput, InfraError, NoRequeue
 
@@ -22,6 +22,7 @@ app = typer.Typer(
 )
 cmd_launch.register(app)
 cmd_inject.register(app)
+cmd_faults.register(app)
 cmd_report.register(app)
 cmd_project.register(app)
 cmd_agent.register(app)

@@ -1,14 +1,13 @@
 """`ffctl inject KIND --run ID ...`: break a running job now; `ffctl inject revert --all`."""
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
 
 from fault_injectors import FaultSpecError
-from wire.fault_spec import MAX_DURATION_S, parse_injection, parse_kind
+from wire.fault_spec import FAULT_ID, parse_injection, parse_kind
 from fault_injectors.targets import check_in_job
 from ffctl.render import make_console
 from ffctl.exits import EXIT_INFRA, EXIT_OK, BadInput
@@ -19,25 +18,32 @@ from runs.store import RunStore, RunStoreError, open_run, validate_run_id
 def register(app: typer.Typer) -> None:
     @app.command("inject")
     def inject(
-        kind: Annotated[str, typer.Argument(help="Fault kind (kill-rank, kill-node, gpu-error, net-partition, ...: README's fault table), or `revert`.")],
+        kind: Annotated[str, typer.Argument(metavar="KIND", help="Fault kind (`ffctl faults` lists them), or `revert`.")],
+        fault: Annotated[Optional[str], typer.Argument(
+            metavar="FAULT", help="With `revert`: the id of the fault to revert now (f1, f2, ...; needs --run).")] = None,
         run: Annotated[Optional[str], typer.Option("--run", help="Run id of the running job.")] = None,
         rank: Annotated[Optional[int], typer.Option(help="Target rank.")] = None,
         node: Annotated[Optional[int], typer.Option(help="Target node.")] = None,
         host: Annotated[Optional[str], typer.Option(help="Target host.")] = None,
-        duration: Annotated[Optional[float], typer.Option(help="Seconds until the fault is reverted.")] = None,
+        duration: Annotated[Optional[str], typer.Option(metavar="DURATION", help="How long until the fault is reverted: 5, 5s, 500ms or 2m.")] = None,
         option: Annotated[Optional[list[str]], typer.Option("--option", "-o", help="Kind-specific key=value (rate=1mbit, delay=100ms).")] = None,
         all_: Annotated[bool, typer.Option("--all", help="With `revert`: remove everything ffctl left (with --run: that run's).")] = False,
         hosts: Annotated[Optional[Path], typer.Option("--hosts", help="Hostfile (with `revert --all`).")] = None,
-        runs_dir: Annotated[Path, typer.Option("--runs-dir", envvar="FFCTL_RUNS_DIR")] = Path("ffctl-runs"),
+        runs_dir: Annotated[Path, typer.Option("--runs-dir", envvar="FFCTL_RUNS_DIR", help="Where run records are.")] = Path("ffctl-runs"),
         dry_run: Annotated[bool, typer.Option("--dry-run", help="Print each host's commands, change nothing.")] = False,
     ) -> int:
         """Inject a fault into a running job (the job's controller applies and records it)."""
         console = make_console()
+        if kind == "revert" and fault is not None:
+            return _revert_one(fault, run, runs_dir, all_, dry_run, console)
+        if fault is not None:
+            raise BadInput(f"inject {kind}: unexpected argument {fault!r} (a target is --rank, --node or --host)")
         if kind == "revert":
             from ffctl.launch.cleanup import revert_everything
 
             if not all_:
-                raise BadInput("inject revert: say --all (remove everything ffctl left on the hosts)")
+                raise BadInput("inject revert: name the fault (ffctl inject revert f1 --run ID) or say --all "
+                               "(remove everything ffctl left on the hosts)")
             if run is not None:
                 _check_run_id(run)
             # With --run, only that run's switches and sandbox: other runs keep theirs.
@@ -54,11 +60,10 @@ def register(app: typer.Typer) -> None:
         targets = [f"{k}={v}" for k, v in (("rank", rank), ("node", node), ("host", host)) if v is not None]
         if len(targets) > 1:
             raise BadInput(f"inject {kind}: give one of --rank, --node, --host (got {', '.join(targets)})")
-        if duration is not None and not (math.isfinite(duration) and 0 < duration <= MAX_DURATION_S):
-            raise BadInput(f"--duration {duration:g}: must be more than 0 and at most {MAX_DURATION_S:g} seconds")
-        # Plain decimals: the spec grammar takes no exponent (1e-07).
-        shown = None if duration is None else f"{duration:.9f}".rstrip("0").rstrip(".")
-        fields = targets + ([f"duration={shown}"] if shown is not None else []) + list(option or [])
+        if duration is not None and ("," in duration or "=" in duration):
+            raise BadInput(f"--duration {duration!r}: not a duration like 5, 5s, 500ms or 2m")
+        # The spec's own grammar reads it (5, 5s, 500ms, 2m), as in --inject and scenario files.
+        fields = targets + ([f"duration={duration}"] if duration is not None else []) + list(option or [])
         spec_text = kind + (":" + ",".join(fields) if fields else "")
         try:
             # Checked here, not only by the controller: a bad spec needs no running job to refuse.
@@ -92,6 +97,31 @@ def register(app: typer.Typer) -> None:
             return EXIT_INFRA
         console.print(f"injected {kind} as {reply.fault_id} into run {run}", markup=False, highlight=False)
         return EXIT_OK
+
+
+def _revert_one(fault: str, run: str | None, runs_dir: Path, all_: bool, dry_run: bool, console: Any) -> int:
+    """`ffctl inject revert FAULT --run ID`: the run's controller reverts that one fault now."""
+    if all_:
+        raise BadInput(f"inject revert {fault}: --all reverts everything; name one fault or say --all")
+    if not FAULT_ID.fullmatch(fault):
+        raise BadInput(f"inject revert {fault!r}: not a fault id (f1, f2, ...: the run's report lists them)")
+    if run is None:
+        raise BadInput(f"inject revert {fault}: --run ID is required")
+    _check_run_id(run)
+    try:
+        record = open_run(runs_dir, run)
+    except RunStoreError as exc:
+        raise BadInput(str(exc)) from None
+    _run_info(record)
+    from ffctl.controller import client as inject_client
+
+    try:
+        inject_client.revert(record, fault, dry_run)
+    except RunStoreError as exc:
+        raise BadInput(f"run {run}: unreadable record: {exc}") from None
+    said = "would revert" if dry_run else "reverted"
+    console.print(f"{said} {fault} in run {run}", markup=False, highlight=False)
+    return EXIT_OK
 
 
 def _check_run_id(run: str) -> None:

@@ -1,6 +1,7 @@
 """`ffctl launch`: start instrumented training, inject scheduled faults, recover, record."""
 from __future__ import annotations
 
+import difflib
 import os
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
@@ -61,12 +62,22 @@ def _say_missed(events: Iterable[Event]) -> int:
     return len(missed)
 
 
+def _no_such_option(word: str, ctx: typer.Context) -> str:
+    """What click says of an unknown option in every other command: the name and the options
+    it most resembles."""
+    name = word.split("=", 1)[0]
+    known = [o for p in ctx.command.params for o in (*p.opts, *getattr(p, "secondary_opts", ())) if o.startswith("-")]
+    close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
+    return f"No such option: {name}" + (f" (Possible options: {', '.join(close)})" if close else "")
+
+
 def register(app: typer.Typer) -> None:
     @app.command(
         "launch",
         context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True},
     )
     def launch(
+        ctx: typer.Context,
         script: Annotated[Optional[list[str]], typer.Argument(help="Training script and its arguments, as torchrun takes them (a `--` before them works too; default: the built-in GPT).")] = None,
         nnodes: Annotated[Optional[str], typer.Option("--nnodes", show_default=False, help="Nodes (local agents without --hosts): N, or torchrun's MIN:MAX (MIN start, as one torchrun on one host runs; ask for more local nodes with a fixed N). Default: 2 for the built-in GPT, torchrun's 1 for a script (PET_NNODES).")] = None,
         nproc_per_node: Annotated[Optional[str], typer.Option("--nproc-per-node", "--nproc_per_node", show_default=False, help="Ranks per node: a number, cpu, gpu or auto, as torchrun takes it. Default: 2 for the built-in GPT, torchrun's 1 for a script (PET_NPROC_PER_NODE).")] = None,
@@ -130,6 +141,10 @@ def register(app: typer.Typer) -> None:
         local_ranks_filter: Annotated[Optional[str], typer.Option("--local-ranks-filter", "--local_ranks_filter", rich_help_panel="torchrun options", help="LOCAL_RANK,...: the local ranks whose output the console shows, each line prefixed [rank N]: (default: every rank's).")] = None,
     ) -> int:
         """Train on local nodes (the built-in GPT, or SCRIPT), inject faults, recover, and record it."""
+        if script and script[0].startswith("-"):
+            # Unknown options are left for the script (its own come after it); one before the
+            # script is a mistyped option of ours, as torchrun's argparse would say.
+            raise BadInput(_no_such_option(script[0], ctx))
         try:
             faults = tuple(parse_injection(s, scheduled=True) for s in inject or [])
         except FaultSpecError as exc:

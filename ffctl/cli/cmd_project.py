@@ -151,7 +151,7 @@ def register(app: typer.Typer) -> None:
         runs: Annotated[list[str], typer.Argument(
             help="Run ids whose measured costs are projected (any strategies; a fault-free run of the same "
                  "job without per-step snapshots gives the snapshot overhead its reference).")],
-        runs_dir: Annotated[Path, typer.Option("--runs-dir", envvar="FFCTL_RUNS_DIR")] = Path("ffctl-runs"),
+        runs_dir: Annotated[Path, typer.Option("--runs-dir", envvar="FFCTL_RUNS_DIR", help="Where run records are.")] = Path("ffctl-runs"),
         fleet: Annotated[Optional[str], typer.Option(
             "--fleet", metavar="|".join(PRESETS),
             help="A published fleet's failure rate (docs/projection.md gives each one's source).")] = None,

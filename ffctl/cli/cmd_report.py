@@ -93,6 +93,16 @@ def check_outputs(html: Path | None, runs_dir: Path) -> None:
         raise BadInput(f"--runs-dir {str(runs_dir)!r} is not a directory")
 
 
+def newest_run(runs_dir: Path, named: list[str] | None) -> str:
+    """The id `--last` stands for: the newest run recorded in `runs_dir`."""
+    if named:
+        raise BadInput(f"--last and run id {named[0]!r}: choose one")
+    found = list_runs(runs_dir)
+    if not found:
+        raise BadInput(f"--last: no runs in {str(runs_dir)!r}")
+    return found[0].run_id
+
+
 def register(app: typer.Typer) -> None:
     @app.command("report")
     def report(
@@ -105,7 +115,9 @@ def register(app: typer.Typer) -> None:
             "--html", metavar="FILE",
             help="Also write one self-contained HTML page: the tables, a timeline and the loss curve "
                  "(needs the html extra: pip install 'ffctl[html]').")] = None,
-        runs_dir: Annotated[Path, typer.Option("--runs-dir", envvar="FFCTL_RUNS_DIR")] = Path("ffctl-runs"),
+        last: Annotated[bool, typer.Option("--last", help="The newest run in the runs directory (no id needed).")] = False,
+        runs_dir: Annotated[Path, typer.Option("--runs-dir", envvar="FFCTL_RUNS_DIR",
+                                               help="Where run records are.")] = Path("ffctl-runs"),
         project_to: Annotated[Optional[str], typer.Option("--project", hidden=True)] = None,
     ) -> None:
         """Show each fault's detection and recovery time, lost time, lost steps and lost GPU-hours.
@@ -122,6 +134,8 @@ def register(app: typer.Typer) -> None:
             raise BadInput(f"--project {project_to!r}: projection is `ffctl project RUN... --mtbf T@N --gpus N` "
                            "(or --fleet llama3|rsc1|rsc2) now")
         check_outputs(html, runs_dir)
+        if last:
+            runs = [newest_run(runs_dir, runs)]
         records = []
         for run_id in runs or []:
             try:

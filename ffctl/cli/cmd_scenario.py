@@ -20,7 +20,7 @@ def register(app: typer.Typer) -> None:
         markdown: Annotated[Optional[Path], typer.Option("--markdown", help="Write a Markdown summary here (e.g. $GITHUB_STEP_SUMMARY).")] = None,
         repeat: Annotated[int, typer.Option("--repeat", help="Run each scenario N times, seeds seed..seed+N-1; each expectation's worst case counts.")] = 1,
         run_id: Annotated[Optional[str], typer.Option("--run-id", help="Run id (one run), or the prefix of every run's id.")] = None,
-        runs_dir: Annotated[Path, typer.Option("--runs-dir", envvar="FFCTL_RUNS_DIR")] = Path("ffctl-runs"),
+        runs_dir: Annotated[Path, typer.Option("--runs-dir", envvar="FFCTL_RUNS_DIR", help="Where run records are.")] = Path("ffctl-runs"),
         dry_run: Annotated[bool, typer.Option("--dry-run", help="Check the scenarios and print what would run; start nothing.")] = False,
     ) -> int:
         """Launch each scenario's job with its faults, then check its report against the expectations."""

@@ -26,7 +26,7 @@ except ImportError:  # pragma: no cover - older typer uses click itself
 # The panel options land in when they name none.
 OPTIONS = "Options"
 # argparse's and click's words for a value, not typer's `<str>`.
-_BY_TYPE = {int: "N", float: "NUM", Path: "PATH"}
+_BY_TYPE: dict[object, str] = {int: "N", float: "NUM", Path: "PATH"}
 
 
 def shown_names(opts: list[str]) -> list[str]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import Callable
 
 from ffctl.exits import BadInput, InfraError
 from wire import control, messages, storeclient
@@ -22,6 +23,17 @@ def request(record: RunStore, fault: FaultSpec, dry_run: bool, timeout: float = 
     """Ask the run's controller to inject `fault` (or with `dry_run` to plan it); its answer.
     BadInput when the run cannot take it or the controller found the spec wrong for the job,
     InfraError when the controller cannot be reached or does not answer in `timeout` seconds."""
+    return _ask(record, lambda req: messages.InjectRequest(fault=fault, req=req, dry_run=dry_run), timeout)
+
+
+def revert(record: RunStore, fault_id: str, dry_run: bool, timeout: float = 30.0) -> messages.InjectReply:
+    """Ask the run's controller to revert its fault `fault_id` now (with `dry_run`: whether it
+    could); raises as `request` does (BadInput: no such fault, or nothing to revert)."""
+    return _ask(record, lambda req: messages.RevertRequest(fault_id=fault_id, req=req, dry_run=dry_run), timeout)
+
+
+def _ask(record: RunStore, build: Callable[[str], messages.Message], timeout: float) -> messages.InjectReply:
+    """Send the request `build` makes for a fresh request id, sealed; the controller's answer."""
     if record.status() is not RunStatus.RUNNING:
         raise BadInput(f"run {record.run_id!r} is not running (status {record.status().value})")
     ctl = record.read_json("run.json").get("controller")
@@ -37,8 +49,7 @@ def request(record: RunStore, fault: FaultSpec, dry_run: bool, timeout: float = 
         raise BadInput(f"run {record.run_id!r}: cannot read its token file ({exc.strerror})") from None
     sealer, opener = control.Sealer(token, "inject"), control.Opener(token)
     req = secrets.token_hex(8)
-    blocked = control.send(store, control.CTL_QUEUE, messages.InjectRequest(fault=fault, req=req, dry_run=dry_run),
-                           sealer)
+    blocked = control.send(store, control.CTL_QUEUE, build(req), sealer)
     if blocked is not None:
         raise InfraError(f"controller of run {record.run_id!r}: request not sent ({blocked.reason})")
     key = messages.inject_reply_key(req)

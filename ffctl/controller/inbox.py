@@ -75,6 +75,13 @@ def _on_heartbeat(inbox: Inbox, msg: messages.Heartbeat) -> None:
     inbox.watchdog.heartbeat(msg)
 
 
+def _on_revert_request(inbox: Inbox, msg: messages.RevertRequest) -> None:
+    error = inbox.injector.revert_by_id(msg.fault_id, bool(msg.dry_run))
+    reply = messages.InjectReply(req=msg.req, ok=error is None, fault_id=msg.fault_id, error=error,
+                                 bad_input=error is not None or None)
+    inbox.plane.reply(messages.inject_reply_key(msg.req), reply.to_dict())
+
+
 class Inbox:
     def __init__(self, job: JobState, record: Record, plane: ControlPlane, fleet: Fleet, watchdog: Watchdog,
                  barrier: ExitBarrier, injector: Injector, stragglers: StragglerDetector,
@@ -353,6 +360,7 @@ class Inbox:
         messages.Kind.REPLICATED: _on_replicated,
         messages.Kind.INVENTORY: _on_inventory,
         messages.Kind.INJECT_REQUEST: _on_inject_request,
+        messages.Kind.REVERT_REQUEST: _on_revert_request,
         messages.Kind.REJECTED: _on_refusal,
         messages.Kind.TRAINING: _on_training,
         messages.Kind.HEARTBEAT: _on_heartbeat,

@@ -297,6 +297,21 @@ class Injector:
             return
         self.cluster.record(EventKind.FAULT_REVERTED, fault_id=fault.fault_id)
 
+    def revert_by_id(self, fault_id: str, dry_run: bool = False) -> str | None:
+        """Revert fault `fault_id` now (`ffctl inject revert FAULT`); None when done (or with
+        `dry_run`, when it could be), else why not, in one line."""
+        fault = next((f for f in self.faults if f.fault_id == fault_id), None)
+        if fault is None:
+            waiting = any(s.fault_id == fault_id for s in [*self.scheduled, *(spec for _, spec in self.timed)])
+            return f"{fault_id} has not been injected yet" if waiting else f"this run has no fault {fault_id}"
+        if not fault.plan.revertible:
+            return f"{fault_id} ({fault.spec.kind.value}) has nothing to revert"
+        if fault.reverted:
+            return f"{fault_id} ({fault.spec.kind.value}) is reverted already"
+        if not dry_run:
+            self.revert(fault)
+        return None
+
     def revert_all(self) -> None:
         for fault in self.faults:
             if fault.plan.revertible and not fault.reverted:

@@ -80,4 +80,4 @@ def render_doctor(reports: Sequence[HostReport], console: Console) -> None:
         for problem in r.problems():
             line = problem if problem.startswith(r.host) else f"{r.host}: {problem}"
             style = "red" if not r.can_run_job else "yellow"
-            console.print(f"[{style}]{escape(line)}[/{style}]", highlight=False, soft_wrap=True)
+            console.print(f"[{style}]{escape(line)}[/{style}]", highlight=False)  # wrapped, never cut

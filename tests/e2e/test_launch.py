@@ -151,6 +151,18 @@ def test_adhoc_inject_from_another_terminal(workdir: Path) -> None:
         assert dry.returncode == 0 and "kill -KILL" in dry.stdout
         bad = run_ffctl(workdir, "inject", "kill-rank", "--run", run_id, "--rank", "7", timeout=60)
         assert bad.returncode == 2 and "rank 7" in bad.stderr
+        # A fault of ten minutes, undone by its id (chaosd's recover): the rank's pace comes back
+        # at once; a second revert and an unknown id are one line each, exit 2.
+        slow = run_ffctl(workdir, "inject", "slow-rank", "--run", run_id, "--rank", "0", "-o", "factor=2",
+                         "--duration", "10m", timeout=60)
+        assert slow.returncode == 0 and "as f1" in slow.stdout, slow.stderr
+        undo = run_ffctl(workdir, "inject", "revert", "f1", "--run", run_id, timeout=60)
+        assert undo.returncode == 0 and "reverted f1" in undo.stdout, undo.stderr
+        wait_event(workdir / "runs" / run_id / "events.jsonl",
+                   lambda ev: ev.kind is EventKind.FAULT_REVERTED and ev.get("fault_id") == "f1", 60)
+        for fault, why in (("f1", "reverted already"), ("f9", "no fault f9")):
+            again = run_ffctl(workdir, "inject", "revert", fault, "--run", run_id, timeout=60)
+            assert again.returncode == 2 and why in again.stderr and again.stderr.count("\n") == 1, again.stderr
         out = run_ffctl(workdir, "inject", "kill-node", "--run", run_id, "--node", "1", timeout=60)
         assert out.returncode == 0, out.stderr
         # Trained again past the restore: the fault has all its figures; Ctrl-C ends the job.
@@ -160,7 +172,8 @@ def test_adhoc_inject_from_another_terminal(workdir: Path) -> None:
     assert stopped.code == 130, stopped.stderr
     rep = json.loads((workdir / "runs" / run_id / "report.json").read_text())
     assert rep["status"] == "interrupted"
-    (f,) = rep["faults"]  # the dry run and the refused one injected nothing
+    slowed, f = rep["faults"]  # the dry run and the refused one injected nothing
+    assert slowed["kind"] == "slow-rank" and slowed["fault_id"] == "f1"
     assert f["kind"] == "kill-node" and f["target"] == "node:1" and f["recovered"]
     assert_nothing_left(workdir)
 

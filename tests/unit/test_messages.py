@@ -61,6 +61,7 @@ REPORTS: dict[Kind, dict[str, Any]] = {
     Kind.REPLICATED: {"node": 0, "step": 9, "ranks": [0, 1]},
     Kind.INVENTORY: {"node": 0, "req": 3, "local": {"0": [8, 9], "1": [9]}, "replica": {"2": [9]}},
     Kind.INJECT_REQUEST: {"fault": "kill-rank:rank=1", "req": "a1b2c3", "dry_run": True},
+    Kind.REVERT_REQUEST: {"fault_id": "f12", "req": "a1b2c3"},
     Kind.REJECTED: {"where": "agent/0/0/q", "reason": "bad MAC", "raw": "b'x'", "index": 4, "node": 0},
 }
 COMMANDS: dict[CommandKind, dict[str, Any]] = {
@@ -153,6 +154,8 @@ def _step(**change: Any) -> dict[str, Any]:
      "inject_request: fault: step='5': an injection into a running job applies now"),
     (_wire(Kind.INJECT_REQUEST, {"fault": {"kind": "kill-rank"}, "req": "a"}), "inject_request: bad fault="),
     (_wire(Kind.INJECT_REQUEST, {"spec": "kill-rank:rank=1", "req": "a"}), "inject_request: missing field 'fault'"),
+    (_wire(Kind.REVERT_REQUEST, {"fault_id": "../f1", "req": "a"}), "revert_request: bad fault_id"),
+    (_wire(Kind.REVERT_REQUEST, {"fault_id": "f0", "req": "a"}), "revert_request: bad fault_id"),
     (_wire(Kind.AGENT_UP, {**REPORTS[Kind.AGENT_UP], "peer_port": 70000}), "agent_up: bad peer_port=70000"),
     (_wire(Kind.AGENT_UP, {**REPORTS[Kind.AGENT_UP], "time": math.nan}), "agent_up: bad time=nan"),
     (_wire(Kind.RANK_EXITED, {**REPORTS[Kind.RANK_EXITED], "log_tail": "Killed"}), "rank_exited: bad log_tail"),

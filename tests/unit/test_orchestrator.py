@@ -882,3 +882,24 @@ def test_faults_that_never_took_effect_are_recorded_missed_with_their_reason() -
     plain.record_missed(steps_unknown=True, elapsed=-1.0)
     (missed,) = cluster2.recorded(EventKind.FAULT_MISSED)
     assert "reports no steps" in missed["reason"]
+
+
+def test_one_fault_is_reverted_by_its_id_and_the_rest_are_refused_with_why() -> None:
+    job = _job(steps=7)
+    cluster = _cluster(job)
+    ran: list[tuple[str, ...]] = []
+    injector = Injector(cluster, job, lambda cmd: FakeTransport(ran),
+                        scheduled=[parse_spec("kill-rank:rank=2,step=50")])
+    hang, _ = injector.inject(parse_spec("hang-rank:rank=1,duration=600"))
+    kill, _ = injector.inject(parse_spec("kill-rank:rank=3"))
+    assert hang is not None and kill is not None
+    assert injector.revert_by_id(hang.fault_id, dry_run=True) is None and not cluster.recorded(EventKind.FAULT_REVERTED)
+    assert injector.revert_by_id(hang.fault_id) is None
+    (reverted,) = cluster.recorded(EventKind.FAULT_REVERTED)
+    assert reverted["fault_id"] == hang.fault_id and hang.reverted
+    assert any("CONT" in " ".join(argv) for argv in ran)  # the rank was sent SIGCONT: ended, not only noted
+    assert injector.revert_by_id(hang.fault_id) == f"{hang.fault_id} (hang-rank) is reverted already"
+    assert injector.revert_by_id(kill.fault_id) == f"{kill.fault_id} (kill-rank) has nothing to revert"
+    assert injector.revert_by_id("f1") == "f1 has not been injected yet"  # the scheduled kill at step 50
+    assert injector.revert_by_id("f99") == "this run has no fault f99"
+    assert len(cluster.recorded(EventKind.FAULT_REVERTED)) == 1

@@ -263,3 +263,22 @@ def test_project_option_points_to_ffctl_project(runs_dir: Path, spec: str) -> No
     lines = text.strip().splitlines()
     assert code == 2 and len(lines) == 1 and lines[0].startswith("ffctl: error: --project "), text
     assert "ffctl project RUN..." in lines[0]
+
+
+def test_last_is_the_newest_run_without_its_id(runs_dir: Path, tmp_path: Path) -> None:
+    code, text = run_cli(["report", "--last", "--json"], runs_dir)
+    assert code == 0, text
+    assert json.loads(text)["run_id"] == LONG_ID  # the newest, as the listing's first
+    code, text = run_cli(["report", "--last", "mid-memory"], runs_dir)
+    assert code == 2 and "--last and run id 'mid-memory'" in text and text.count("\n") == 1
+    code, text = run_cli(["report", "--last"], tmp_path / "empty")
+    assert code == 2 and "--last: no runs in" in text and text.count("\n") == 1
+
+
+def test_a_long_run_id_keeps_the_run_list_to_a_line_or_two_per_run(runs_dir: Path) -> None:
+    # The table does not fit 80 columns with LONG_ID in it: each run becomes `id  field: value`
+    # lines, broken between fields, never a block of eight lines per run.
+    code, text = run_cli(["report"], runs_dir)
+    assert code == 0, text
+    assert_whole([LONG_ID, "status: completed", "strategy: restart-memory"], text)
+    assert len(text.splitlines()) <= 2 + 2 * 3, text  # the title (a long path) and 3 runs
