@@ -163,13 +163,13 @@ def _decimal(seconds: float) -> str:
 # ASCII only: `\d` and float() also take other scripts' digits ("١", "５"), which a user would
 # not expect a fault spec to mean.
 _UINT = re.compile(r"[0-9]{1,19}", re.ASCII)
-_SECONDS = re.compile(r"([0-9]{1,9}(?:\.[0-9]{1,9})?)(ms|s|m|h)?", re.ASCII)
+_SECONDS = re.compile(r"([0-9]{1,9}(?:\.[0-9]{1,9})?)(ms|s|min|m|h|d)?", re.ASCII)
 _RATE = re.compile(r"([0-9]{1,12}(?:\.[0-9]{1,9})?)(bit|kbit|mbit|gbit|tbit|bps|kbps|mbps|gbps|tbps)",
                    re.ASCII | re.IGNORECASE)
 _TIME = re.compile(r"([0-9]{1,9}(?:\.[0-9]{1,9})?)(us|ms|s)", re.ASCII)
 _PERCENT = re.compile(r"([0-9]{1,3}(?:\.[0-9]{1,6})?)%", re.ASCII)
 _HOST = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,252}", re.ASCII)
-_TIME_SCALE = {None: 1.0, "ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "us": 1e-6}
+_TIME_SCALE = {None: 1.0, "ms": 0.001, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0, "us": 1e-6}
 _RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12,
                "bps": 8, "kbps": 8 * 10**3, "mbps": 8 * 10**6, "gbps": 8 * 10**9, "tbps": 8 * 10**12}
 
@@ -266,10 +266,17 @@ def _int(key: str, value: str, maximum: int = MAX_INDEX) -> int:
     return out
 
 
+def parse_seconds(text: str) -> float | None:
+    """A duration as every ffctl option and spec writes it: `5`, `2.5s`, `500ms`, `2m`, `3h`,
+    `1d` -> seconds; None when `text` is not one."""
+    match = _SECONDS.fullmatch(text.strip())
+    return None if match is None else float(match.group(1)) * _TIME_SCALE[match.group(2)]
+
+
 def _seconds(key: str, value: str, maximum: float, *, positive: bool = False) -> float:
     match = _SECONDS.fullmatch(value)
     if not match:
-        raise FaultSpecError(f"{key}={_q(value)} is not a number of seconds (like 5, 2.5s, 100ms or 2m)")
+        raise FaultSpecError(f"{key}={_q(value)} is not a duration (like 5, 2.5s, 100ms or 2m)")
     out = float(match.group(1)) * _TIME_SCALE[match.group(2)]
     if positive and out <= 0:
         raise FaultSpecError(f"{key}={_q(value)} must be more than zero")

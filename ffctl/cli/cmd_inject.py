@@ -7,7 +7,8 @@ from typing import Annotated, Any, Optional
 import typer
 
 from fault_injectors import FaultSpecError
-from wire.fault_spec import FAULT_ID, parse_injection, parse_kind
+from wire.fault_spec import FAULT_ID, parse_injection, parse_kind, parse_seconds
+from ffctl.cli.durations import EXAMPLES
 from fault_injectors.targets import check_in_job
 from ffctl.render import make_console
 from ffctl.exits import EXIT_INFRA, EXIT_OK, BadInput
@@ -60,8 +61,8 @@ def register(app: typer.Typer) -> None:
         targets = [f"{k}={v}" for k, v in (("rank", rank), ("node", node), ("host", host)) if v is not None]
         if len(targets) > 1:
             raise BadInput(f"inject {kind}: give one of --rank, --node, --host (got {', '.join(targets)})")
-        if duration is not None and ("," in duration or "=" in duration):
-            raise BadInput(f"--duration {duration!r}: not a duration like 5, 5s, 500ms or 2m")
+        if duration is not None and parse_seconds(duration) is None:
+            raise BadInput(f"--duration {duration!r}: not a duration like {EXAMPLES}")
         # The spec's own grammar reads it (5, 5s, 500ms, 2m), as in --inject and scenario files.
         fields = targets + ([f"duration={duration}"] if duration is not None else []) + list(option or [])
         spec_text = kind + (":" + ",".join(fields) if fields else "")

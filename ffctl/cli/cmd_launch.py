@@ -14,6 +14,7 @@ from fault_injectors import FaultSpecError
 from wire.fault_spec import parse_injection
 from ffctl.render import make_console
 from ffctl.backends import REQUEUED, backend_name
+from ffctl.cli.durations import parse_duration
 from ffctl.exits import EXIT_EXPECTATION, EXIT_FAULT_MISSED, EXIT_INTERRUPTED, EXIT_NO_REQUEUE, EXIT_OK, BadInput
 from ffctl.launch.echo import RankEcho, parse_ranks_filter
 from ffctl.launch.torchrun import TorchrunArgError, resolve
@@ -97,13 +98,13 @@ def register(app: typer.Typer) -> None:
         backend: Annotated[Optional[str], typer.Option("--backend", help="How nodes run: local (processes here), netns (as --sandbox netns) or slurm (inside an sbatch/salloc allocation: one job step per node's agent, the allocation's extra nodes as spare nodes).")] = None,
         run_id: Annotated[Optional[str], typer.Option("--run-id", help="Run id (default: time-based).")] = None,
         runs_dir: Annotated[Path, typer.Option("--runs-dir", envvar="FFCTL_RUNS_DIR", help="Where run records go.")] = Path("ffctl-runs"),
-        heartbeat_timeout: Annotated[float, typer.Option("--heartbeat-timeout", help="Node loss after this many seconds without heartbeat.")] = 1.0,
-        hang_timeout: Annotated[float, typer.Option("--hang-timeout", help="A hang after this many seconds without step progress (or 10x the median step time, if longer).")] = 5.0,
+        heartbeat_timeout: Annotated[str, typer.Option("--heartbeat-timeout", metavar="DURATION", help="Node loss after this many seconds without heartbeat.")] = "1",
+        hang_timeout: Annotated[str, typer.Option("--hang-timeout", metavar="DURATION", help="A hang after this many seconds without step progress (or 10x the median step time, if longer).")] = "5",
         straggler: Annotated[str, typer.Option("--straggler", help="What to do about a straggler (a rank the others wait for, named from its step times): wait (record it and bill its lost time) or replace[:factor=F][,steps=N] (also treat a rank slower than F x the median busy time for N steps in a row as failed and replace it with a spare; default F=2, N=3).")] = "wait",
         snapshot_copies: Annotated[int, typer.Option("--snapshot-copies", help="How many other nodes hold each node's snapshots in memory: the next K on the ring (default 1, the neighbour). K nodes lost together still leave a copy; each step waits until all K hold it.")] = 1,
         verify_restore: Annotated[bool, typer.Option("--verify-restore", help="Check every recovery from memory by replay: restore one snapshot further back and train the steps between again; each rank's loss must equal, bit for bit, the one it reported before the fault, or the job stops naming the rank and step (state the script never registered, such as a prefetched batch). Costs one step per recovery.")] = False,
-        exit_barrier_timeout: Annotated[float, typer.Option("--exit-barrier-timeout", help="Once some ranks of the job have finished (exit 0), how many seconds the others may keep running before they are stopped and the run fails naming them, with their last output line (torchrun's agent waits 300 s at its exit barrier).")] = 300.0,
-        silence_timeout: Annotated[float, typer.Option("--silence-timeout", help="A script's job in which no rank prints a line or commits a step for this many seconds (and none has exited) is hung: said on screen after 10 s of silence, and at this limit every rank's Python stacks are kept and the run fails naming each rank and its last line.")] = 1800.0,
+        exit_barrier_timeout: Annotated[str, typer.Option("--exit-barrier-timeout", metavar="DURATION", help="Once some ranks of the job have finished (exit 0), how many seconds the others may keep running before they are stopped and the run fails naming them, with their last output line (torchrun's agent waits 300 s at its exit barrier).")] = "300",
+        silence_timeout: Annotated[str, typer.Option("--silence-timeout", metavar="DURATION", help="A script's job in which no rank prints a line or commits a step for this many seconds (and none has exited) is hung: said on screen after 10 s of silence, and at this limit every rank's Python stacks are kept and the run fails naming each rank and its last line.")] = "1800",
         allow_missed: Annotated[bool, typer.Option("--allow-missed", help="Run even if a requested fault's trigger can never fire (a step= for a script that reports no steps, a step past --steps), and exit 0 when a requested fault never took effect; such a fault is recorded as missed (fault_missed) with the reason. Without it such a run is refused before it starts (exit 2), or exits 5.")] = False,
         dry_run: Annotated[bool, typer.Option("--dry-run", help="Print what would run and start nothing.")] = False,
         hosts: Annotated[Optional[Path], typer.Option("--hosts", help="Hostfile: one node per host, agents started over SSH.")] = None,
@@ -172,8 +173,10 @@ def register(app: typer.Typer) -> None:
             nnodes=default_layout if tr.nnodes is None else tr.nnodes,
             nproc_per_node=default_layout if tr.nproc_per_node is None else tr.nproc_per_node, steps=steps, seed=seed, model=model, optimizer=optimizer, parallel=parallel, batch=batch,
             recovery=recovery, ckpt_every=ckpt_every, spares=spares, max_restarts=tr.max_restarts, injects=faults, run_id=run_id,
-            runs_dir=runs_dir, script=tr.worker_argv, heartbeat_timeout=heartbeat_timeout, hang_min_s=hang_timeout,
-            exit_barrier_timeout=exit_barrier_timeout, silence_timeout=silence_timeout, allow_missed=allow_missed,
+            runs_dir=runs_dir, script=tr.worker_argv, heartbeat_timeout=parse_duration(heartbeat_timeout, "--heartbeat-timeout"),
+            hang_min_s=parse_duration(hang_timeout, "--hang-timeout"),
+            exit_barrier_timeout=parse_duration(exit_barrier_timeout, "--exit-barrier-timeout"),
+            silence_timeout=parse_duration(silence_timeout, "--silence-timeout"), allow_missed=allow_missed,
             hostfile=hosts, accept_new_host_keys=accept_new_host_keys, master_addr=tr.master_addr,
             remote_python=remote_python, remote_runs_dir=remote_runs_dir,
             chaos=chaos, sandbox=sandbox or ("netns" if backend == "netns" else None),

@@ -17,25 +17,12 @@ from ffctl.render import html as html_page
 from ffctl.render import make_console
 from ffctl.render.report import markdown_fleet_projection, render_fleet_projection, render_run_check
 from runs.events import EventKind
+from ffctl.cli.durations import parse_duration
 from runs.projection import (DEFAULT_GPUS, DEFAULT_GPUS_PER_NODE, DEFAULT_SPARES_PER_1000, PRESETS, Fleet,
                              ProjectionSpec, RunMeasure, check_run, measure_run, project)
 from runs.store import RunStore, RunStoreError, open_run
 
-_DURATION_UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
 _MAX_GPUS = 100_000_000
-
-
-def parse_duration(text: str, option: str) -> float:
-    """`90`, `90s`, `18m`, `3.09h`, `1d` -> seconds, more than 0 and finite."""
-    value = text.strip()
-    number = value.rstrip("abcdefghijklmnopqrstuvwxyz")
-    try:
-        seconds = float(number) * _DURATION_UNITS[value[len(number):]]
-    except (ValueError, KeyError):
-        seconds = math.nan
-    if not 0 < seconds < math.inf:
-        raise BadInput(f"{option} {text!r}: a positive duration in s, m, h or d (e.g. 3h)")
-    return seconds
 
 
 def parse_gpu_count(text: str, option: str) -> int:

@@ -34,11 +34,11 @@ def inject(*args: str) -> list[str]:
 
 CASES: list[tuple[str, list[str], str]] = [
     # --- launch: numbers finite and in range ---
-    ("heartbeat-nan", launch("--heartbeat-timeout", "nan"), "--heartbeat-timeout nan"),
-    ("heartbeat-zero", launch("--heartbeat-timeout", "0"), "--heartbeat-timeout 0"),
-    ("heartbeat-inf", launch("--heartbeat-timeout", "inf"), "--heartbeat-timeout inf"),
-    ("hang-nan", launch("--hang-timeout", "nan"), "--hang-timeout nan"),
-    ("hang-negative", launch("--hang-timeout", "-1"), "--hang-timeout -1"),
+    ("heartbeat-nan", launch("--heartbeat-timeout", "nan"), "--heartbeat-timeout 'nan'"),
+    ("heartbeat-zero", launch("--heartbeat-timeout", "0"), "--heartbeat-timeout '0'"),
+    ("heartbeat-inf", launch("--heartbeat-timeout", "inf"), "--heartbeat-timeout 'inf'"),
+    ("hang-nan", launch("--hang-timeout", "nan"), "--hang-timeout 'nan'"),
+    ("hang-negative", launch("--hang-timeout", "-1"), "--hang-timeout '-1'"),
     ("nnodes-zero", launch("--nnodes", "0"), "--nnodes 0"),
     ("nproc-huge", launch("--nproc-per-node", "2000"), "--nproc-per-node 2000"),
     ("spares-huge", launch("--spares", "5000"), "--spares 5000"),
@@ -98,8 +98,8 @@ CASES: list[tuple[str, list[str], str]] = [
     ("inject-no-target", inject("kill-rank", "--run", RUN), "names no target"),
     ("inject-rate-on-kill-rank", inject("kill-rank", "--run", RUN, "--rank", "1", "-o", "rate=1mbit"), "rate='1mbit'"),
     ("inject-bandwidth-without-rate", inject("net-bandwidth", "--run", RUN, "--node", "1"), "needs rate="),
-    ("inject-duration-nan", inject("hang-rank", "--run", RUN, "--rank", "1", "--duration", "nan"), "--duration nan"),
-    ("inject-duration-inf", inject("net-delay", "--run", RUN, "--node", "1", "--duration", "inf"), "--duration inf"),
+    ("inject-duration-nan", inject("hang-rank", "--run", RUN, "--rank", "1", "--duration", "nan"), "--duration 'nan'"),
+    ("inject-duration-inf", inject("net-delay", "--run", RUN, "--node", "1", "--duration", "inf"), "--duration 'inf'"),
     ("inject-trigger", inject("kill-rank", "--run", RUN, "--rank", "1", "-o", "step=5"), "step='5'"),
     ("inject-rank-outside-job", inject("kill-rank", "--run", RUN, "--rank", "9"), "rank 9"),
     ("inject-node-outside-job", inject("kill-node", "--run", RUN, "--node", "5"), "node 5"),

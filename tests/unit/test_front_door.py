@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from fault_injectors.catalogue import COMMON_KEYS, catalogue
 from ffctl.cli.app import app, main
-from wire.fault_spec import REQUIRED_OPTIONS, FaultKind, allowed_keys, parse_injection
+from wire.fault_spec import REQUIRED_OPTIONS, FaultKind, allowed_keys, parse_injection, parse_seconds
 from tests.helpers.launch import ffctl_argv
 
 COMMANDS = sorted(info.name or "" for info in app.registered_commands if not info.hidden)
@@ -110,8 +110,20 @@ def test_a_mistyped_launch_option_is_not_taken_for_the_script(tmp_path: Path) ->
     (["inject", "revert", "x1", "--run", "r"], "not a fault id"),
     (["inject", "revert", "f1", "--all"], "name one fault or say --all"),
     (["inject", "kill-rank", "f1", "--run", "r"], "unexpected argument 'f1'"),
-    (["inject", "slow-rank", "--run", "r", "--rank", "0", "-o", "factor=2", "--duration", "5x"], "duration='5x'"),
+    (["inject", "slow-rank", "--run", "r", "--rank", "0", "-o", "factor=2", "--duration", "5x"], "--duration '5x'"),
 ])
 def test_inject_mistakes_are_one_line_and_exit_2(argv: list[str], says: str, tmp_path: Path) -> None:
     code, out, err = run_cli([*argv, "--runs-dir", str(tmp_path)])
     assert code == 2 and says in err and err.count("\n") == 1, err
+
+
+def test_one_duration_syntax_on_every_command_line() -> None:
+    assert [parse_seconds(t) for t in ("5", "2.5s", "500ms", "2m", "3h", "1d", "90min")] == [
+        5.0, 2.5, 0.5, 120.0, 10800.0, 86400.0, 5400.0]
+    assert parse_seconds("3x") is None and parse_seconds("-1s") is None
+    code, out, _ = run_cli(["launch", "--dry-run", "--hang-timeout", "30s", "--silence-timeout", "2m"])
+    assert code == 0, out
+    code, _, err = run_cli(["launch", "--dry-run", "--hang-timeout", "3x"])
+    assert code == 2 and "--hang-timeout '3x': not a positive duration" in err and err.count("\n") == 1
+    code, _, err = run_cli(["project", "some-run", "--mtbf", "3x@8", "--gpus", "8"])
+    assert code == 2 and "--mtbf '3x': not a positive duration" in err
