@@ -14,6 +14,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from ffctl.render.tables import table_or_records
+
 # Figure key, label, format of a value.
 FIGURE_ROWS: list[tuple[str, str, Callable[[Any], str]]] = [
     ("recovery_s", "recovery s", lambda v: f"{v:.2f}"),
@@ -57,29 +59,19 @@ def render_strategies(result: dict[str, Any], console: Console) -> None:
     console.print(f"  {faults_text(result)}")
     for line in young_lines(result):
         console.print(line)
-    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1), collapse_padding=True,
-                  title=f"sums over the faults (ratio to {base})", title_justify="left")
-    table.add_column("figure", no_wrap=True)
-    for row in rows:
-        table.add_column(row["strategy"], justify="right", no_wrap=True)
-    table.add_row("recovered", *(f"{r['recovered']}/{r['faults']}" for r in rows))
+    figures = [["recovered", *(f"{r['recovered']}/{r['faults']}" for r in rows)]]
     for key, label, fmt in FIGURE_ROWS:
-        table.add_row(label, *(_cell(r, key, fmt, r["strategy"] == base) for r in rows))
-    table.add_row("checkpoint every", *(str(r["ckpt_every"]) if r["ckpt_every"] else "-" for r in rows))
-    console.print(table)
+        figures.append([label, *(_cell(r, key, fmt, r["strategy"] == base) for r in rows)])
+    figures.append(["checkpoint every", *(str(r["ckpt_every"]) if r["ckpt_every"] else "-" for r in rows)])
+    table_or_records(console, f"sums over the faults (ratio to {base})", ["figure", *(r["strategy"] for r in rows)],
+                     figures)
     console.print("goodput: higher is better; every other figure: lower is better.")
     console.print("snapshot overhead: time per step before the first fault / that of a fault-free")
     console.print("run without snapshots just before it.")
     if result.get("scale"):
-        scale = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1), collapse_padding=True,
-                      title=f"kill-rank recovery s by world size (ratio to {base})", title_justify="left")
-        scale.add_column("ranks", justify="right", no_wrap=True)
-        scale.add_column("batch/rank", justify="right", no_wrap=True)
         strategies = [r["strategy"] for r in rows]
-        for s in strategies:
-            scale.add_column(s, justify="right", no_wrap=True)
-        worlds = sorted({r["world_size"] for r in result["scale"]})
-        for world in worlds:
+        lines = []
+        for world in sorted({r["world_size"] for r in result["scale"]}):
             at = {r["strategy"]: r for r in result["scale"] if r["world_size"] == world}
             cells = []
             for s in strategies:
@@ -87,8 +79,9 @@ def render_strategies(result: dict[str, Any], console: Console) -> None:
                 v, q = r.get("recovery_s"), r.get("recovery_ratio")
                 cells.append("-" if v is None else f"{v:.2f}" if s == base else
                              f"{v:.2f} ({'-' if q is None else f'{q:.2f}x'})")
-            scale.add_row(str(world), str(next(iter(at.values()))["batch_per_rank"]), *cells)
-        console.print(scale)
+            lines.append([str(world), str(next(iter(at.values()))["batch_per_rank"]), *cells])
+        table_or_records(console, f"kill-rank recovery s by world size (ratio to {base})",
+                         ["ranks", "batch/rank", *strategies], lines, left=0)
     console.print(f"bench wall time {result['bench_wall_s']:.0f} s")
 
 
@@ -127,16 +120,11 @@ CONTROL_PLANE_COLUMNS: list[tuple[str, str, Callable[[Any], str]]] = [
 
 def render_control_plane(rows: list[dict[str, Any]], console: Console) -> None:
     """The recovery's control-plane phases per simulated cluster size, one row per size."""
-    table = Table(title="a simulated node lost: phases (s), CPU (of a core) before it", title_justify="left",
-                  box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1), collapse_padding=True)
-    table.add_column("nodes", justify="right", no_wrap=True)
-    for col, _, _ in CONTROL_PLANE_COLUMNS:
-        table.add_column(col, justify="right", no_wrap=True)
-    for row in rows:
-        cells = [("-" if row.get(key) is None else fmt(row[key])) for _, key, fmt in CONTROL_PLANE_COLUMNS]
-        table.add_row(str(row["nodes"]), *cells)
     console.print()
-    console.print(table)
+    table_or_records(console, "a simulated node lost: phases (s), CPU (of a core) before it",
+                     ["nodes", *(col for col, _, _ in CONTROL_PLANE_COLUMNS)],
+                     [[str(row["nodes"]), *("-" if row.get(key) is None else fmt(row[key])
+                                            for _, key, fmt in CONTROL_PLANE_COLUMNS)] for row in rows], left=0)
     console.print("detect: silence to node_lost; decide: to recovery_decided; plan: to the")
     console.print("last rank's read of the new plan; joined: to every rank joined and restored;")
     console.print("total: the four together.")
