@@ -240,6 +240,10 @@ def read(store: Store, key: str) -> bytes | None:
 # it, so a producer can tell its own compare-and-set succeeded) or as a plain number (what the
 # server's `add` writes). Nothing else is a count, and nothing here asks the server to parse it.
 _COUNTER = re.compile(rb"([0-9]{1,18})(?::[!-~]{1,80})?")
+# The highest index a producer reserves: the counter's parser reads 18 digits, so a counter at
+# the top of its range (a stranger's write) makes producers wait for the consumer's repair
+# rather than write an index nobody could read back.
+MAX_INDEX = 10**18 - 1
 # How long a producer waits for a queue's consumer to repair a counter that is not a count.
 SEND_WAIT_S = 5.0
 # Compare-and-set attempts per reservation: each failure answers the newer value, so only
@@ -289,8 +293,9 @@ def _reserve(store: Store, queue: str, tag: str, wait: float | None = None) -> i
             current = got
             continue
         n = parse_counter(current)
-        if n is None:
-            # Not a count: only the consumer knows where the queue stands, so it repairs it.
+        if n is None or n >= MAX_INDEX:
+            # Not a count (or one at the top of its range): only the consumer knows where the
+            # queue stands, so it repairs it.
             if time.monotonic() > deadline:
                 return Blocked(queue, "queue counter is not a count and was not repaired", current)
             time.sleep(0.01)
@@ -473,7 +478,7 @@ class Receiver:
                 self._watch(self.seen, now)  # still in flight: look again next poll
                 run += 1
                 if run > self.max_gap:
-                    self._skip(produced, run)
+                    self._skip(produced, run, now)
                     break
                 continue
             run = 0
@@ -490,19 +495,29 @@ class Receiver:
         while len(self._missing) > 2 * self.max_gap:
             del self._missing[min(self._missing)]
 
-    def _skip(self, produced: int, run: int) -> None:
+    def _skip(self, produced: int, run: int, now: float) -> None:
         """More indices in a row were reserved and left unwritten than producers can have in
-        flight: the counter was pushed forward by someone who wrote nothing. The first few of
-        the run stay watched (producers in flight when it happened), the rest are given up, and
-        reading goes on just below the counter (where producers reserve from now on)."""
+        flight: the counter was pushed forward by someone who wrote nothing. A counter moves only
+        as far as the messages that exist, so it is set back to where they are (this consumer's
+        place and a margin), at any value it was pushed to, the top of its range included. The
+        first few indices of the run stay watched (producers in flight when it happened), and so
+        do the top few below the pushed value (producers that reserved from it before the
+        repair): their messages are read, nothing else at the stranger's indices is."""
         start = self.seen - run + 1
         for idx in range(start + REPAIR_MARGIN, self.seen + 1):
             self._missing.pop(idx, None)
-        skipped_to = max(self.seen, produced - REPAIR_MARGIN)
-        self._counter_refused(f"queue counter {self._counter} jumped to {produced} with nothing written "
-                              f"after index {start - 1}: indices up to {skipped_to} skipped",
-                              str(produced).encode())
-        self.seen = skipped_to
+        # Read again now: the value set back is the one the top is watched below, so a producer
+        # that reserved since the poll began is watched too (one that reserves after this read
+        # makes the compare-and-set fail, and the next poll finds the jump again).
+        raw = read(self.store, self._counter)
+        top = max(produced, parse_counter(raw) or 0)
+        for idx in range(max(start + REPAIR_MARGIN, top - REPAIR_MARGIN + 1), top + 1):
+            self._watch(idx, now)
+        self.seen = self.high = start - 1 + REPAIR_MARGIN
+        self._counter_refused(f"queue counter {self._counter} jumped to {top} with nothing written "
+                              f"after index {start - 1}: set back to {self.seen}", str(top).encode())
+        if raw is not None:
+            store_compare_set(self.store, self._counter, raw, f"{self.seen}:{self._tag}".encode())
 
 
 def publish_plan(store: Store, gen: int, plan: GenerationPlan,

@@ -200,3 +200,38 @@ def test_a_stranger_on_the_store_port_neither_stops_freezes_nor_fools_the_job(tm
     assert attacked == {step: baseline[step] for step in attacked}
     assert_nothing_left(tmp_path)
     assert not shm_left(run_id)
+
+
+def test_queue_counters_at_the_top_of_their_range_stop_neither_the_job_nor_its_recovery(tmp_path: Path) -> None:
+    # 18 nines, the largest count the counters' parser reads, written every second into the
+    # controller's queue and agent 1's from before the fault until well after its recovery: once
+    # it failed 3 of 4 jobs, and lost agent 1's commands (the recovery froze, unnamed).
+    run_id = rid("nines")
+    runs = tmp_path / "runs"
+    run_dir = runs / run_id
+    proc = start_launch(tmp_path, run_id, *LAYOUT, "--steps", str(STEPS), "--spares", "1",
+                        "--inject", f"kill-rank:rank=1,step={KILL_STEP}")
+    nines = b"9" * 18
+    queues = (control.CTL_QUEUE, control.agent_queue(1, 0))
+    with stop_at_end(proc) as stopped:
+        loop = Loop(_controller_port(run_dir), lambda store: [store.set(f"{q}/n", nines) for q in queues], 1.0)
+        try:
+            wait_event(run_dir / "events.jsonl", lambda ev: ev.kind is EventKind.RESTORE_DONE, timeout=240)
+            reached = max(int(e.get("step")) for e in iter_events(run_dir / "events.jsonl") if e.kind is EventKind.STEP)
+            wait_step(runs, run_id, reached + 20, timeout=120)
+            _recorded(run_dir, control.CTL_QUEUE, "jumped to 999999999999999999")
+            _recorded(run_dir, control.agent_queue(1, 0), "jumped to 999999999999999999", node=1)
+        finally:
+            loop.stop()
+        assert loop.rounds >= 3 and not loop.errors, (loop.rounds, loop.errors)
+    assert stopped.code == 130, stopped.stderr
+    report = json.loads((run_dir / "report.json").read_text())
+    kinds = [json.loads(line)["event"] for line in (run_dir / "events.jsonl").read_text().splitlines() if line]
+    assert [f["kind"] for f in report["faults"]] == ["kill-rank"] and report["faults"][0]["recovered"], report["faults"]
+    assert kinds.count("failure_detected") == 1 and "node_lost" not in kinds
+    attacked = {step: loss for step, loss in report["loss_by_step"]}
+    clean = launch(tmp_path, rid("ninesclean"), *LAYOUT, "--steps", str(max(attacked)))
+    assert clean.returncode == 0, clean.stderr
+    assert attacked == {step: loss for step, loss in clean.report["loss_by_step"] if step in attacked}
+    assert_nothing_left(tmp_path)
+    assert not shm_left(run_id)

@@ -189,3 +189,50 @@ def test_threads_of_one_process_reserving_at_once_never_share_an_index() -> None
         t.join(timeout=30)
     got = _drain(rx, 200, timeout=10)
     assert sorted(got) == sorted(100 * t + i for t in range(4) for i in range(50))
+
+
+def test_a_counter_at_the_top_of_its_range_is_set_back_and_nothing_is_lost() -> None:
+    # 18 nines: a count the parser accepts, one below the index no producer could write back.
+    # Written once and then every 20 ms while three producers send 40 messages each: every
+    # message arrives once, each producer's in its order, and the counter ends in range.
+    store = loopback_store()
+    reports: list[str] = []
+    rx = _rx(store, reports)
+    top = b"9" * 18
+    store.set(f"{Q}/n", top)
+    stop = threading.Event()
+
+    def attack() -> None:
+        while not stop.wait(0.02):
+            store.set(f"{Q}/n", top)
+
+    def produce(p: int) -> None:
+        for i in range(40):
+            assert control.send_dict(store, Q, {"i": p * 100 + i}) is None
+
+    threads = [threading.Thread(target=attack)] + [threading.Thread(target=produce, args=(p,)) for p in range(3)]
+    for t in threads:
+        t.start()
+    got = _drain(rx, 120, timeout=30.0)
+    stop.set()
+    for t in threads:
+        t.join(timeout=10)
+    assert sorted(got) == sorted(p * 100 + i for p in range(3) for i in range(40)), len(got)
+    for p in range(3):
+        mine = [g for g in got if g // 100 == p]
+        assert mine == sorted(mine)
+    assert any("jumped to 999999999999999999" in r for r in reports), reports
+    time.sleep(0.1)
+    assert _drain(rx, 0) == [] and rx.poll() == []
+    _send(store, 999)
+    assert _drain(rx, 1) == [999]
+    n = control.parse_counter(control.read(store, f"{Q}/n"))
+    assert n is not None and n < 10_000  # back where the messages are
+
+
+def test_a_producer_never_reserves_past_the_top_of_the_range() -> None:
+    store = loopback_store()
+    store.set(f"{Q}/n", b"9" * 18)  # and no consumer to set it back
+    blocked = control._reserve(store, Q, "me", wait=0.2)
+    assert isinstance(blocked, control.Blocked) and blocked.raw == b"9" * 18
+    assert control.read(store, f"{Q}/n") == b"9" * 18  # nothing written at an index nobody reads
