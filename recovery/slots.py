@@ -58,7 +58,7 @@ def claim_node(shm_dir: str, run_id: str, node: int) -> int:
     except BlockingIOError:
         held = twins[0] if twins else path
         raise NodeBusy(f"run id {run_id!r} is in use on this host: another ffctl run holds node {node}'s "
-                       f"snapshot slots ({held}); give this run another --run-id") from None
+                       f"snapshot slots ({shm.redact(str(held))}); give this run another --run-id") from None
 
 
 def release_node(shm_dir: str, run_id: str, node: int, fd: int) -> None:

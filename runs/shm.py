@@ -162,7 +162,21 @@ def sweep_faults(fault_dir: str, run_id: str) -> int:
 # -- the run's private directory ------------------------------------------------------------------
 class UnsafeShm(OSError):
     """A shared-memory path is not what the run made (a symlink, a file or directory of another
-    user, a FIFO, loose permissions): refused, never used."""
+    user, a FIFO, loose permissions): refused, never used. Its message names the path with the
+    run's key left out (`redact`): the message is recorded and printed."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(code, redact(message))
+
+
+_KEYED = re.compile(r"(%s[^/\s'\"]*?-)[0-9a-f]{%d}(?=[/\s'\"]|$)" % (re.escape(PREFIX), _KEY_HEX))
+
+
+def redact(text: str) -> str:
+    """`text` with each run directory's key replaced by `KEY`: the key keeps other users from
+    making the directory's name first (a rebooted node makes it again), so it never goes into
+    the world-readable record or a message."""
+    return _KEYED.sub(r"\1KEY", text)
 
 
 def run_dir(root: str, run_id: str, key: str) -> Path:

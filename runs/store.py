@@ -83,6 +83,31 @@ def validate_run_id(run_id: object) -> str:
 GITIGNORE = "# Created by ffctl: run records (events, logs, the job token) stay out of version control.\n*\n"
 
 
+def check_private_dir(path: Path, what: str) -> None:
+    """Refuse a directory ffctl would write into or read a secret from unless it is this user's
+    (or root's) and nobody else can write to it: another user could otherwise rename what ffctl
+    wrote and plant links in its place (a runs directory made 0777 by someone else before the
+    launch). A link is refused too."""
+    try:
+        st = os.lstat(path)
+    except OSError as exc:
+        raise RunStoreError(f"{what} {str(path)!r}: {exc.strerror}") from None
+    if stat.S_ISLNK(st.st_mode) and what != "runs dir":
+        raise RunStoreError(f"{what} {str(path)!r} is a symbolic link: refused")
+    if stat.S_ISLNK(st.st_mode):  # the user's own link to a runs directory elsewhere: the target counts
+        st = os.stat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise RunStoreError(f"{what} {str(path)!r} is not a directory")
+    if st.st_uid not in (os.geteuid(), 0):
+        raise RunStoreError(f"{what} {str(path)!r} belongs to uid {st.st_uid}, not you: refused "
+                            f"(its owner could replace what ffctl writes there)")
+    # Group-writable only counts when the group is not the user's own (a private group, as
+    # Debian and Ubuntu give each user, with umask 002).
+    if st.st_mode & 0o002 or (st.st_mode & 0o020 and st.st_gid != os.getegid()):
+        raise RunStoreError(f"{what} {str(path)!r} is writable by others (mode {stat.S_IMODE(st.st_mode):o}): "
+                            f"refused (chmod go-w it, or use another --runs-dir)")
+
+
 def _ignore_in_version_control(runs_dir: Path) -> None:
     """Write `.gitignore` (everything) into a runs dir ffctl has just created in, often, the
     user's project, so its records and token never show as untracked files (as pytest and mypy
@@ -132,6 +157,8 @@ class RunStore:
             raise RunStoreError(f"runs dir {str(runs_dir)!r} is not a directory")
         if not os.access(probe, os.W_OK | os.X_OK):
             raise RunStoreError(f"runs dir {str(runs_dir)!r} is not writable")
+        if probe == runs_dir:
+            check_private_dir(runs_dir, "runs dir")
 
     @classmethod
     def create(cls, runs_dir: Path, run_id: str, run_info: dict[str, Any]) -> RunStore:
@@ -140,16 +167,16 @@ class RunStore:
         path = runs_dir / run_id
         try:
             fresh = not runs_dir.exists()
-            runs_dir.mkdir(parents=True, exist_ok=True)
+            runs_dir.mkdir(mode=0o755, parents=True, exist_ok=True)
             if fresh:
                 _ignore_in_version_control(runs_dir)
-            path.mkdir()
+            path.mkdir(mode=0o755)
         except FileExistsError:
             raise RunStoreError(f"run id {run_id!r} already exists in {str(runs_dir)!r}") from None
         except OSError as exc:
             raise RunStoreError(f"runs dir {str(runs_dir)!r} is not writable: {exc.strerror}") from None
         store = cls(path)
-        (path / "logs").mkdir()
+        (path / "logs").mkdir(mode=0o755)
         # The job token authenticates the snapshot channel between agents: owner-only file.
         fd = os.open(store.token_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as fh:
@@ -158,7 +185,19 @@ class RunStore:
         return store
 
     def token(self) -> str:
-        return self.token_path.read_text().strip()
+        """The job token, read only from a file of this user's that nobody else can read or
+        replace: the run's directory and the file itself are checked, and a link is refused."""
+        check_private_dir(self.path, "run dir")
+        try:
+            fd = os.open(self.token_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as exc:
+            raise RunStoreError(f"run {self.run_id!r}: cannot open its token file ({exc.strerror})") from None
+        with os.fdopen(fd) as fh:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+                raise RunStoreError(f"run {self.run_id!r}: its token file is not a private file of yours "
+                                    f"(owner uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o}): refused")
+            return fh.read(256).strip()
 
     def write_json(self, name: str, obj: Any) -> None:
         """Atomically replace `name` (write to a temp file of this write's own, fsync, rename):

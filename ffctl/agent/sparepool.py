@@ -59,7 +59,8 @@ class SparePool:
 
     def start_fresh(self) -> subprocess.Popen[bytes]:
         """A fresh interpreter that imports torch, then waits on stdin for its assignment."""
-        out = open(Path(self.log_dir) / "spares.log", "ab")
+        out = open(os.open(Path(self.log_dir) / "spares.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW,
+                           0o644), "ab")
         try:
             proc = subprocess.Popen(
                 [self.python, "-m", "ffctl.agent.spare"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,

@@ -236,12 +236,13 @@ def run_assignment(job: Assignment) -> None:
     instead, the same race ends as it does under torchrun (the thread cannot take the GIL any
     more, and torch aborts now and then at exit)."""
     if job.log:
-        fd = os.open(job.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        # O_NOFOLLOW: a name planted in the logs directory is refused, never written through.
+        fd = os.open(job.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o644)
         os.dup2(fd, 1)
         os.dup2(fd, 2)
         os.close(fd)
     if job.err:
-        fd = os.open(job.err, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        fd = os.open(job.err, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o644)
         os.dup2(fd, 2)
         os.close(fd)
     if job.cwd:
@@ -565,7 +566,7 @@ class Template:
         if warm_for(self.env, self.cwd, self.python):
             self.proc = _fork_template(self.env, self.cwd, self.log)
         else:
-            with open(self.log, "ab") as log:
+            with open(os.open(self.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o644), "ab") as log:
                 self.proc = subprocess.Popen(
                     [self.python, "-m", "ffctl.agent.template"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                     stderr=log, env=self.env, cwd=self.cwd or None,

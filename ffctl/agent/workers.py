@@ -73,7 +73,7 @@ def keep_stacks(log_dir: Path, rank: int, gen: int, err_from: int) -> tuple[list
     before), bounded, and the file beside its log that now keeps them: `<rank>.gen<gen>.stacks`,
     created new (O_EXCL, O_NOFOLLOW: a name planted there is refused, not written through)."""
     try:
-        with open(log_dir / f"{rank}.err", "rb") as fh:
+        with open(os.open(log_dir / f"{rank}.err", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK), "rb") as fh:
             fh.seek(err_from)
             data = fh.read(STACKS_BYTES)
     except OSError:
@@ -312,7 +312,7 @@ class WorkerSupervisor:
         """The last `lines` lines of the rank's stdout log (`stream` "log") or its stderr log
         ("err"); all of its generations write to them."""
         try:
-            with open(Path(self.cfg.log_dir) / f"{rank}.{stream}", "rb") as fh:
+            with open(os.open(Path(self.cfg.log_dir) / f"{rank}.{stream}", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK), "rb") as fh:
                 fh.seek(0, os.SEEK_END)
                 fh.seek(max(0, fh.tell() - LOG_TAIL_BYTES))
                 data = fh.read(LOG_TAIL_BYTES)

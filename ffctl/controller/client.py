@@ -16,7 +16,7 @@ from ffctl.exits import BadInput, InfraError
 from wire import control, messages, storeclient
 from wire.fault_spec import FaultSpec
 from runs.events import RunStatus
-from runs.store import RunStore
+from runs.store import RunStore, RunStoreError
 
 
 def request(record: RunStore, fault: FaultSpec, dry_run: bool, timeout: float = 30.0) -> messages.InjectReply:
@@ -45,8 +45,8 @@ def _ask(record: RunStore, build: Callable[[str], messages.Message], timeout: fl
         raise InfraError(f"controller of run {record.run_id!r} at {ctl['address']}:{ctl['port']} is unreachable") from None
     try:
         token = record.token()
-    except OSError as exc:
-        raise BadInput(f"run {record.run_id!r}: cannot read its token file ({exc.strerror})") from None
+    except RunStoreError as exc:
+        raise BadInput(str(exc)) from None
     sealer, opener = control.Sealer(token, "inject"), control.Opener(token)
     req = secrets.token_hex(8)
     blocked = control.send(store, control.CTL_QUEUE, build(req), sealer)

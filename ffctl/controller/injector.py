@@ -26,6 +26,7 @@ from ffctl.controller.cluster import FaultCluster
 from ffctl.controller.faultplan import chaos_faults, plan_fault
 from ffctl.controller.state import JobState, Phase
 from runs.events import EventKind
+from runs.shm import redact
 
 # A scheduled fault waits while an earlier one is still unseen (not detected, not reverted, not
 # survived), so faults do not pile onto one another and each seeded pick sees the whole world;
@@ -269,7 +270,7 @@ class Injector:
             at_step=self.job.progress.committed_step, gen=self.job.gen, emulated=plan.emulated,
             breaks_job=spec.kind.breaks_job,
             duration=deadman.duration_of(spec) if plan.revertible else None,
-            commands=[str(c) for c in plan.apply], guarded=bool(plan.deadman),
+            commands=[redact(str(c)) for c in plan.apply], guarded=bool(plan.deadman),
         )
         self.faults.append(fault)
         try:

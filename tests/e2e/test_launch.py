@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import os
 import signal
 import subprocess
@@ -218,6 +219,9 @@ def test_a_second_run_with_the_same_id_on_this_host_is_refused(
     assert second.returncode != 0
     line = second.stderr.strip().splitlines()[-1]
     assert f"run id '{run_id}' is in use on this host" in line, second.stderr
+    assert f"ffctl-{run_id}-KEY" in second.stderr  # the other run's directory, its key left out
+    assert re.search(r"ffctl-[^/\s]*-[0-9a-f]{32}", second.stderr + (other / "runs").joinpath(run_id, "events.jsonl")
+                     .read_text()) is None
     assert stopped.code == 130
     rep = json.loads((workdir / "runs" / run_id / "report.json").read_text())
     # The first run recovered from its own slots, untouched: same losses as the fault-free run.

@@ -6,6 +6,7 @@ No process, no store, no socket: each case runs in milliseconds and asserts on t
 the events recorded and the outcome returned (or the reason the job stopped)."""
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any, Callable
 
@@ -903,3 +904,18 @@ def test_one_fault_is_reverted_by_its_id_and_the_rest_are_refused_with_why() -> 
     assert injector.revert_by_id("f1") == "f1 has not been injected yet"  # the scheduled kill at step 50
     assert injector.revert_by_id("f99") == "this run has no fault f99"
     assert len(cluster.recorded(EventKind.FAULT_REVERTED)) == 1
+
+
+def test_the_run_directorys_key_is_never_recorded(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The in-step fault's command names the rank's mailbox in the run's shared-memory directory,
+    # whose key keeps others from making that name first: events.jsonl is world-readable.
+    job = _job(steps=7)
+    cluster = _cluster(job)
+    key = "0123456789abcdef" * 2
+    real = cluster.topology
+    monkeypatch.setattr(cluster, "topology", lambda: dataclasses.replace(real(), fault_dir=f"/dev/shm/ffctl-run1-{key}"))
+    injector = Injector(cluster, job, lambda cmd: FakeTransport([]))
+    injector.inject(parse_spec("crash-rank:rank=1"))
+    (injected,) = cluster.recorded(EventKind.FAULT_INJECTED)
+    shown = " ".join(injected["commands"])
+    assert "/dev/shm/ffctl-run1-KEY/" in shown and key not in shown
