@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass, field, replace
 from enum import Enum
 from typing import Any, Callable, Iterable, TypeVar
 
+from runs import report_fields as rf
 from runs.events import Event, EventKind, RestoreSource, RunStatus, finish_reason
 
 BREAKDOWN_KEYS = ("detect", "decide", "spawn", "rendezvous", "restore", "replay")
@@ -165,13 +166,13 @@ def _gen_at(inj: Event, events: list[Event]) -> int:
     """The generation running when `inj` was written: its own `gen`, else the newest one named
     by an earlier event (a fault after a recovery hits the new generation, not generation 0)."""
     if inj.get("gen") is not None:
-        return int(inj.get("gen"))
+        return rf.gen(inj)
     gen = 0
     for ev in events:
         if ev is inj:
             break
         if ev.get("gen") is not None:
-            gen = max(gen, int(ev.get("gen")))
+            gen = max(gen, rf.gen(ev))
     return gen
 
 
@@ -188,10 +189,10 @@ def _landed(events: list[Event], ti: float, ranks: list[Any], kind: Any) -> dict
         if ev.kind is EventKind.FAULT_LANDED and ev.get("rank") in ranks:
             landings.append(ev)
     if kind == "corrupt-snapshot":
-        replicas = {str(ev.get("node")): ev.get("steps") for ev in landings if ev.get("where") == "replica"}
+        replicas = {str(rf.key(ev, "node")): rf.counts(ev, "steps") for ev in landings if ev.get("where") == "replica"}
         return {"replicas": replicas} if replicas else None
     kill = next((ev for ev in landings if ev.get("where") != "replica"), None)
-    return {"step": kill.get("step"), "phase": kill.get("phase")} if kill is not None else None
+    return {"step": rf.opt_count(kill, "step"), "phase": rf.opt_text(kill, "phase")} if kill is not None else None
 
 
 def _first(events: Iterable[Event], pred: Any) -> Event | None:
@@ -226,20 +227,20 @@ def _final_values(events: list[Event], value: Callable[[Event], V],
 
     for ev in events:
         if ev.kind is EventKind.STEP:
-            step = int(ev.get("step"))
-            if script_gen is not None and int(ev.get("gen", 0) or 0) >= script_gen:
+            step = rf.step(ev)
+            if script_gen is not None and rf.gen(ev) >= script_gen:
                 script_gen = None
                 restore(step - 1)
             values[step] = value(ev)
             aside.pop(step, None)
         elif ev.kind is EventKind.RECOVERY_DECIDED and ev.get("restore_step") is not None:
             script_gen = None
-            restore(int(ev.get("restore_step")))
-        elif ev.kind is EventKind.RECOVERY_DECIDED and _text(ev.get("restore_source")) == "script":
-            script_gen = int(ev.get("gen", 0) or 0)
-        elif ev.kind is EventKind.RESTORE_DONE and restored is not None and _is_step(ev.get("step")):
-            step = int(ev.get("step"))
-            if int(ev.get("gen", 0) or 0) == 0:
+            restore(rf.count(ev, "restore_step"))
+        elif ev.kind is EventKind.RECOVERY_DECIDED and rf.text(ev, "restore_source") == "script":
+            script_gen = rf.gen(ev)
+        elif ev.kind is EventKind.RESTORE_DONE and restored is not None and rf.opt_count(ev, "step") is not None:
+            step = rf.step(ev)
+            if rf.gen(ev) == 0:
                 # A launch that resumed an earlier run's checkpoint: that run trained the steps
                 # up to it, this one's record starts after them.
                 floor = max(floor, step)
@@ -256,8 +257,11 @@ def _is_step(v: object) -> bool:
 
 def _field(name: str) -> Callable[[Event], float | None]:
     def get(ev: Event) -> float | None:
-        value = ev.get(name, 0.0)
-        return float(value) if value is not None else None
+        # Absent: 0.0 (a record before losses were reported); null: a step without a loss. A
+        # NaN or infinity is a loss the job really had (it diverged).
+        if name in ev.data and ev.data[name] is None:
+            return None
+        return rf.number(ev, name, 0.0, finite=False)
     return get
 
 
@@ -267,13 +271,15 @@ def final_losses(events: list[Event]) -> dict[int, float | None]:
 
 
 def _restored_loss(ev: Event) -> float | None:
+    # Tolerated, unlike a step's loss: a restore's loss is what its copies held, and garbage
+    # there only means the step's loss is unknown (the step itself stands).
     loss = ev.get("loss")
     return float(loss) if isinstance(loss, (int, float)) and not isinstance(loss, bool) else None
 
 
 def _final_step_times(events: list[Event], plain_script: bool = False) -> dict[int, float]:
     if not plain_script:
-        return _final_values(events, lambda ev: float(ev.get("step_time_s") or 0.0))
+        return _final_values(events, lambda ev: rf.duration(ev, "step_time_s"))
     # A plain script's step time is the time between its reports (or printed lines): the first
     # one of each generation spans the start-up (a step printed) or nothing (`report_step` counts
     # from its first call), so it is taken at the median of the others.
@@ -281,14 +287,14 @@ def _final_step_times(events: list[Event], plain_script: bool = False) -> dict[i
     seen: set[int] = set()
     for ev in events:
         if ev.kind is EventKind.STEP:
-            gen = int(ev.get("gen", 0) or 0)
+            gen = rf.gen(ev)
             if gen not in seen:
                 seen.add(gen)
                 firsts.add(id(ev))
-    others = [float(ev.get("step_time_s") or 0.0) for ev in events
+    others = [rf.duration(ev, "step_time_s") for ev in events
               if ev.kind is EventKind.STEP and id(ev) not in firsts]
     typical = statistics.median(others) if others else 0.0
-    return _final_values(events, lambda ev: typical if id(ev) in firsts else float(ev.get("step_time_s") or 0.0))
+    return _final_values(events, lambda ev: typical if id(ev) in firsts else rf.duration(ev, "step_time_s"))
 
 
 def _fault_metrics(inj: Event, events: list[Event], world_size: int, end_t: float,
@@ -296,7 +302,7 @@ def _fault_metrics(inj: Event, events: list[Event], world_size: int, end_t: floa
     """One fault's figures. `inj` is its `fault_injected` event (or, for a failure no injected
     fault explains, one `_detected_faults` made up); `mentions` picks the events that name it
     (by default those whose `fault_ids` hold its id)."""
-    fid = str(inj.get("fault_id"))
+    fid = rf.ident(inj, "fault_id")
     ti = inj.t
     if mentions is None:
         mentions = lambda ev: fid in _ids(ev.get("fault_ids"))  # noqa: E731
@@ -310,10 +316,10 @@ def _fault_metrics(inj: Event, events: list[Event], world_size: int, end_t: floa
     # its last decision is what was restored.
     chain = [ev for ev in events if ev.kind is EventKind.FAILURE_DETECTED
              and (mentions(ev) or fid in _ids(ev.get("explained_by")))]
-    failure_ids = {str(ev.get("failure_id")) for ev in chain if ev.get("failure_id") is not None}
+    failure_ids = {rf.ident(ev, "failure_id") for ev in chain if ev.get("failure_id") is not None}
     decisions = [ev for ev in events if ev.kind is EventKind.RECOVERY_DECIDED
                  and (mentions(ev) or failure_ids & set(_ids(ev.get("failure_ids"))))]
-    rejected = [_text(ev.get("detail")) for ev in chain if ev.get("cause") == "restore-failed"]
+    rejected = [rf.text(ev, "detail", "None") for ev in chain if ev.get("cause") == "restore-failed"]
     gen_at_fault = _gen_at(inj, events)
     decision = decisions[-1] if decisions else None
     # m: the highest step completed when the fault hit. Steps the old generation still finished
@@ -322,43 +328,42 @@ def _fault_metrics(inj: Event, events: list[Event], world_size: int, end_t: floa
     # the detection). The old generation can commit nothing once the recovery is decided.
     first_decision = decisions[0] if decisions else None
     hit_t = first_decision.t if first_decision else (end_t if detected else ti)
-    m = int(inj.get("at_step", 0))
+    m = rf.count(inj, "at_step")
     # A plain script's group is stopped whole once its restart is decided: a step of its
     # generation recorded after that is a line it printed before, read late (not a rank of a
     # generation going on), so it counts whenever it arrived.
-    whole = decision is not None and _text(decision.get("restore_source")) == RestoreSource.SCRIPT.value
+    whole = decision is not None and rf.text(decision, "restore_source") == RestoreSource.SCRIPT.value
     for ev in events:
-        if ev.kind is EventKind.STEP and (whole or ev.t <= hit_t) and ev.get("gen", 0) == gen_at_fault:
-            m = max(m, int(ev.get("step")))
+        if ev.kind is EventKind.STEP and (whole or ev.t <= hit_t) and rf.gen(ev) == gen_at_fault:
+            m = max(m, rf.step(ev))
     step_known = any(ev.kind is EventKind.STEP for ev in events)
-    restore_step = decision.get("restore_step") if decision is not None else None
-    restore_source = _text(decision.get("restore_source")) if decision is not None \
-        and decision.get("restore_source") is not None else None
-    lost_steps: int | None = max(0, m - int(restore_step)) if restore_step is not None else 0
+    restore_step = rf.opt_count(decision, "restore_step") if decision is not None else None
+    restore_source = rf.opt_text(decision, "restore_source") if decision is not None else None
+    lost_steps: int | None = max(0, m - restore_step) if restore_step is not None else 0
     if decision is not None and _healed_all(events, decision):
         restore_source = RestoreSource.REPLICA_GROUP.value
     if decision is not None and not step_known:
         # A script that says nothing of its steps: recovered once every restarted worker is up;
         # what it trains again is its own business, unknown here (not 0).
-        gen = decision.get("gen")
+        gen = rf.gen(decision)
         if restore_source == RestoreSource.SCRIPT.value:
             lost_steps = None
-        resumed = _first(events, lambda ev: ev.kind is EventKind.RANKS_SPAWNED and ev.get("gen") == gen
+        resumed = _first(events, lambda ev: ev.kind is EventKind.RANKS_SPAWNED and rf.gen(ev) == gen
                          and ev.t >= decision.t)
     elif decision is not None:
-        gen = decision.get("gen")
+        gen = rf.gen(decision)
         resumed = _first(
             events,
             lambda ev: ev.kind is EventKind.STEP
             and ev.t >= decision.t
-            and ev.get("gen", 0) >= gen
-            and int(ev.get("step")) >= m + 1,
+            and rf.gen(ev) >= gen
+            and rf.step(ev) >= m + 1,
         )
         if restore_source == "script":
             restore_step, restore_source, lost_steps = _script_restore(events, decision, m)
     elif inj.get("cause") == STRAGGLER:
         # A straggler no injected fault explains is over when the detector saw it back at pace.
-        ends = [x["end_t"] for x in slow if x.get("end_t") is not None]
+        ends = [float(x["end_t"]) for x in slow if x.get("end_t") is not None]
         resumed = Event(EventKind.STEP, max(ends), {}) if ends and len(ends) == len(slow) else None
     elif detected is not None or inj.get("breaks_job"):
         # The job noticed and nothing recovered it (yet), or a kill it has not noticed yet: the
@@ -367,7 +372,7 @@ def _fault_metrics(inj: Event, events: list[Event], world_size: int, end_t: floa
         resumed = None
     else:
         resumed = _first(
-            events, lambda ev: ev.kind is EventKind.STEP and ev.t > ti and int(ev.get("step")) >= m + 1
+            events, lambda ev: ev.kind is EventKind.STEP and ev.t > ti and rf.step(ev) >= m + 1
         )
     failed = _first(events, lambda ev: ev.kind is EventKind.RECOVERY_FAILED and mentions(ev))
     if failed is not None and (resumed is None or failed.t < resumed.t):
@@ -376,9 +381,9 @@ def _fault_metrics(inj: Event, events: list[Event], world_size: int, end_t: floa
     if detected is not None:
         breakdown["detect"] = detected.t - ti
     if decision is not None and detected is not None:
-        gen = decision.get("gen")
+        gen = rf.gen(decision)
         phase = lambda kind: _first(  # noqa: E731
-            events, lambda ev: ev.kind is kind and ev.get("gen") == gen and ev.t >= decision.t
+            events, lambda ev: ev.kind is kind and rf.gen(ev) == gen and ev.t >= decision.t
         )
         marks = [detected.t, decision.t]
         for kind in (EventKind.RANKS_SPAWNED, EventKind.RENDEZVOUS_DONE, EventKind.RESTORE_DONE):
@@ -394,18 +399,18 @@ def _fault_metrics(inj: Event, events: list[Event], world_size: int, end_t: floa
     spawned = None
     if decision is not None:
         spawned = _first(events, lambda ev: ev.kind is EventKind.RANKS_SPAWNED
-                         and ev.get("gen") == decision.get("gen") and ev.t >= decision.t)
+                         and rf.gen(ev) == rf.gen(decision) and ev.t >= decision.t)
     started_by = spawned.get("started_by") if spawned is not None else None
     ahead = spawned.get("started_ahead") if spawned is not None else None
     ranks = inj.get("ranks") if isinstance(inj.get("ranks"), list) else []
-    # A non-negative count (`_is_step` checks one); an older record has none.
-    unwound: Any = decision.get("survivors_without_products") if decision is not None else None
+    # An older record has none: 0.
+    unwound = rf.count(decision, "survivors_without_products") if decision is not None else 0
     return FaultMetrics(
         restore_check=_restore_check(events, decision),
         landed=_landed(events, ti, ranks, inj.get("kind")),
         fault_id=fid,
-        kind=_text(inj.get("kind")),
-        target=_text(inj.get("target")),
+        kind=rf.text(inj, "kind", "None"),
+        target=rf.text(inj, "target", "None"),
         emulated=bool(inj.get("emulated", False)),
         injected_at=ti,
         detected_at=noticed_t,
@@ -424,11 +429,11 @@ def _fault_metrics(inj: Event, events: list[Event], world_size: int, end_t: floa
         revert_ok=revert_ok,
         started_by={str(r): str(h) for r, h in started_by.items()} if isinstance(started_by, dict) else {},
         started_ahead=sorted(r for r in ahead if type(r) is int) if isinstance(ahead, list) else [],
-        survivors_without_products=unwound if _is_step(unwound) else 0,
+        survivors_without_products=unwound,
         step_known=step_known,
         recovery_until="step" if step_known else "workers-up",
-        measured_from=str(inj.get("measured_from") or "injection"),
-        cause=_text(detected.get("cause")) if detected is not None and detected.get("cause") is not None
+        measured_from=rf.text(inj, "measured_from") or "injection",
+        cause=rf.opt_text(detected, "cause") if detected is not None and detected.get("cause") is not None
         else (STRAGGLER if slow else None),
         stragglers=slow,
         rejected_copies=rejected,
@@ -442,11 +447,11 @@ def _restore_check(events: list[Event], decision: Event | None) -> str | None:
     checked (no --verify-restore, or nothing to replay)."""
     if decision is None:
         return None
-    gen = decision.get("gen")
-    if any(ev.kind is EventKind.RESTORE_DIVERGED and ev.get("gen") == gen for ev in events):
+    gen = rf.gen(decision)
+    if any(ev.kind is EventKind.RESTORE_DIVERGED and rf.gen(ev) == gen for ev in events):
         return "diverged"
     # (A disk restore, or a fresh start, trains reported steps again too: checked the same way.)
-    done = _first(events, lambda ev: ev.kind is EventKind.RESTORE_VERIFIED and ev.get("gen") == gen)
+    done = _first(events, lambda ev: ev.kind is EventKind.RESTORE_VERIFIED and rf.gen(ev) == gen)
     if done is not None:
         return "verified" if done.get("verified") is True else "unchecked"
     return "unchecked" if decision.get("verify_until") else None
@@ -459,17 +464,20 @@ def _stragglers(events: list[Event], mentions: Callable[[Event], bool]) -> list[
     for det in events:
         if det.kind is not EventKind.STRAGGLER_DETECTED or not mentions(det):
             continue
-        rank = det.get("rank")
-        end = _first(events, lambda ev: ev.kind is EventKind.STRAGGLER_ENDED and ev.get("rank") == rank
-                     and ev.t >= det.t and ev.get("onset_step") == det.get("onset_step"))
+        rank = rf.opt_count(det, "rank")
+        onset = rf.opt_count(det, "onset_step")
+        end = _first(events, lambda ev: ev.kind is EventKind.STRAGGLER_ENDED and rf.opt_count(ev, "rank") == rank
+                     and ev.t >= det.t and rf.opt_count(ev, "onset_step") == onset)
         src = end if end is not None else det
-        step, onset = det.get("step"), det.get("onset_step")
+        step = rf.opt_count(det, "step")
         out.append({
-            "rank": rank, "factor": src.get("factor"), "onset_step": onset, "onset_t": det.get("onset_t"),
-            "detected_at": det.t, "step": step,
-            "detected_after_steps": step - onset + 1 if isinstance(step, int) and isinstance(onset, int) else None,
-            "last_step": end.get("last_step") if end else None, "end_t": end.get("end_t") if end else None,
-            "steps": end.get("steps") if end else None, "lost_s": end.get("lost_s") if end else None,
+            "rank": rank, "factor": rf.number(src, "factor", None), "onset_step": onset,
+            "onset_t": rf.number(det, "onset_t", None), "detected_at": det.t, "step": step,
+            "detected_after_steps": step - onset + 1 if step is not None and onset is not None else None,
+            "last_step": rf.opt_count(end, "last_step") if end else None,
+            "end_t": rf.number(end, "end_t", None) if end else None,
+            "steps": rf.opt_count(end, "steps") if end else None,
+            "lost_s": rf.number(end, "lost_s", None, minimum=0.0) if end else None,
         })
     return out
 
@@ -492,7 +500,7 @@ def _onset(ev: Event) -> tuple[float, str]:
     onset = ev.get("onset_t")
     if isinstance(onset, (int, float)) and not isinstance(onset, bool) and math.isfinite(onset) \
             and float(onset) <= ev.t:
-        return float(onset), str(ev.get("onset") or "reported")
+        return float(onset), rf.text(ev, "onset") or "reported"
     return ev.t, "detection"
 
 
@@ -500,11 +508,11 @@ def _in_effect(events: list[Event], end_t: float) -> list[tuple[float, float]]:
     """When each injected fault with a duration was in force: from its injection to its revert
     (without one, until its duration ran out, or the run's end). A fault that could not be
     applied never was (a failed revert leaves it in force: its switch reverts it later)."""
-    never = {str(ev.get("fault_id")) for ev in events if ev.kind is EventKind.FAULT_FAILED
-             and not str(ev.get("error") or "").startswith("revert")}
+    never = {rf.ident(ev, "fault_id") for ev in events if ev.kind is EventKind.FAULT_FAILED
+             and not rf.text(ev, "error").startswith("revert")}
     spans = []
     for ev in events:
-        fid = str(ev.get("fault_id"))
+        fid = rf.ident(ev, "fault_id")
         duration = ev.get("duration")
         if ev.kind is not EventKind.FAULT_INJECTED or duration is None or fid in never:
             continue
@@ -542,7 +550,7 @@ def _detected_faults(events: list[Event], end_t: float) -> list[tuple[Event, Cal
         onset, measured_from = _onset(det)
         if _ids(explained) or any(a <= onset <= b for a, b in spans):
             continue
-        fid = str(det.get("failure_id") or f"d{count}")
+        fid = rf.ident(det, "failure_id") if det.get("failure_id") else f"d{count}"
         if det.get("failure_id"):
             mentions = (lambda det, fid: lambda ev: ev is det or fid in _ids(ev.get("failure_ids")))(det, fid)
         else:
@@ -575,15 +583,15 @@ def _detected_stragglers(events: list[Event], end_t: float) -> list[tuple[Event,
         onset = det.get("onset_t")
         onset = float(onset) if isinstance(onset, (int, float)) and not isinstance(onset, bool) \
             and math.isfinite(onset) and onset <= det.t else det.t
-        rank = det.get("rank")
+        rank = rf.opt_count(det, "rank")
         if any(a <= onset <= b for a, b in spans) or _first(
                 events[i + 1:], lambda ev: ev.kind is EventKind.FAILURE_DETECTED
-                and STRAGGLER in str(ev.get("cause") or "").split("+") and rank in (ev.get("ranks") or [])):
+                and STRAGGLER in rf.text(ev, "cause").split("+") and rank in rf.counts(ev, "ranks")):
             continue
         fid = f"s{sum(1 for ev in events[:i + 1] if ev.kind is EventKind.STRAGGLER_DETECTED)}"
         made_up = Event(EventKind.FAULT_INJECTED, onset, {
             "fault_id": fid, "kind": DETECTED, "target": _target([str(rank)], []), "ranks": [rank],
-            "nodes": [det.get("node")], "at_step": _step_at(committed, onset), "gen": det.get("gen") or 0,
+            "nodes": [rf.key(det, "node")], "at_step": _step_at(committed, onset), "gen": rf.gen(det),
             "emulated": False, "breaks_job": False, "measured_from": "onset", "cause": STRAGGLER,
         })
         out.append((made_up, (lambda det: lambda ev: ev is det)(det)))
@@ -593,10 +601,9 @@ def _detected_stragglers(events: list[Event], end_t: float) -> list[tuple[Event,
 def _healed_all(events: list[Event], decision: Event) -> bool:
     """Whether every rank the decision replaced got its shards from a live replica (HSDP): then
     that, not the copy the plan named, is where the lost state came from."""
-    lost = {int(r) for r in (decision.get("ranks") or [])}
-    done = _first(events, lambda ev: ev.kind is EventKind.RESTORE_DONE and ev.get("gen") == decision.get("gen"))
-    transfer = done.get("transfer") if done is not None else None
-    healed = {int(r) for r in (transfer.get("healed") or [])} if isinstance(transfer, dict) else set()
+    lost = set(rf.counts(decision, "ranks"))
+    done = _first(events, lambda ev: ev.kind is EventKind.RESTORE_DONE and rf.gen(ev) == rf.gen(decision))
+    healed = set(rf.nested_counts(done, "transfer", "healed")) if done is not None else set()
     return bool(lost) and lost <= healed
 
 
@@ -608,17 +615,17 @@ def _script_restore(events: list[Event], decision: Event, m: int) -> tuple[int |
     restored (None, "none"), every step reported before the fault is lost. No step reported
     after the restart: where it went back to is unknown (None, "script", None); none reported
     before it: what it lost is (lost_steps None). A restore step is never below 0."""
-    gen = decision.get("gen", 0)
-    again = _first(events, lambda ev: ev.kind is EventKind.STEP and ev.t >= decision.t and ev.get("gen", 0) >= gen)
+    gen = rf.gen(decision)
+    again = _first(events, lambda ev: ev.kind is EventKind.STEP and ev.t >= decision.t and rf.gen(ev) >= gen)
     if again is None:
         return None, RestoreSource.SCRIPT.value, None
-    step = int(again.get("step"))
+    step = rf.step(again)
     restore_step = step - 1 if step > 0 else None
     first = _first(events, lambda ev: ev.kind is EventKind.STEP)
     if first is None or first is again:  # (None only for no step at all: `again` is one)
         return restore_step, RestoreSource.SCRIPT.value, None
     lost = max(0, m - step + 1)
-    if step <= int(first.get("step")):
+    if step <= rf.step(first):
         return None, RestoreSource.NONE.value, lost
     return restore_step, RestoreSource.SCRIPT.value, lost
 
@@ -641,7 +648,7 @@ class _LostWindow:
 
 def commits(events: list[Event]) -> list[Commit]:
     """Every step commit, in record order (runs.projection measures step times from them too)."""
-    return [Commit(ev.t, int(ev.get("step")), int(ev.get("gen", 0) or 0), float(ev.get("step_time_s", 0.0) or 0.0))
+    return [Commit(ev.t, rf.step(ev), rf.gen(ev), rf.duration(ev, "step_time_s"))
             for ev in events if ev.kind is EventKind.STEP]
 
 
@@ -726,7 +733,7 @@ def _lost_windows(windows: list[_LostWindow], commits: list[Commit]) -> list[flo
 def _revert_of(fid: str, events: list[Event]) -> tuple[float | None, str | None, bool | None]:
     """(when, by whom, ok) of the fault's revert. A fault guarded on several nodes counts as
     reverted by the dead man's switches once any has reported, ok only if every one was."""
-    reverts = [ev for ev in events if ev.kind is EventKind.FAULT_REVERTED and str(ev.get("fault_id")) == fid]
+    reverts = [ev for ev in events if ev.kind is EventKind.FAULT_REVERTED and rf.ident(ev, "fault_id") == fid]
     if not reverts:
         return None, None, None
     by_controller = [ev for ev in reverts if ev.get("by", "controller") != "deadman"]
@@ -740,7 +747,7 @@ def run_status(events: list[Event], controller_alive: bool | None = None) -> str
     controller is known to be gone, else `running` (alive, or this machine cannot tell)."""
     finished = _first(events, lambda ev: ev.kind is EventKind.RUN_FINISHED)
     if finished is not None:
-        return _text(finished.get("status"))
+        return rf.text(finished, "status", "None")
     if controller_alive is False:
         return RunStatus.INCOMPLETE.value
     return RunStatus.RUNNING.value
@@ -754,11 +761,11 @@ def _spare_seconds(events: list[Event], end_t: float) -> float:
     total = 0.0
     for ev in events:
         if ev.kind is EventKind.SPARES_HELD:
-            node = ev.get("node")
+            node = rf.key(ev, "node")
             if node in held:
                 since, count = held[node]
                 total += count * (ev.t - since)
-            held[node] = (ev.t, int(ev.get("count", 0)))
+            held[node] = (ev.t, rf.count(ev, "count"))
     for since, count in held.values():
         total += count * max(0.0, end_t - since)
     return total
@@ -767,11 +774,13 @@ def _spare_seconds(events: list[Event], end_t: float) -> float:
 def compute(run_id: str, events: list[Event], controller_alive: bool | None = None) -> RunMetrics:
     """Every figure of `ffctl report`, from the events alone, and whether the controller of a
     run without `run_finished` is alive (None: unknown; see `run_status`)."""
+    for ev in events:
+        rf.time_of(ev)  # every figure below is a difference of these times
     started = _first(events, lambda ev: ev.kind is EventKind.RUN_STARTED)
     finished = _first(events, lambda ev: ev.kind is EventKind.RUN_FINISHED)
-    world_size = int(started.get("world_size", 0)) if started else 0
+    world_size = rf.count(started, "world_size") if started else 0
     plain_script = bool(started.get("plain_script", False)) if started else False
-    strategy = run_strategy(_text(started.get("strategy", "")), plain_script) if started else ""
+    strategy = run_strategy(rf.text(started, "strategy"), plain_script) if started else ""
     start_t = started.t if started else (events[0].t if events else 0.0)
     # A switch that reverted after the controller died says nothing of how long the job ran.
     own = [ev for ev in events if ev.get("by") != "deadman"] or events
@@ -824,11 +833,11 @@ def compute(run_id: str, events: list[Event], controller_alive: bool | None = No
         goodput=goodput,
         wall_s=wall,
         reason=reason,
-        messages_rejected=sum(1 + int(ev.get("dropped_before", 0) or 0) + int(ev.get("unreported_before", 0) or 0)
+        messages_rejected=sum(1 + rf.count(ev, "dropped_before") + rf.count(ev, "unreported_before")
                               for ev in events if ev.kind is EventKind.MESSAGE_REJECTED),
         step_known=bool(committed) or not plain_script,
         unprotected_s=_unprotected_seconds(events, end_t),
-        missed_faults=[{k: _text(ev.get(k)) for k in ("fault_id", "kind", "target", "trigger", "reason")}
+        missed_faults=[{k: rf.text(ev, k, "None") for k in ("fault_id", "kind", "target", "trigger", "reason")}
                        for ev in events if ev.kind is EventKind.FAULT_MISSED],
     )
 
@@ -839,7 +848,9 @@ def _unprotected_seconds(events: list[Event], end_t: float) -> float:
     opened: dict[Any, float] = {}
     windows: list[tuple[float, float]] = []
     for ev in events:
-        node = ev.get("node")
+        if ev.kind not in (EventKind.PROTECTION_LOST, EventKind.PROTECTION_RESTORED):
+            continue
+        node = rf.key(ev, "node")
         if ev.kind is EventKind.PROTECTION_LOST and node not in opened:
             opened[node] = ev.t
         elif ev.kind is EventKind.PROTECTION_RESTORED and node in opened:

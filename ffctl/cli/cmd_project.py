@@ -11,7 +11,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from ffctl.cli.cmd_report import check_outputs, run_report
+from ffctl.cli.cmd_report import check_outputs, run_report, write_output
 from ffctl.exits import BadInput
 from ffctl.render import html as html_page
 from ffctl.render import make_console
@@ -197,7 +197,7 @@ def register(app: typer.Typer) -> None:
         render_fleet_projection(doc, console)
         if html is not None:
             try:
-                html.write_text(html_page.projection_html(doc), encoding="utf-8")
+                write_output(html, html_page.projection_html(doc))
             except OSError as exc:
                 raise BadInput(f"--html {str(html)!r}: {exc.strerror or exc}") from None
             console.print(f"HTML page written to {html}", markup=False, highlight=False, soft_wrap=True)

@@ -3,6 +3,8 @@ from its events; without a run, the runs recorded; with several, the runs side b
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
@@ -15,6 +17,7 @@ from ffctl.render.report import (markdown_comparison, markdown_report, markdown_
                                  render_report, render_run_list)
 from runs.events import RunStatus
 from runs.metrics import compute
+from runs.report_fields import BadField, line_of
 from runs.store import CorruptRecord, RunStore, RunStoreError, list_runs, open_run
 
 
@@ -44,7 +47,14 @@ def left_behind(record: RunStore) -> dict[str, Any]:
 
 
 def run_report(record: RunStore) -> dict[str, Any]:
-    rep = compute(record.run_id, record.events(), record.controller_alive()).to_dict()
+    """The report of one run; BadField, with the line of events.jsonl that holds it, for a
+    record field of the wrong type or range (`runs.report_fields`)."""
+    try:
+        rep = compute(record.run_id, record.events(), record.controller_alive()).to_dict()
+    except BadField as exc:
+        # Looked up on this path only: events carry no line numbers, and a good record is never
+        # read twice for them.
+        raise exc.at_line(line_of(record.events_path, exc.event)) from None
     if rep["status"] == RunStatus.INCOMPLETE.value:
         rep["left"] = left_behind(record)
     return rep
@@ -76,19 +86,103 @@ def run_summary(rep: dict[str, Any]) -> dict[str, Any]:
 
 def _write(path: Path, page: str, console: Any) -> None:
     try:
-        path.write_text(page, encoding="utf-8")
+        write_output(path, page)
     except OSError as exc:
         raise BadInput(f"--html {str(path)!r}: {exc.strerror or exc}") from None
     console.print(f"HTML report written to {path}", markup=False, highlight=False, soft_wrap=True)
 
 
+# Kernel filesystems whose "regular files" are knobs and reports, never a place for a report:
+# /proc/version, for one, is a regular file that root may even open for writing; only the write
+# fails, after the whole job has run.
+_KERNEL_FS = frozenset({"proc", "sysfs", "debugfs", "tracefs", "securityfs", "cgroup", "cgroup2", "configfs",
+                        "bpf", "pstore", "efivarfs", "fusectl", "binfmt_misc", "devpts", "mqueue"})
+_KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device"),
+          (stat.S_ISSOCK, "a socket"))
+
+
+def _filesystem_of(path: str) -> str | None:
+    """The type of the filesystem mounted nearest above `path` (a resolved path), from this
+    process's mount table; None where there is none to read (not Linux)."""
+    try:
+        with open("/proc/self/mounts", encoding="utf-8", errors="replace") as fh:
+            table = fh.read().splitlines()
+    except OSError:
+        return None
+    best, kind = "", None
+    for row in table:
+        fields = row.split()
+        if len(fields) < 3:
+            continue
+        # The table escapes a space, tab, newline and backslash in a mount point as octal.
+        mount = (fields[1].replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n")
+                 .replace("\\134", "\\"))
+        if (path == mount or path.startswith(mount.rstrip("/") + "/")) and len(mount) >= len(best):
+            best, kind = mount, fields[2]
+    return kind
+
+
+def check_output(flag: str, path: Path) -> None:
+    """BadInput naming `flag` and `path` unless a report can be written there: an existing,
+    writable regular file (a link to one is the user's own choice and fine), or a new file in an
+    existing, writable directory; never a directory, FIFO, device or socket, nor a file of a
+    kernel filesystem. Called before any work, so a bad path costs nothing: writing a FIFO nobody
+    reads would hang after the work, and /dev/full or /proc/version would refuse only then."""
+    shown = f"{flag} {str(path)!r}"
+    try:
+        st = os.stat(path)  # follows links: what counts is what a write would reach
+    except FileNotFoundError:
+        if os.path.lexists(path):
+            raise BadInput(f"{shown}: a link to nothing: name the file itself") from None
+        parent = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(parent):
+            raise BadInput(f"{shown}: not a file in an existing directory") from None
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise BadInput(f"{shown}: directory {parent!r} is not writable") from None
+        target = os.path.realpath(parent)
+    except NotADirectoryError:
+        raise BadInput(f"{shown}: not a file in an existing directory") from None
+    except OSError as exc:
+        raise BadInput(f"{shown}: {exc.strerror or exc}") from None
+    else:
+        if stat.S_ISDIR(st.st_mode):
+            raise BadInput(f"{shown} is a directory: name a file in it")
+        for test, what in _KINDS:
+            if test(st.st_mode):
+                raise BadInput(f"{shown} is not a regular file ({what})")
+        if not stat.S_ISREG(st.st_mode):
+            raise BadInput(f"{shown} is not a regular file")
+        if not os.access(path, os.W_OK):
+            raise BadInput(f"{shown} is not writable")
+        target = os.path.realpath(path)
+    kind = _filesystem_of(target)
+    if kind in _KERNEL_FS:
+        raise BadInput(f"{shown} is a file of the kernel's {kind} filesystem, not one to write a report to")
+
+
+def write_output(path: Path, text: str) -> None:
+    """Write `text` to the output file `check_output` accepted. Opened without blocking and
+    checked again by what was opened: should the path have become a FIFO since the check, the
+    open fails at once (no reader) instead of hanging, and a FIFO or device that is there all
+    the same is refused before anything is written (OSError, as for a full disk)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC, 0o666)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"not a regular file: {str(path)!r}")
+        os.set_blocking(fd, True)
+        os.ftruncate(fd, 0)  # only now: a file that turned out not to be one is left as it was
+        with os.fdopen(fd, "w", encoding="utf-8", closefd=False) as fh:
+            fh.write(text)
+    finally:
+        os.close(fd)
+
+
 def check_outputs(html: Path | None, runs_dir: Path) -> None:
-    """`--html FILE` (matplotlib installed, a file in an existing directory) and `--runs-dir`
-    (a directory when it exists), checked before any record is read: one line, exit 2."""
+    """`--html FILE` (matplotlib installed, a file `check_output` accepts) and `--runs-dir` (a
+    directory when it exists), checked before any record is read: one line, exit 2."""
     if html is not None:
         html_page.require_matplotlib()
-        if not html.parent.is_dir() or html.is_dir():
-            raise BadInput(f"--html {str(html)!r}: not a file in an existing directory")
+        check_output("--html", html)
     if runs_dir.exists() and not runs_dir.is_dir():
         raise BadInput(f"--runs-dir {str(runs_dir)!r} is not a directory")
 
@@ -153,10 +247,14 @@ def register(app: typer.Typer) -> None:
             if html is not None:
                 _write(html, html_page.run_list_html(listed, str(runs_dir)), console)
             return
-        try:
-            reports = [run_report(record) for record in records]
-        except CorruptRecord as exc:
-            raise BadInput(f"unreadable run record: {exc}") from None
+        reports = []
+        for record in records:
+            try:
+                reports.append(run_report(record))
+            except CorruptRecord as exc:
+                raise BadInput(f"unreadable run record: {exc}") from None
+            except BadField as exc:
+                raise BadInput(f"run {record.run_id!r}: unreadable record: {exc}") from None
         if as_json:
             typer.echo(json.dumps(reports[0] if len(reports) == 1 else reports, indent=2))
         elif markdown:

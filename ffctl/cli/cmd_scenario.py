@@ -32,15 +32,14 @@ def register(app: typer.Typer) -> None:
         from ffctl.render.verdicts import markdown as markdown_text
         from ffctl.render.verdicts import render_outcome, render_summary
 
+        from ffctl.cli.cmd_report import check_output, write_output
+
         for flag, out in (("--junit", junit), ("--markdown", markdown)):
-            if out is not None and not out.absolute().parent.is_dir():
-                raise BadInput(f"{flag} {str(out)!r}: folder {str(out.absolute().parent)!r} does not exist")
-            # Checked before any job runs: a directory, or a FIFO that writing would wait on
-            # forever, would otherwise lose the verdicts of jobs that ran for minutes.
-            if out is not None and out.is_dir():
-                raise BadInput(f"{flag} {str(out)!r} is a directory: name a file in it")
-            if out is not None and out.exists() and not out.is_file():
-                raise BadInput(f"{flag} {str(out)!r} is not a regular file")
+            # Checked before any job runs (--dry-run too: it says what a real run would do): a
+            # directory, a FIFO that writing would wait on forever, /dev/full or /proc/version
+            # would otherwise lose the verdicts of jobs that ran for minutes.
+            if out is not None:
+                check_output(flag, out)
         try:
             planned = plan_scenarios(scenarios, runs_dir, run_id, repeat)
         except lib.ScenarioError as exc:
@@ -71,7 +70,7 @@ def register(app: typer.Typer) -> None:
             if out is None:
                 continue
             try:
-                out.write_text(text(dicts), encoding="utf-8")
+                write_output(out, text(dicts))
             except OSError as exc:  # e.g. removed or made read-only while the jobs ran
                 typer.echo(f"ffctl: error: {flag} {str(out)!r}: {exc.strerror or exc}", err=True)
                 unwritten = True

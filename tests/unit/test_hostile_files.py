@@ -134,9 +134,8 @@ def test_a_report_path_that_is_a_directory_is_refused_before_any_job(flag: str, 
     assert sorted(p.name for p in runs.iterdir()) == before  # no job ran
 
 
-@pytest.mark.parametrize("regex", [r"step (?P<step>(\d+)+)x", r"(?P<step>\d+|\d+)+!", r".*(?P<step>\d+)x",
-                                   r"(?P<step>\d+) (\w+\s?)+$", r"(?P<step>\d)\1"])
-def test_a_step_regex_that_backtracks_catastrophically_is_refused(regex: str, runs: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("regex", [r"(?P<step>\d)\1", r"(?<=x)(?P<step>\d+)"])
+def test_a_step_regex_the_bounded_engine_cannot_match_is_refused(regex: str, runs: Path, tmp_path: Path) -> None:
     with pytest.raises(StepRegexError):
         compile_step_regex(regex)
     script = tmp_path / "train.py"
@@ -145,7 +144,10 @@ def test_a_step_regex_that_backtracks_catastrophically_is_refused(regex: str, ru
     assert_refused(code, printed, "--step-regex")
 
 
-@pytest.mark.parametrize("regex", [r"step (?P<step>\d+) loss (?P<loss>\S+)", r".*step (\d+).*loss (\S+)",
+# The first four backtrack catastrophically in Python's `re`; RE2 matches them in linear time.
+@pytest.mark.parametrize("regex", [r"step (?P<step>(\d+)+)x", r"(?P<step>\d+|\d+)+!", r".*(?P<step>\d+)x",
+                                   r"(?P<step>\d+) (\w+\s?)+$",
+                                   r"step (?P<step>\d+) loss (?P<loss>\S+)", r".*step (\d+).*loss (\S+)",
                                    r"^\[(?P<step>\d+)/\d+\]", r"iter:\s*(\d+)", r"(\d+)\s+(\S+)"])
 def test_an_accepted_step_regex_matches_a_hostile_line_in_milliseconds(regex: str) -> None:
     pattern = compile_step_regex(regex)
