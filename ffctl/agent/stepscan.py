@@ -7,152 +7,105 @@ The expression names its step with a group `step` (or has it as its first group)
 `loss` group. A worker's steps are reported in increasing order only: a line that repeats an
 earlier step (a summary, a re-printed header) says nothing new.
 
-Python's regular expressions backtrack, and a match cannot be interrupted: it holds the
-interpreter, so one line that makes the expression backtrack for minutes freezes the agent (no
-heartbeat: its node is declared lost). Two defences, since a time limit per match is not to be
-had in-process: the shapes that backtrack exponentially or with a high power of the line's length
-are refused up front with one line (`backtracking_hazard`: a quantifier inside a repeated group, an
-alternation inside one, a backreference, three unbounded quantifiers in a row that can take the
-same characters, a search's every start counting as one: `(a+)+`, `(a|a)*`, `.*(\d+)x`); and a
-line is matched on its first MAX_LINE characters only, which keeps what remains (quantifiers kept
-apart by literals, which an adversarial line can still repeat) to milliseconds.
+The matching runs on the agent's own loop, between its heartbeats, so it must take bounded time
+whatever a line holds. Python's `re` backtracks: one line can make an expression such as
+`(?P<step>\d+)\s.*\s.*\s.*\s.*Z` take minutes, a match cannot be interrupted (it holds the
+interpreter, so a timer thread never runs), a process per match is far too slow, and no check of
+an expression's shape tells the slow ones from the rest. So `re` only parses the expression here
+(its group names, and the syntax users know); every match is made by RE2 (the `google-re2`
+package, module `re2`), an automaton engine whose time is linear in the line's length for any
+expression it accepts. The price: RE2 has no backreferences and no lookaround (`\1`, `(?=...)`,
+`(?<=...)`), which are refused with one line, and its `\d`, `\s`, `\w` and `\b` are ASCII only
+(steps must be ASCII digits anyway). Three caps make "linear" a small number:
+
+- MAX_LINE: a line is matched on its first 4,096 characters (its head: where a progress line
+  says its step); the rest of a longer line is never looked at.
+- MAX_PROGRAM: RE2's time per character grows with the size of the compiled expression, so an
+  expression of more than 256 RE2 instructions (a realistic one has 20 to 100) is refused. With
+  both caps the slowest line found (expressions made to defeat RE2's fast path, at the size cap)
+  takes a few tens of milliseconds; a usual one takes microseconds.
+- POLL_BUDGET_S: one poll matches lines for at most this long; the lines it did not reach wait,
+  in order, for the next poll (no new output is read before they are done), so a flood of lines
+  delays steps but never stalls the loop.
 """
 from __future__ import annotations
 
+import functools
+import importlib
 import re
+import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-try:
-    import re._parser as _sre  # the parser `re` itself uses (Python >= 3.11)
-except ImportError:  # pragma: no cover - older Pythons
-    import sre_parse as _sre
-
-# Longer lines are matched on their first MAX_LINE characters: a progress line is short, and the
-# time the expressions that pass `backtracking_hazard` can take grows with a power of the length.
-MAX_LINE = 1024
+# The head of a longer line is matched (a progress line is short); the time a match takes grows
+# with the length of what is matched.
+MAX_LINE = 4096
+# RE2 instructions an expression may compile to: the other factor of a match's worst-case time.
+MAX_PROGRAM = 256
 READ_LIMIT = 1 << 20  # at most this much new output is read per poll: a flood cannot stall the agent
+POLL_BUDGET_S = 0.2  # matching time per scanner per poll; what is left waits for the next poll
+ENGINE = "google-re2"  # the package that provides the `re2` module
 
 
 class StepRegexError(ValueError):
     """The expression cannot be used: the message names it and why."""
 
 
+def _re2() -> Any:
+    """The RE2 binding, or None where the package is not installed."""
+    try:
+        return importlib.import_module("re2")
+    except ImportError:
+        return None
+
+
+def _why_re2(exc: BaseException) -> str:
+    """RE2's message for a refused expression (it gives bytes), as text."""
+    arg = exc.args[0] if exc.args else exc
+    return arg.decode("utf-8", errors="replace") if isinstance(arg, bytes) else str(arg)
+
+
+@functools.lru_cache(maxsize=32)
+def _bounded(pattern: re.Pattern[str]) -> Any:
+    """`pattern` compiled by RE2 (cached: each worker's scanner shares it); StepRegexError when RE2
+    cannot match it in bounded time."""
+    text = pattern.pattern
+    engine = _re2()
+    if engine is None:
+        raise StepRegexError(f"--step-regex {text!r}: needs the {ENGINE} package (the engine that matches it "
+                             f"in bounded time), which is not installed: pip install {ENGINE}")
+    # Flags given to re.compile rather than written inline (compile_step_regex gives none).
+    inline = "".join(c for flag, c in ((re.IGNORECASE, "i"), (re.MULTILINE, "m"), (re.DOTALL, "s"))
+                     if pattern.flags & flag)
+    options = engine.Options()
+    options.log_errors = False  # the refusal below is the one line; RE2 would log its own too
+    try:
+        compiled = engine.compile(f"(?{inline}){text}" if inline else text, options)
+    except (engine.error, UnicodeError) as exc:
+        raise StepRegexError(f"--step-regex {text!r}: not usable with RE2, the engine that matches it in bounded "
+                             f"time ({_why_re2(exc)}); it has no backreferences, lookaround or verbose mode") from None
+    if compiled.programsize > MAX_PROGRAM:
+        raise StepRegexError(f"--step-regex {text!r}: too large ({compiled.programsize} RE2 instructions, at most "
+                             f"{MAX_PROGRAM}: a larger one makes each line slow to match)")
+    if compiled.groupindex != pattern.groupindex or compiled.groups != pattern.groups:
+        raise StepRegexError(f"--step-regex {text!r}: its groups read differently in RE2; name the step's group "
+                             "(?P<step>...)")
+    return compiled
+
+
 def compile_step_regex(text: str) -> re.Pattern[str]:
-    """`text` compiled, with a step group; StepRegexError when it is not usable."""
+    """`text` compiled, with a step group; StepRegexError when it is not usable. Python's pattern
+    names the groups; `parse_line` matches with its RE2 twin, which this checks exists."""
     try:
         pattern = re.compile(text)
     except re.error as exc:
         raise StepRegexError(f"--step-regex {text!r}: not a regular expression ({exc})") from None
     if "step" not in pattern.groupindex and pattern.groups < 1:
         raise StepRegexError(f"--step-regex {text!r}: has no group for the step (write (?P<step>\\d+))")
-    why = backtracking_hazard(text)
-    if why is not None:
-        raise StepRegexError(f"--step-regex {text!r}: {why}, which can make one output line take the agent "
-                             "minutes to match; write it without (e.g. 'step (?P<step>\\d+) loss (?P<loss>\\S+)')")
+    _bounded(pattern)
     return pattern
-
-
-_REPEATS = {_sre.MAX_REPEAT, _sre.MIN_REPEAT}
-_UNBOUNDED = 32  # a quantifier that may take more characters than this counts as unbounded
-_CATEGORIES: dict[Any, Any] = {
-    _sre.CATEGORY_DIGIT: str.isdigit, _sre.CATEGORY_SPACE: str.isspace,
-    _sre.CATEGORY_WORD: lambda c: c.isalnum() or c == "_",
-}
-_NEGATED = {_sre.CATEGORY_NOT_DIGIT: _sre.CATEGORY_DIGIT, _sre.CATEGORY_NOT_SPACE: _sre.CATEGORY_SPACE,
-            _sre.CATEGORY_NOT_WORD: _sre.CATEGORY_WORD}
-
-
-def _chars(items: Any) -> set[str] | None:
-    """The Latin-1 characters a one-character item takes (None: not such an item, or unknown)."""
-    if len(items) != 1:
-        return None
-    op, av = items[0]
-    every = [chr(i) for i in range(256)]
-    if op is _sre.LITERAL:
-        return {chr(av)}
-    if op is _sre.NOT_LITERAL:
-        return set(every) - {chr(av)}
-    if op is _sre.ANY:
-        return set(every) - {"\n"}
-    if op is not _sre.IN:
-        return None
-    taken: set[str] = set()
-    negate = False
-    for kind, value in av:
-        if kind is _sre.NEGATE:
-            negate = True
-        elif kind is _sre.LITERAL:
-            taken.add(chr(value))
-        elif kind is _sre.RANGE:
-            taken |= {chr(i) for i in range(value[0], min(value[1], 255) + 1)}
-        elif kind is _sre.CATEGORY and value in _CATEGORIES:
-            taken |= {c for c in every if _CATEGORIES[value](c)}
-        elif kind is _sre.CATEGORY and value in _NEGATED:
-            taken |= {c for c in every if not _CATEGORIES[_NEGATED[value]](c)}
-        else:
-            return None
-    return set(every) - taken if negate else taken
-
-
-def _meets(a: set[str] | None, b: set[str] | None) -> bool:
-    return a is None or b is None or bool(a & b)
-
-
-def _hazard(items: Any, run: list[set[str] | None], in_repeat: bool) -> tuple[str | None, list[set[str] | None]]:
-    """(what in `items` backtracks catastrophically, or None; the run after them). The run: the
-    characters each unbounded quantifier since the last character every match must take can take
-    (None: any). A new quantifier that shares characters with two of the run splits the same
-    stretch of a line three ways: a cube of its length, tried again at every start."""
-    for op, av in items:
-        if op in _REPEATS:
-            lo, hi, body = av
-            if hi > 1 and in_repeat:
-                return "a quantifier inside a repeated group", run
-            why, _ = _hazard(body, [], in_repeat or hi > 1)
-            if why:
-                return why, run
-            taken = _chars(body)
-            if hi > _UNBOUNDED:
-                if 1 + sum(_meets(taken, other) for other in run) >= 3:
-                    return "unbounded quantifiers in a row that can take the same characters", run
-                run = run + [taken]
-            if lo > 0:
-                # At least one of its characters sits between what comes before and after it.
-                run = [other for other in run if _meets(taken, other)] if hi > _UNBOUNDED else []
-        elif op is _sre.BRANCH:
-            if in_repeat:
-                return "an alternation inside a repeated group", run
-            after: list[set[str] | None] = []
-            for alt in av[1]:
-                why, end = _hazard(alt, run, in_repeat)
-                if why:
-                    return why, run
-                after += end
-            run = after
-        elif op is _sre.SUBPATTERN:
-            why, run = _hazard(av[-1], run, in_repeat)
-            if why:
-                return why, run
-        elif op in (_sre.GROUPREF, _sre.GROUPREF_EXISTS):
-            return "a backreference", run
-        elif op in (_sre.ASSERT, _sre.ASSERT_NOT):
-            why, _ = _hazard(av[1], [], in_repeat)
-            if why:
-                return why, run
-        elif op is _sre.AT:
-            continue  # takes no character: what is on either side of it is still in a row
-        else:
-            run = []  # one character every match takes (or a part that never gives any back)
-    return None, run
-
-
-def backtracking_hazard(text: str) -> str | None:
-    """Why `text` (a valid expression) can backtrack catastrophically, or None. A search tries
-    every start of the line: as if the expression began with an unbounded quantifier of any
-    character."""
-    return _hazard(_sre.parse(text), [None], False)[0]
 
 
 @dataclass(frozen=True)
@@ -162,8 +115,14 @@ class SeenStep:
 
 
 def parse_line(pattern: re.Pattern[str], line: str) -> SeenStep | None:
-    """The step (and loss) `line` reports, or None."""
-    m = pattern.search(line[:MAX_LINE])
+    """The step (and loss) `line` reports, or None: its first MAX_LINE characters matched by RE2,
+    in time linear in their length."""
+    head = line[:MAX_LINE]
+    matcher = _bounded(pattern)
+    try:
+        m = matcher.search(head)
+    except UnicodeError:  # a lone surrogate (RE2 matches UTF-8): read as the replacement character
+        m = matcher.search(head.encode("utf-8", errors="replace").decode("utf-8"))
     if m is None:
         return None
     raw = m.group("step") if "step" in pattern.groupindex else m.group(1)
@@ -183,16 +142,16 @@ class StepScanner:
     default), each from its offset (its size when the worker started)."""
 
     def __init__(self, pattern: re.Pattern[str], logs: Sequence[tuple[Path, int]]) -> None:
+        _bounded(pattern)  # refused here, not on the first line, if RE2 cannot take it
         self.pattern = pattern
         self.logs = list(logs)
         self.offsets = [offset for _, offset in self.logs]
         self._partial = [b""] * len(self.logs)
+        self._pending: deque[bytes] = deque()  # complete lines (their heads) not matched yet
         self.last_step = -1
 
-    def poll(self) -> list[SeenStep]:
-        """The new steps in lines completed since the last poll, in order (a step seen in one
-        stream is not seen again in the other)."""
-        seen: list[SeenStep] = []
+    def _read(self) -> None:
+        """The lines completed since the last read, each cut to its head, onto the pending ones."""
         for i, (log, _) in enumerate(self.logs):
             try:
                 with open(log, "rb") as fh:
@@ -204,10 +163,23 @@ class StepScanner:
                 continue
             self.offsets[i] += len(data)
             lines = (self._partial[i] + data).split(b"\n")
-            self._partial[i] = lines.pop()[-MAX_LINE:]  # an unfinished line waits for its end
-            for raw in lines:
-                found = parse_line(self.pattern, raw.decode("utf-8", errors="replace"))
-                if found is not None and found.step > self.last_step:
-                    self.last_step = found.step
-                    seen.append(found)
+            # An unfinished line waits for its end; only its head is kept, the part that is matched.
+            self._partial[i] = lines.pop()[:MAX_LINE]
+            # An empty line cannot hold a step (the step group needs a digit).
+            self._pending.extend(raw[:MAX_LINE] for raw in lines if raw)
+
+    def poll(self) -> list[SeenStep]:
+        """The new steps in lines completed since the last poll, in order (a step seen in one
+        stream is not seen again in the other), matched for at most POLL_BUDGET_S: lines left
+        over are matched first on the next poll."""
+        if not self._pending:
+            self._read()
+        seen: list[SeenStep] = []
+        deadline = time.monotonic() + POLL_BUDGET_S
+        while self._pending and time.monotonic() < deadline:
+            raw = self._pending.popleft()
+            found = parse_line(self.pattern, raw.decode("utf-8", errors="replace"))
+            if found is not None and found.step > self.last_step:
+                self.last_step = found.step
+                seen.append(found)
         return seen

@@ -2,11 +2,15 @@
 and a requeued job's earlier attempts.
 
 The allocation's nodes come from ``scontrol show hostnames $SLURM_JOB_NODELIST`` (or, on a host
-without the Slurm client, from `expand_nodelist`, a parser of the node-list syntax); node states
-from ``sinfo --Node`` (`parse_node_states`, `is_out`), a node's address from its ``NodeAddr``.
+without the Slurm client, from `expand_nodelist`, a parser of the node-list syntax), at most
+MAX_NODES of them: a longer list is refused from its bracket ranges before anything is expanded
+(`nodelist_size`), names are made one at a time (`iter_nodelist`), and scontrol's answer is read
+as it comes and stopped past the cap. Node states come from ``sinfo --Node`` (`parse_node_states`,
+`is_out`), a node's address from its ``NodeAddr``.
 A requeued job (``SLURM_RESTART_COUNT``) starts from the newest complete disk checkpoint an
 earlier attempt of the same job left (`newest_checkpoint`, `resume_checkpoint`). Everything here
-is a function of Slurm's answers (the command runner can be swapped for a fake one); the steps
+is a function of Slurm's answers (the command runner can be swapped for a fake one; scontrol's
+node list is read from PATH's scontrol, which a test fakes there); the steps
 that run agents and faults are `ffctl.backends.slurm_steps`, the backend `ffctl.backends.slurm`.
 """
 from __future__ import annotations
@@ -20,7 +24,7 @@ import socket
 import subprocess
 import threading
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from fault_injectors.node import DRAIN_REASON_PREFIX
 from ffctl.exits import EXIT_NO_REQUEUE, BadInput, InfraError, NoRequeue
@@ -32,6 +36,13 @@ NODELIST_ENV = "SLURM_JOB_NODELIST"
 NODENAME_ENV = "SLURMD_NODENAME"  # the node a step (the batch step included) runs on
 RESTART_ENV = "SLURM_RESTART_COUNT"  # how often the job was requeued
 COMMAND_TIMEOUT_S = 30.0
+# The most nodes an allocation may name. Far above any allocation ffctl drives (one agent and one
+# srun step per node; the largest Slurm machines have about 10,000 nodes) and small enough that
+# the list costs a few MiB: `SLURM_JOB_NODELIST=n[0-99999999]` would otherwise take gigabytes and
+# minutes to expand. A longer list is refused (exit 2) from its ranges alone, before anything is
+# expanded or scontrol is asked, and scontrol's answer is read with the same cap.
+MAX_NODES = 65_536
+MAX_NAME = 1024  # bytes a node name from scontrol may have (Slurm's are far shorter)
 # How often the launch asks Slurm for its nodes' states (one sinfo call for all of them).
 NODE_POLL_S = 2.0
 # Node states (sinfo %T, flags stripped) that take a node out of a job's use.
@@ -64,67 +75,161 @@ def _split_top(text: str) -> list[str]:
     return [p for p in (p.strip() for p in parts) if p]
 
 
-def _expand_range(body: str, whole: str) -> list[str]:
-    """``1-3,05,7-8`` -> ``1 2 3 05 7 8``, keeping each range's zero padding as Slurm does."""
-    out: list[str] = []
+def _ranges(body: str, whole: str) -> list[tuple[int, int, int]]:
+    """``1-3,05,7-8`` -> (1, 3, 0), (5, 5, 2), (7, 8, 0): each range's bounds and zero padding
+    (Slurm keeps a range's padding); ValueError on what is not a range."""
+    out: list[tuple[int, int, int]] = []
     for item in body.split(","):
         item = item.strip()
         lo, sep, hi = item.partition("-")
-        if not lo.isdigit() or (sep and not hi.isdigit()):
+        if not (lo.isascii() and lo.isdigit()) or (sep and not (hi.isascii() and hi.isdigit())):
             raise ValueError(f"bad range {item!r} in {whole!r}")
         if not sep:
-            out.append(lo)
+            out.append((int(lo), int(lo), len(lo)))
             continue
         if int(hi) < int(lo):
             raise ValueError(f"range {item!r} runs backwards in {whole!r}")
-        width = len(lo) if lo.startswith("0") else 0
-        out.extend(str(v).zfill(width) for v in range(int(lo), int(hi) + 1))
+        out.append((int(lo), int(hi), len(lo) if lo.startswith("0") else 0))
     return out
 
 
-def _expand_one(item: str, whole: str) -> list[str]:
-    """One host expression, each bracket group a range: ``r[1-2]n[1-2]`` is four hosts."""
-    m = re.search(r"\[([^\[\]]*)\]", item)
-    if m is None:
-        if "[" in item or "]" in item:
-            raise ValueError(f"unbalanced brackets in {whole!r}")
-        return [item]
-    head, tail = item[: m.start()], item[m.end():]
-    return [f"{head}{v}{rest}" for v in _expand_range(m.group(1), whole) for rest in _expand_one(tail, whole)]
+def _groups(item: str, whole: str) -> list[str | list[tuple[int, int, int]]]:
+    """One host expression as its literal parts and its bracket groups' ranges, in order:
+    ``r[1-2]n[1-2]`` -> "r", [(1, 2, 0)], "n", [(1, 2, 0)]."""
+    parts: list[str | list[tuple[int, int, int]]] = []
+    rest = item
+    while True:
+        m = re.search(r"\[([^\[\]]*)\]", rest)
+        if m is None:
+            if "[" in rest or "]" in rest:
+                raise ValueError(f"unbalanced brackets in {whole!r}")
+            parts.append(rest)
+            return parts
+        parts += [rest[: m.start()], _ranges(m.group(1), whole)]
+        rest = rest[m.end():]
 
 
-def expand_nodelist(text: str) -> list[str]:
+def _hosts(parts: Sequence[str | list[tuple[int, int, int]]]) -> Iterator[str]:
+    """The host names of one expression's parts, lazily: each bracket group a range, the last
+    group varying fastest (``r[1-2]n[1-2]``: r1n1 r1n2 r2n1 r2n2)."""
+    if not parts:
+        yield ""
+        return
+    head, tail = parts[0], parts[1:]
+    if isinstance(head, str):
+        for rest in _hosts(tail):
+            yield head + rest
+        return
+    for lo, hi, width in head:
+        for value in range(lo, hi + 1):
+            for rest in _hosts(tail):
+                yield str(value).zfill(width) + rest
+
+
+def nodelist_size(text: str) -> int:
+    """How many host names Slurm's node-list `text` spells (a name listed twice counts twice),
+    from the bracket ranges alone: nothing is expanded. ValueError on text it cannot read."""
+    total = 0
+    for item in _split_top(text.strip()):
+        count = 1
+        for part in _groups(item, text):
+            if not isinstance(part, str):
+                count *= sum(hi - lo + 1 for lo, hi, _ in part)
+        total += count
+    return total
+
+
+def iter_nodelist(text: str) -> Iterator[str]:
+    """Slurm's node-list syntax as host names in order, lazily (duplicates included); the whole
+    text is checked before the first name. ValueError on text it cannot read."""
+    items = [_groups(item, text) for item in _split_top(text.strip())]
+    for parts in items:
+        yield from _hosts(parts)
+
+
+def _too_many(count: int | str) -> str:
+    # A count of thousands of digits is past what int-to-text converts (and says nothing more).
+    shown = count if isinstance(count, str) or count.bit_length() < 60 else "over 10^18"
+    return f"names {shown} nodes, more than the {MAX_NODES} ffctl takes"
+
+
+def expand_nodelist(text: str, limit: int = MAX_NODES) -> list[str]:
     """Slurm's node-list syntax as host names in order: ``n[1-3,5],m7`` -> n1 n2 n3 n5 m7.
 
-    The fallback for hosts without ``scontrol``; raises ValueError on text it cannot read."""
-    hosts: list[str] = []
-    for item in _split_top(text.strip()):
-        for host in _expand_one(item, text):
-            if host not in hosts:
-                hosts.append(host)
-    return hosts
+    The fallback for hosts without ``scontrol``; raises ValueError on text it cannot read and on
+    a list of more than `limit` names (counted from its ranges, before any is made)."""
+    count = nodelist_size(text)
+    if count > limit:
+        raise ValueError(_too_many(count))
+    return list(dict.fromkeys(iter_nodelist(text)))  # in order, each name once
 
 
-def allocation(env: Mapping[str, str], run: Runner = subprocess.run) -> tuple[str, list[str]]:
-    """(job id, the allocation's node names) from the Slurm environment; BadInput outside one."""
+def _shown(nodelist: str) -> str:
+    """The node list for a message: a long one cut (an environment variable can be 128 KiB)."""
+    return nodelist if len(nodelist) <= 200 else nodelist[:200] + f"... ({len(nodelist)} characters)"
+
+
+def _scontrol_hostnames(nodelist: str) -> list[str] | None:
+    """``scontrol show hostnames NODELIST``, read as it comes and stopped past MAX_NODES names
+    (BadInput) or COMMAND_TIMEOUT_S; None where there is no Slurm client or it fails."""
+    try:
+        # Unbuffered: each read returns what one read(2) gets, never waiting to fill its size.
+        proc = subprocess.Popen(["scontrol", "show", "hostnames", nodelist], stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, bufsize=0)
+    except OSError:
+        return None  # no Slurm client on this host: the node list is read here
+    assert proc.stdout is not None
+    timer = threading.Timer(COMMAND_TIMEOUT_S, proc.kill)  # a blocked read ends when scontrol dies
+    timer.start()
+    names: list[str] = []
+    tail = b""
+    try:
+        while chunk := proc.stdout.read(1 << 16):
+            words = (tail + chunk).split()
+            tail = words.pop() if words and not chunk[-1:].isspace() else b""
+            names += [w.decode("utf-8", errors="replace") for w in words]
+            if len(names) > MAX_NODES:
+                proc.kill()
+                raise BadInput(f"{NODELIST_ENV}={_shown(nodelist)}: {_too_many(f'over {MAX_NODES}')} "
+                               "(scontrol show hostnames)")
+            if len(tail) > MAX_NAME:  # an endless name is as much a runaway as endless names
+                proc.kill()
+                raise BadInput(f"{NODELIST_ENV}={_shown(nodelist)}: scontrol show hostnames answered a node "
+                               f"name of over {MAX_NAME} bytes")
+        if tail:
+            names.append(tail.decode("utf-8", errors="replace"))
+        ended = proc.wait()
+    finally:
+        timer.cancel()
+        proc.stdout.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return names if ended == 0 else None
+
+
+def allocation(env: Mapping[str, str]) -> tuple[str, list[str]]:
+    """(job id, the allocation's node names) from the Slurm environment; BadInput outside one
+    and for a node list of more than MAX_NODES names."""
     job = env.get(JOB_ID_ENV, "").strip()
     nodelist = env.get(NODELIST_ENV, "").strip()
     if not job or not nodelist:
         raise BadInput("--backend slurm: not inside a Slurm allocation (no SLURM_JOB_ID and SLURM_JOB_NODELIST); "
                        "run it from an sbatch script or under salloc")
     try:
-        out = run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
-                  timeout=COMMAND_TIMEOUT_S, check=False)
-        names = out.stdout.split() if out.returncode == 0 else []
-    except (OSError, subprocess.TimeoutExpired):
-        names = []  # no Slurm client on this host: the node list read here
+        count: int | None = nodelist_size(nodelist)
+    except ValueError:
+        count = None  # a syntax only Slurm reads: scontrol's answer is capped as it is read
+    if count is not None and count > MAX_NODES:
+        raise BadInput(f"{NODELIST_ENV}={_shown(nodelist)}: {_too_many(count)}")
+    names = _scontrol_hostnames(nodelist)
     if not names:
         try:
             names = expand_nodelist(nodelist)
         except ValueError as exc:
-            raise BadInput(f"{NODELIST_ENV}={nodelist}: {exc}") from None
+            raise BadInput(f"{NODELIST_ENV}={_shown(nodelist)}: {exc}") from None
     if not names:
-        raise BadInput(f"{NODELIST_ENV}={nodelist}: no nodes")
+        raise BadInput(f"{NODELIST_ENV}={_shown(nodelist)}: no nodes")
     return job, names
 
 
