@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from wire.fault_spec import MAX_DURATION_S, MAX_SEED, FaultSpec, FaultSpecError
+from wire.fault_spec import MAX_DURATION_S, MAX_SEED, FaultKind, FaultSpec, FaultSpecError
 from fault_injectors.targets import check_in_job
 from wire.jobenv import Strategy
 from wire.messages import MAX_COPIES
@@ -283,4 +283,27 @@ class LaunchSpec:
                 check_in_job(spec, self.world_size, self.nnodes)
             except FaultSpecError as exc:
                 raise SpecError(f"--inject {spec.kind.value}: {exc}") from None
+            why = self._pointless(spec)
+            if why:
+                raise SpecError(f"--inject {spec.to_text()}: {why}")
+        if self.verify_restore and self.recovery == Strategy.NONE:
+            raise SpecError("--verify-restore checks recoveries from memory, and --recovery none makes none")
         return self
+
+    def _pointless(self, spec: FaultSpec) -> str | None:
+        """Why a fault could test nothing in this job (None when it can): asked for, it would
+        pass a chaos check without a word."""
+        if spec.kind is FaultKind.CORRUPT_SNAPSHOT:
+            if self.recovery not in (Strategy.PEER, Strategy.RESTART_MEMORY):
+                return f"snapshots in memory are corrupted, and --recovery {self.recovery} never reads them"
+            if spec.option("copy") == "replica" and self.nnodes < 2:
+                return "copy=replica corrupts the copies other nodes hold, and this job has one node"
+        if spec.kind is FaultKind.KILL_NODE and self.nnodes < 2 and self.backend != "slurm":
+            return "the job's only node: no survivor holds its state and nothing can take its place"
+        if spec.option("phase") == "backward" and not self.script and (self.optimizer == "sharded"
+                                                                        or self.parallel != "ddp"):
+            # The phase is DDP's gradient hook (`recovery.job.Job._phase_hooks`); the sharded
+            # optimizer reduces its own gradients and FSDP's backward is its first collective.
+            how = "--optimizer sharded" if self.optimizer == "sharded" else f"--parallel {self.parallel}"
+            return f"the built-in GPT with {how} has no DDP backward for it to land in (use phase=collective)"
+        return None

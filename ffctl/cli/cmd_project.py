@@ -42,13 +42,19 @@ def parse_gpus(text: str) -> tuple[int, ...]:
     return tuple(counts)
 
 
+MAX_RATE = 1_440_000.0
+
+
 def parse_rate(text: str) -> float:
     try:
         rate = float(text.strip())
     except ValueError:
         rate = math.nan
-    if not 0 < rate < math.inf:
-        raise BadInput(f"--failures-per-1000-node-days {text!r}: a number of failures above 0 (e.g. 6.5)")
+    # At most one failure per node per minute (1,440,000 per 1,000 node-days): beyond that no
+    # job starts, and the model's figures would be noise.
+    if not 0 < rate <= MAX_RATE:
+        raise BadInput(f"--failures-per-1000-node-days {text!r}: a number of failures above 0 and at most "
+                       f"{MAX_RATE:,.0f} (e.g. 6.5)")
     return rate
 
 
@@ -180,8 +186,9 @@ def register(app: typer.Typer) -> None:
             _check(runs_dir, runs, check, within, as_json, markdown or html is not None)
             return
         the_fleet = parse_fleet(fleet, rate, mtbf, gpus_per_node)
-        if not 0 <= spares_per_1000 < math.inf:
-            raise BadInput(f"--spares-per-1000 {spares_per_1000!r}: 0 or more spare GPUs per 1,000")
+        if not 0 <= spares_per_1000 < 1000:
+            # Spares are GPUs held beside the job's: a thousand per thousand is a second fleet.
+            raise BadInput(f"--spares-per-1000 {spares_per_1000!r}: from 0 to below 1,000 spare GPUs per 1,000")
         spec = ProjectionSpec(the_fleet, parse_gpus(gpus), spares_per_1000,
                               parse_duration(replace_time, "--replace-time") if replace_time is not None else 0.0)
         check_outputs(html, runs_dir)

@@ -21,6 +21,7 @@ An elastic `--nnodes MIN:MAX` starts MIN nodes, as one torchrun on one host does
 """
 from __future__ import annotations
 
+import math
 import signal
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -111,9 +112,27 @@ def _flag(name: str, given: Mapping[str, bool], env: Mapping[str, str]) -> bool:
     if given.get(name):
         return True
     raw = env.get(f"PET_{name.upper()}", "0").strip()
-    if not raw.isascii() or not raw.lstrip("-").isdigit():
+    if raw not in ("0", "1"):
         raise TorchrunArgError(f"PET_{name.upper()}={raw!r}: not 0 or 1")
     return int(raw) != 0
+
+
+# torch's rendezvous timeouts (`--rdzv-conf timeout=...`): seconds, which ffctl reads when it
+# tells how long a lost peer goes unnoticed (`ffctl.launch.timeouts`).
+RDZV_TIMEOUTS = ("timeout", "join_timeout", "last_call_timeout", "close_timeout", "read_timeout")
+
+
+def _check_rdzv_conf(conf: str) -> None:
+    for part in (p for p in conf.strip().strip("'\"").split(",") if p.strip()):
+        key, _, value = part.partition("=")
+        if key.strip() not in RDZV_TIMEOUTS:
+            continue
+        try:
+            seconds = float(value)
+        except ValueError:
+            seconds = math.nan
+        if not 0 < seconds < math.inf:
+            raise TorchrunArgError(f"--rdzv-conf {conf!r}: {key.strip()}={value!r} is not a number of seconds above 0")
 
 
 def _count(option: str, raw: str, low: int) -> int:
@@ -221,6 +240,8 @@ def resolve(given: Mapping[str, str | None], flags: Mapping[str, bool], script: 
         if not (name.isascii() and name.isupper() and isinstance(getattr(signal, name, None), signal.Signals)):
             raise TorchrunArgError(f"--signals-to-handle {values['signals_to_handle']!r}: {name!r} is not a signal "
                                    "name (SIGTERM,SIGINT,...)")
+        if name in ("SIGKILL", "SIGSTOP"):
+            raise TorchrunArgError(f"--signals-to-handle {values['signals_to_handle']!r}: {name} cannot be handled")
     if values["shutdown_timeout"]:
         try:
             grace = float(values["shutdown_timeout"])
@@ -244,6 +265,7 @@ def resolve(given: Mapping[str, str | None], flags: Mapping[str, bool], script: 
     _check_std("-r/--redirects", values["redirects"])
     _check_std("-t/--tee", values["tee"])
     _check_endpoint(values["rdzv_endpoint"])
+    _check_rdzv_conf(values["rdzv_conf"])
     try:
         parse_ranks_filter(values["local_ranks_filter"])
     except ValueError as exc:

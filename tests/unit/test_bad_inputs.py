@@ -33,6 +33,23 @@ def inject(*args: str) -> list[str]:
 
 
 CASES: list[tuple[str, list[str], str]] = [
+    # --- launch: a fault or a check that could test nothing in this job ---
+    ("kill-only-node", launch("--nnodes", "1", "--inject", "kill-node:node=0,step=5"), "the job's only node"),
+    ("corrupt-unread", launch("--recovery", "restart-disk", "--ckpt-every", "5", "--inject",
+                              "corrupt-snapshot:rank=1,step=5"), "--recovery restart-disk never reads them"),
+    ("corrupt-replica-one-node", launch("--nnodes", "1", "--inject", "corrupt-snapshot:rank=1,step=5,copy=replica"),
+     "this job has one node"),
+    ("backward-sharded", launch("--optimizer", "sharded", "--inject", "kill-rank:rank=1,step=5,phase=backward"),
+     "no DDP backward"),
+    ("backward-fsdp", launch("--parallel", "fsdp", "--inject", "kill-rank:rank=1,step=5,phase=backward"),
+     "--parallel fsdp has no DDP backward"),
+    ("verify-nothing", launch("--recovery", "none", "--verify-restore"), "--recovery none makes none"),
+    ("heartbeat-exponent", launch("--heartbeat-timeout", "1e-300"), "--heartbeat-timeout '1e-300'"),
+    ("signals-kill", launch("--signals-to-handle", "SIGKILL"), "SIGKILL cannot be handled"),
+    ("rdzv-conf-negative", launch("--rdzv-conf", "timeout=-1,join_timeout=nan"), "timeout='-1'"),
+    ("project-spares", ["project", RUN, "--mtbf", "3h@8", "--spares-per-1000", "2000"], "--spares-per-1000 2000"),
+    ("project-rate", ["project", RUN, "--failures-per-1000-node-days", "1e300"],
+     "--failures-per-1000-node-days '1e300'"),
     # --- launch: numbers finite and in range ---
     ("heartbeat-nan", launch("--heartbeat-timeout", "nan"), "--heartbeat-timeout 'nan'"),
     ("heartbeat-zero", launch("--heartbeat-timeout", "0"), "--heartbeat-timeout '0'"),
