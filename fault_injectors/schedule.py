@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+import secrets
 import re
 from dataclasses import dataclass
 from typing import Iterator
@@ -67,6 +68,15 @@ class ChaosSpec:
         if self.duration is not None:
             parts.append(f"duration={self.duration:g}")
         return ",".join(parts)
+
+
+def with_seed(text: str) -> tuple[str, int | None]:
+    """`text` with a `seed=` of its own: as given, or with one drawn now appended (and the seed
+    drawn, to be said and recorded: a schedule that found a bug must be one a user can repeat)."""
+    if any(part.partition("=")[0].strip() == "seed" for part in text.split(",")):
+        return text, None
+    seed = secrets.randbelow(1 << 31)
+    return f"{text.rstrip(', ')},seed={seed}", seed
 
 
 def parse_chaos(text: str) -> ChaosSpec:

@@ -410,7 +410,7 @@ def _fault_metrics(inj: Event, events: list[Event], world_size: int, end_t: floa
         landed=_landed(events, ti, ranks, inj.get("kind")),
         fault_id=fid,
         kind=rf.text(inj, "kind", "None"),
-        target=rf.text(inj, "target", "None"),
+        target=_hit(rf.text(inj, "target", "None"), inj),
         emulated=bool(inj.get("emulated", False)),
         injected_at=ti,
         detected_at=noticed_t,
@@ -522,6 +522,20 @@ def _in_effect(events: list[Event], end_t: float) -> list[tuple[float, float]]:
             reverted_at = min(end_t, ev.t + float(duration)) if ok else end_t
         spans.append((ev.t, reverted_at))
     return spans
+
+
+def _hit(target: str, inj: Event) -> str:
+    """A fault's target as asked, with what a seeded pick (`one`, `all`, `fixed:N`, `percent:P`:
+    chaos faults among them) hit: `one -> rank:3`; a target that names its rank, node or host as
+    it stands."""
+    if target.startswith(("rank:", "node:", "host:")):
+        return target
+    kind = str(inj.get("kind", ""))
+    ranks = [str(r) for r in inj.get("ranks") or [] if isinstance(r, int)]
+    nodes = [str(n) for n in inj.get("nodes") or [] if isinstance(n, int)]
+    by_node = kind.endswith("-node") or kind.startswith(("net-", "link-"))
+    hit = _target([], nodes) if by_node and nodes else _target(ranks, []) if ranks else ""
+    return f"{target} -> {hit}" if hit and hit != "job" else target
 
 
 def _target(ranks: list[str], nodes: list[str]) -> str:

@@ -195,6 +195,9 @@ def register(app: typer.Typer) -> None:
             return EXIT_OK
         for warning in plan.warnings:  # said before the job starts, where CI logs keep it
             typer.echo(f"ffctl launch: warning: {warning}", err=True)
+        if plan.chaos_seed_drawn is not None:
+            typer.echo(f"ffctl launch: --chaos drew seed={plan.chaos_seed_drawn} (give it to repeat this schedule)",
+                       err=True)
         with LiveView(console) as view, _echo(plan, console):
             status, record = execute(plan, view)
         render_report(compute(record.run_id, record.events()).to_dict(), console)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from fault_injectors import FaultSpecError, NodePlace, RankPlace, Target, TargetMode, Topology
 from fault_injectors.network import preflight
-from fault_injectors.schedule import parse_chaos
+from fault_injectors.schedule import parse_chaos, with_seed
 from wire.fault_spec import FaultSpec
 from fault_injectors.transport import LocalTransport
 from ffctl import __version__
@@ -48,6 +48,7 @@ class LaunchPlan:
     lines: tuple[str, ...]
     # Timeouts in an order that defeats recovery, or detection over a minute (launch.timeouts).
     warnings: tuple[str, ...] = ()
+    chaos_seed_drawn: int | None = None  # `--chaos` without seed=: the one drawn for this run
 
 
 def _static_topology(spec: LaunchSpec, run_id: str, hosts: list[str] | None = None) -> Topology:
@@ -113,6 +114,10 @@ def plan_launch(spec: LaunchSpec) -> LaunchPlan:
         plain = not uses_recovery_library(spec.script)
         recovery = run_strategy(spec.recovery, plain)
     refuse_unfireable(spec)
+    drawn = None
+    if spec.chaos:
+        chaos_text, drawn = with_seed(spec.chaos)
+        spec = replace(spec, chaos=chaos_text)  # recorded with the run: its schedule can be repeated
     lines = [f"run {run_id}: {spec.nnodes} node(s) x {spec.nproc_per_node} rank(s), {steps}, "
              f"recovery {recovery}" + (f", checkpoint every {spec.ckpt_every}" if spec.ckpt_every else "")
              + (f", {spec.spares} warm spare(s) per node" if spec.spares else "")]
@@ -132,7 +137,7 @@ def plan_launch(spec: LaunchSpec) -> LaunchPlan:
     lines += backend.plan_notes(spec)
     warnings = timeout_findings(spec, plain)
     lines += [f"timeouts: {w}" for w in warnings]
-    return LaunchPlan(spec, run_id, tuple(lines), tuple(warnings))
+    return LaunchPlan(spec, run_id, tuple(lines), tuple(warnings), drawn)
 
 
 def timeout_findings(spec: LaunchSpec, plain: bool) -> list[str]:

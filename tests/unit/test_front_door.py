@@ -5,6 +5,7 @@ in one line with exit 2 (a mistyped launch option is not taken for the script)."
 from __future__ import annotations
 
 import json
+import re
 import os
 import subprocess
 from pathlib import Path
@@ -13,6 +14,7 @@ import pytest
 from typer.testing import CliRunner
 
 from fault_injectors.catalogue import COMMON_KEYS, catalogue
+from fault_injectors.schedule import with_seed
 from ffctl.cli.app import app, main
 from wire.fault_spec import REQUIRED_OPTIONS, FaultKind, allowed_keys, parse_injection, parse_seconds
 from tests.helpers.launch import ffctl_argv
@@ -127,3 +129,15 @@ def test_one_duration_syntax_on_every_command_line() -> None:
     assert code == 2 and "--hang-timeout '3x': not a positive duration" in err and err.count("\n") == 1
     code, _, err = run_cli(["project", "some-run", "--mtbf", "3x@8", "--gpus", "8"])
     assert code == 2 and "--mtbf '3x': not a positive duration" in err
+
+
+def test_a_chaos_schedule_without_a_seed_gets_one_drawn_and_shown() -> None:
+    assert with_seed("mtbf=5,seed=7") == ("mtbf=5,seed=7", None)
+    text, seed = with_seed("mtbf=5")
+    assert seed is not None and text == f"mtbf=5,seed={seed}"
+    shown = []
+    for _ in range(2):
+        code, out, _ = run_cli(["launch", "--dry-run", "--chaos", "mtbf=5"])
+        assert code == 0, out
+        shown.append(re.search(r"chaos mtbf=5s,seed=(\d+)", out).group(1))  # type: ignore[union-attr]
+    assert shown[0] != shown[1]  # drawn per run (a 2**-31 chance of the same)

@@ -787,3 +787,16 @@ def test_where_a_fault_landed_is_told_to_its_own_kind_only() -> None:
     assert fault_by_id(m, "c").landed == {"replicas": {"0": [9, 10], "1": []}}
     assert fault_by_id(m, "k").landed is None
     assert fault_by_id(m, "p").landed == {"step": 14, "phase": "collective"}
+
+
+def test_a_seeded_pick_shows_the_rank_or_node_it_hit() -> None:
+    # Chaos faults target `one`: the report says which rank (a node fault: which node) that was.
+    b = StreamBuilder(start=1000.0)
+    b.run_started(world_size=4, strategy="peer")
+    b.steps(1, 10)
+    b.fault_injected("f1", at_step=10, target="one", ranks=(3,), nodes=(1,))
+    b.fault_injected("f2", at_step=10, kind="kill-node", target="fixed:1", ranks=(2, 3), nodes=(1,))
+    b.fault_injected("f3", at_step=10, target="rank:2", ranks=(2,), nodes=(1,))
+    b.run_finished("completed", steps_completed=10)
+    faults = {f["fault_id"]: f["target"] for f in compute("r", b.events).to_dict()["faults"]}
+    assert faults == {"f1": "one -> rank:3", "f2": "fixed:1 -> node:1", "f3": "rank:2"}
