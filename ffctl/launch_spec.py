@@ -286,6 +286,11 @@ class LaunchSpec:
             why = self._pointless(spec)
             if why:
                 raise SpecError(f"--inject {spec.to_text()}: {why}")
+        if self.master_addr is not None and self.master_addr.strip() in ("0.0.0.0", "::", "[::]", "*"):
+            # torchrun's MASTER_ADDR is where workers reach the store, not what it binds: ffctl
+            # never listens on every interface, and no worker can connect to "any".
+            raise SpecError(f"--master-addr {self.master_addr}: give the address the hosts reach the store at, "
+                            "not every interface")
         if self.verify_restore and self.recovery == Strategy.NONE:
             raise SpecError("--verify-restore checks recoveries from memory, and --recovery none makes none")
         return self

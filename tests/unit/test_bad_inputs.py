@@ -44,6 +44,7 @@ CASES: list[tuple[str, list[str], str]] = [
     ("backward-fsdp", launch("--parallel", "fsdp", "--inject", "kill-rank:rank=1,step=5,phase=backward"),
      "--parallel fsdp has no DDP backward"),
     ("verify-nothing", launch("--recovery", "none", "--verify-restore"), "--recovery none makes none"),
+    ("master-addr-any", launch("--master-addr", "0.0.0.0"), "--master-addr 0.0.0.0: give the address"),
     ("heartbeat-exponent", launch("--heartbeat-timeout", "1e-300"), "--heartbeat-timeout '1e-300'"),
     ("signals-kill", launch("--signals-to-handle", "SIGKILL"), "SIGKILL cannot be handled"),
     ("rdzv-conf-negative", launch("--rdzv-conf", "timeout=-1,join_timeout=nan"), "timeout='-1'"),
