@@ -91,6 +91,11 @@ def plan_launch(spec: LaunchSpec) -> LaunchPlan:
         raise BadInput(str(exc)) from None
     if (spec.runs_dir / run_id).exists():
         raise BadInput(f"run id {run_id!r} already exists in {str(spec.runs_dir)!r}")
+    if spec.hostfile is None and spec.backend is None and shm.live_twins(_shm_dir(run_id), run_id, 0):
+        # Nodes on this host: another run of this id holds its snapshot slots here. Said now,
+        # before a record is made and agents started only to be refused one by one.
+        raise BadInput(f"run id {run_id!r} is in use on this host: another ffctl run holds its snapshot slots; "
+                       "give this run another --run-id")
     sandbox = _preview_sandbox(spec, run_id) if spec.sandbox is not None else None
     # The backend that will run the nodes, made as `execute` makes it (building and connecting
     # nothing): outside a Slurm allocation, or with a bad --master-addr, this is one line, exit 2.

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from runs import shm
 from runs.store import RunStore, RunStoreError, check_private_dir
 from tests.helpers.launch import ffctl_argv
 
@@ -87,3 +88,11 @@ def test_the_token_is_never_read_through_a_link_or_a_file_others_can_read(tmp_pa
     store.path.chmod(0o777)  # the run's directory opened to everyone: its token is not trusted
     with pytest.raises(RunStoreError, match="writable by others"):
         store.token()
+
+
+def test_a_message_naming_a_run_directory_leaves_its_key_out() -> None:
+    key = "89abcdef" * 4
+    path = f"/dev/shm/ffctl-ci-run-{key}"
+    assert shm.redact(f"{path}/ffctl-ci-run-n0.lock is held") == "/dev/shm/ffctl-ci-run-KEY/ffctl-ci-run-n0.lock is held"
+    assert key not in str(shm.UnsafeShm(1, f"{path} belongs to uid 7"))
+    assert shm.redact("ffctl-run-0123 and a key-less name") == "ffctl-run-0123 and a key-less name"
