@@ -12,7 +12,7 @@ import pytest
 
 from runs.events import EventKind
 from tests.helpers.launch import (
-    TIMEOUT, assert_nothing_left, ffctl_argv, launch, rid, run_ffctl, shm_left, start_launch, stop_at_end,
+    TIMEOUT, assert_nothing_left, faults_beyond_load, ffctl_argv, launch, rid, run_ffctl, shm_left, start_launch, stop_at_end,
     wait_event, wait_step,
 )
 
@@ -56,15 +56,15 @@ def test_restart_disk_recovers_a_killed_rank_and_a_killed_node(workdir: Path, ba
     assert res.returncode == 0, res.stderr
     rep = res.report
     assert rep["status"] == "completed" and rep["steps_completed"] == 60
-    assert [f["kind"] for f in rep["faults"]] == ["kill-rank", "kill-node"]
-    for f in rep["faults"]:
+    assert [f["kind"] for f in faults_beyond_load(rep)] == ["kill-rank", "kill-node"]
+    for f in faults_beyond_load(rep):
         assert f["recovery_s"] > 0 and f["lost_gpu_hours"] > 0
         assert f["lost_s"] > 0 and f["lost_gpu_hours"] == pytest.approx(4 * f["lost_s"] / 3600)
         assert f["detection_s"] is not None and 0 < f["detection_s"] < f["recovery_s"]
         assert f["restore_source"] == "disk"
         assert f["restore_step"] % 10 == 0 and 0 <= f["lost_steps"] <= 10
         assert sum(abs(v or 0) for v in f["breakdown"].values()) == pytest.approx(f["recovery_s"], rel=1e-6)
-    assert [f["restore_step"] for f in rep["faults"]] == [20, 40]
+    assert [f["restore_step"] for f in faults_beyond_load(rep)] == [20, 40]
     # Restarted from a checkpoint, every rank recomputes the lost steps bit for bit.
     assert rep["loss_by_step"] == baseline
     # report recomputes the same figures from the events alone.
@@ -81,7 +81,7 @@ def test_recovery_none_lets_the_job_fail(workdir: Path) -> None:
     rep = res.report
     assert rep["status"] == "failed"
     assert 15 <= rep["steps_completed"] < 60
-    (f,) = rep["faults"]
+    (f,) = faults_beyond_load(rep)
     assert f["recovered"] is False and f["recovery_s"] is None and f["detection_s"] is not None
     failed = [e for e in res.events if e.kind is EventKind.RECOVERY_FAILED]
     assert failed and "--recovery none" in failed[0].get("reason")
@@ -173,7 +173,7 @@ def test_adhoc_inject_from_another_terminal(workdir: Path) -> None:
     assert stopped.code == 130, stopped.stderr
     rep = json.loads((workdir / "runs" / run_id / "report.json").read_text())
     assert rep["status"] == "interrupted"
-    slowed, f = rep["faults"]  # the dry run and the refused one injected nothing
+    slowed, f = faults_beyond_load(rep)  # the dry run and the refused one injected nothing
     assert slowed["kind"] == "slow-rank" and slowed["fault_id"] == "f1"
     assert f["kind"] == "kill-node" and f["target"] == "node:1" and f["recovered"]
     assert_nothing_left(workdir)
@@ -227,7 +227,7 @@ def test_a_second_run_with_the_same_id_on_this_host_is_refused(
     rep = json.loads((workdir / "runs" / run_id / "report.json").read_text())
     # The first run recovered from its own slots, untouched: same losses as the fault-free run.
     assert rep["loss_by_step"][:60] == baseline
-    (f,) = rep["faults"]
+    (f,) = faults_beyond_load(rep)
     assert f["restore_source"] == "local-memory" and f["resumed_at"] is not None
     assert_nothing_left(workdir)
     assert_nothing_left(other)

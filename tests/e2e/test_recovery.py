@@ -17,7 +17,7 @@ import pytest
 from runs.events import EventKind
 from runs.store import iter_events
 from tests.helpers.launch import (
-    assert_nothing_left, crashes, launch, processes_in, rid, run_ffctl, shm_left, start_launch, stop_at_end,
+    assert_nothing_left, crashes, faults_beyond_load, launch, processes_in, rid, run_ffctl, shm_left, start_launch, stop_at_end,
     wait_event, wait_step,
 )
 
@@ -55,10 +55,10 @@ def test_peer_kill_rank_then_kill_node_is_bit_exact(workdir: Path, baseline: lis
     assert res.returncode == 0, res.stderr
     rep = res.report
     assert rep["loss_by_step"] == baseline  # every step, bit for bit
-    rank_fault, node_fault = rep["faults"]
+    rank_fault, node_fault = faults_beyond_load(rep)
     assert rank_fault["kind"] == "kill-rank" and rank_fault["restore_source"] == "local-memory"
     assert node_fault["kind"] == "kill-node" and node_fault["restore_source"] == "peer-memory"
-    for f in rep["faults"]:
+    for f in faults_beyond_load(rep):
         assert f["recovered"] and f["lost_steps"] <= 1
         assert 0 < f["detection_s"] < 3.0  # process or agent exit: seconds at most, not a timeout
     # Survivors stayed in their processes: only the lost ranks were respawned.
@@ -66,7 +66,7 @@ def test_peer_kill_rank_then_kill_node_is_bit_exact(workdir: Path, baseline: lis
     assert decided[0].get("ranks") == [1] and decided[1].get("ranks") == [2, 3]
     # Each replacement started before the decision, while the survivors left their step: the
     # lost node's ranks where the decision then placed them (node 0's warm template or spares).
-    assert (rank_fault["started_ahead"], node_fault["started_ahead"]) == ([1], [2, 3]), rep["faults"]
+    assert (rank_fault["started_ahead"], node_fault["started_ahead"]) == ([1], [2, 3]), faults_beyond_load(rep)
     assert decided[1].get("placement") == {"2": 0, "3": 0}
     exits = {e.get("pid") for e in res.events if e.kind is EventKind.RANK_EXITED and not e.get("expected")}
     first = _pids(res.events)
@@ -101,8 +101,8 @@ def test_a_rank_killed_in_each_phase_of_its_step_recovers_bit_exact(workdir: Pat
     # (steps of the tiny model take tens of milliseconds; on a loaded CI host one landed 2 late).
     assert [(rank, phase) for rank, _, phase in landed] == [(1, phase) for _, phase in PHASE_FAULTS], landed
     assert all(want <= step <= want + 3 for (_, step, _), (want, _) in zip(landed, PHASE_FAULTS)), landed
-    assert [f["landed"]["phase"] for f in rep["faults"]] == [phase for _, phase in PHASE_FAULTS]
-    for f in rep["faults"]:
+    assert [f["landed"]["phase"] for f in faults_beyond_load(rep)] == [phase for _, phase in PHASE_FAULTS]
+    for f in faults_beyond_load(rep):
         assert f["recovered"] and f["lost_steps"] <= 1, f
     killed = [e for e in res.events if e.kind is EventKind.RANK_EXITED and not e.get("expected")]
     assert [e.get("exitcode") for e in killed] == [-9] * len(PHASE_FAULTS)
@@ -119,9 +119,9 @@ def test_two_neighbouring_nodes_lost_together_restore_from_memory_with_two_copie
     assert res.returncode == 0, res.stderr[-3000:]
     rep = res.report
     assert rep["loss_by_step"] == base  # every step, bit for bit
-    assert [f["kind"] for f in rep["faults"]] == ["kill-node", "kill-node"]
+    assert [f["kind"] for f in faults_beyond_load(rep)] == ["kill-node", "kill-node"]
     assert all(f["recovered"] and f["restore_source"] == "peer-memory" and f["lost_steps"] <= 1
-               for f in rep["faults"]), rep["faults"]
+               for f in faults_beyond_load(rep)), faults_beyond_load(rep)
     [decided] = [e for e in res.events if e.kind is EventKind.RECOVERY_DECIDED]
     assert decided.get("ranks") == [1, 2] and decided.get("lost_both_copies") == [], decided.data
     assert crashes(res.events) == []
@@ -169,8 +169,8 @@ def test_sharded_optimizer_is_bit_exact(workdir: Path) -> None:
     assert res.returncode == 0, res.stderr
     rep = res.report
     assert rep["loss_by_step"] == base
-    assert [f["restore_source"] for f in rep["faults"]] == ["local-memory", "peer-memory"]
-    assert all(f["lost_steps"] <= 1 for f in rep["faults"])
+    assert [f["restore_source"] for f in faults_beyond_load(rep)] == ["local-memory", "peer-memory"]
+    assert all(f["lost_steps"] <= 1 for f in faults_beyond_load(rep))
     assert_nothing_left(workdir)
 
 
@@ -178,7 +178,7 @@ def test_restart_memory_restores_every_rank_from_memory(workdir: Path, baseline:
     res = launch(workdir, rid("rmem"), "--steps", "60", "--seed", "3", "--recovery", "restart-memory",
                  "--inject", "kill-node:node=1,step=30")
     assert res.returncode == 0, res.stderr
-    (f,) = res.report["faults"]
+    (f,) = faults_beyond_load(res.report)
     assert f["restore_source"] == "peer-memory" and f["lost_steps"] <= 1
     decided = next(e for e in res.events if e.kind is EventKind.RECOVERY_DECIDED)
     assert decided.get("ranks") == [0, 1, 2, 3]  # every rank restarted, DLRover-style
@@ -190,7 +190,7 @@ def test_same_rank_failing_twice(workdir: Path, baseline: list[list[float]]) -> 
     res = launch(workdir, rid("twice"), "--steps", "60", "--seed", "3", "--spares", "1",
                  "--inject", "kill-rank:rank=1,step=15", "--inject", "kill-rank:rank=1,step=35")
     assert res.returncode == 0, res.stderr
-    assert [f["recovered"] for f in res.report["faults"]] == [True, True]
+    assert [f["recovered"] for f in faults_beyond_load(res.report)] == [True, True]
     assert res.report["loss_by_step"] == baseline
     assert_nothing_left(workdir)
 
@@ -216,20 +216,20 @@ def test_second_fault_during_recovery(workdir: Path, baseline: list[list[float]]
     record = [json.loads(line) for line in events.read_text().splitlines()]
     detected = [e for e in record if e["event"] == "failure_detected"]
     assert len(detected) == 2 and detected[1]["ranks"] == [0]
-    node_f = rep["faults"][0]
+    node_f = faults_beyond_load(rep)[0]
     assert node_f["kind"] == "kill-node" and node_f["recovered"] and node_f["lost_steps"] <= 1
     if detected[1]["explained_by"]:
         # It landed in the middle of the node's recovery: that recovery started over with both
         # losses, and the kill is part of the node fault.
-        assert detected[1]["explained_by"] == ["f1"] and len(rep["faults"]) == 1
+        assert detected[1]["explained_by"] == ["f1"] and len(faults_beyond_load(rep)) == 1
         assert detected[1]["t"] < node_f["resumed_at"]
     else:
         # Forked from the surviving node's template, the node's ranks were back within a few
         # hundred milliseconds, before the test's kill landed: a failure of its own, recovered
         # by its own generation and reported as a detected fault.
-        kinds = [f["kind"] for f in rep["faults"]]
+        kinds = [f["kind"] for f in faults_beyond_load(rep)]
         assert kinds == ["kill-node", "detected"], kinds
-        assert rep["faults"][1]["recovered"]
+        assert faults_beyond_load(rep)[1]["recovered"]
     assert rep["loss_by_step"] == baseline
     assert_nothing_left(workdir)
 
@@ -256,7 +256,7 @@ def test_corrupted_slot_is_detected_and_not_used(
     sources = [ev.get("restore_source") for ev in res.events if ev.kind is EventKind.RECOVERY_DECIDED]
     assert sources[0] == "local-memory" and sources[-1] == fallback
     # The report bills the kill's recovery to the copy it restored, and names each copy refused.
-    kill = next(f for f in res.report["faults"] if f["kind"] == "kill-rank")
+    kill = next(f for f in faults_beyond_load(res.report) if f["kind"] == "kill-rank")
     assert kill["recovered"] and kill["restore_source"] == fallback, kill
     assert len(kill["rejected_copies"]) == len(failed) and "rank 1's local-memory copy" in kill["rejected_copies"][0]
     assert "copies refused" in run_ffctl(workdir, "report", str(res.run_id), "--runs-dir",
@@ -295,14 +295,14 @@ def test_a_corrupted_replica_is_refused_and_the_next_copy_restores(
     assert all(refused) and len({m.groups() for m in refused if m}) == len(failed), [ev.get("detail") for ev in failed]
     sources = [ev.get("restore_source") for ev in res.events if ev.kind is EventKind.RECOVERY_DECIDED]
     assert sources[0] == "peer-memory" and sources[-1] == fallback, sources
-    kill = next(f for f in res.report["faults"] if f["kind"] == "kill-node")
+    kill = next(f for f in faults_beyond_load(res.report) if f["kind"] == "kill-node")
     assert kill["recovered"] and kill["restore_source"] == fallback, kill
     assert len(kill["rejected_copies"]) == len(failed) and "rank 2's peer-memory copy" in kill["rejected_copies"][0]
     if holder:
         # One copy refused, the other holder's copy of the very same step restored.
         decided = [ev for ev in res.events if ev.kind is EventKind.RECOVERY_DECIDED]
         assert len(failed) == 1 and decided[-1].get("restore_step") == decided[0].get("restore_step"), [e.data for e in decided]
-    corr = next(f for f in res.report["faults"] if f["kind"] == "corrupt-snapshot")
+    corr = next(f for f in faults_beyond_load(res.report) if f["kind"] == "corrupt-snapshot")
     assert set(corr["landed"]["replicas"]) == ({holder} if holder else {"0", "1"}), corr
     assert res.report["loss_by_step"] == base.report["loss_by_step"]  # never silently wrong state
     assert_nothing_left(workdir)
@@ -312,7 +312,7 @@ def test_both_copies_lost_falls_back_to_disk(workdir: Path, baseline: list[list[
     res = launch(workdir, rid("both"), "--steps", "60", "--seed", "3", "--ckpt-every", "10",
                  "--inject", "kill-node:mode=all,step=25")
     assert res.returncode == 0, res.stderr
-    (f,) = res.report["faults"]
+    (f,) = faults_beyond_load(res.report)
     decided = next(e for e in res.events if e.kind is EventKind.RECOVERY_DECIDED)
     # The newest checkpoint complete when the nodes went: step 20, or 30 where the job (steps of
     # a few milliseconds) wrote it while the kill's command started.
@@ -346,7 +346,7 @@ def _rank_then_node(workdir: Path, baseline: list[list[float]], spares: int, nod
                  "--inject", "kill-rank:rank=1,step=20", "--inject", f"kill-node:node=1,step={node_step}")
     assert res.returncode == 0, res.stderr
     assert res.report["loss_by_step"] == baseline
-    return (res, *res.report["faults"])
+    return (res, *faults_beyond_load(res.report))
 
 
 def test_without_spares_replacements_are_forked_from_the_template(workdir: Path, baseline: list[list[float]]) -> None:
@@ -360,7 +360,7 @@ def test_without_spares_replacements_are_forked_from_the_template(workdir: Path,
     assert node_fault["restore_source"] == "peer-memory"
     decided = [e for e in res.events if e.kind is EventKind.RECOVERY_DECIDED]
     assert decided[1].get("placement") == {"2": 0, "3": 0}  # on node 0, not waiting for node 1
-    for f in rep["faults"]:
+    for f in faults_beyond_load(rep):
         assert f["recovered"] and f["lost_steps"] <= 1
     assert crashes(res.events) == []
     assert_nothing_left(workdir)
@@ -372,7 +372,7 @@ def test_restart_disk_starts_every_worker_as_a_fresh_interpreter(workdir: Path) 
                  "--ckpt-every", "5", "--nnodes", "1", "--inject", "kill-rank:rank=1,step=8")
     assert res.returncode == 0, res.stderr
     assert _started_by(res.events, 1) == {"0": "cold", "1": "cold"}
-    (fault,) = res.report["faults"]
+    (fault,) = faults_beyond_load(res.report)
     assert fault["started_by"] == {"0": "cold", "1": "cold"} and fault["recovered"]
     assert not list((res.runs_dir / res.run_id / "logs").glob("*/template.log"))
     assert_nothing_left(workdir)
@@ -385,7 +385,7 @@ def test_faults_close_together_never_find_the_spare_pool_empty(workdir: Path, ba
     rep = res.report
     assert rank_fault["started_by"] == {"1": "spare"}
     assert "spare" in node_fault["started_by"].values()
-    for f in rep["faults"]:
+    for f in faults_beyond_load(rep):
         assert f["recovered"] and set(f["started_by"].values()) <= {"spare", "template"}  # never cold
     assert crashes(res.events) == []
     assert_nothing_left(workdir)
