@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import socket
 import stat
 import subprocess
@@ -117,6 +118,25 @@ class Worker:
     report_tail: bool = False  # report the end of its log with its exit, even an expected one
     stacks: list[str] = field(default_factory=list)  # what it wrote when asked for its stacks
     stacks_file: str | None = None  # ... kept beside its log
+
+
+# Below this much free shared memory, a SIGBUS is taken for a full /dev/shm: a rank writing its
+# snapshot slot past the end of what tmpfs could give it gets SIGBUS, not an error it can report.
+SHM_FULL_BYTES = 64 << 20
+
+
+def shm_full(shm_dir: str) -> str | None:
+    """What a rank's SIGBUS most likely was, when the filesystem of the run's shared-memory
+    directory is (nearly) full: said so, with the free space, instead of a bare signal."""
+    try:
+        st = os.statvfs(os.path.dirname(shm_dir.rstrip("/")) or "/dev/shm")
+    except OSError:
+        return None
+    free = st.f_bavail * st.f_frsize
+    if free >= SHM_FULL_BYTES:
+        return None
+    return (f"SIGBUS with {os.path.dirname(shm_dir.rstrip('/')) or '/dev/shm'} full ({free >> 20} MiB free of "
+            f"{(st.f_blocks * st.f_frsize) >> 20} MiB): a snapshot slot could not be written")
 
 
 def read_error_file(path: Path) -> str | None:
@@ -294,6 +314,8 @@ class WorkerSupervisor:
                 tail = self.log_tail(rank) if wanted else []
                 err_tail = self.log_tail(rank, "err") if wanted else []
                 error = None if w.expected_exit or code == 0 else read_error_file(self.error_file(rank, w.gen))
+                if code == -signal.SIGBUS and not w.expected_exit:
+                    error = shm_full(self.cfg.shm_dir) or error
                 self.report(messages.RankExited, rank=rank, gen=w.gen, pid=w.proc.pid, exitcode=code,
                             expected=w.expected_exit, host=socket.gethostname(), log_tail=tail,
                             **({"err_tail": err_tail} if err_tail else {}),

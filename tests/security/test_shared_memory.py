@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from fault_injectors.plan import NodePlace, RankPlace, Topology
+from ffctl.agent.workers import shm_full
 from fault_injectors.process import in_step_command
 from recovery.faults import InStepFaults
 from recovery.slots import SlotWriter, claim_node, read_slot, release_node
@@ -388,3 +389,13 @@ def test_a_run_killed_whole_leaves_shared_memory_that_revert_all_removes_and_nam
         assert not left.exists()
     finally:
         shutil.rmtree(left, ignore_errors=True)
+
+
+def test_a_sigbus_beside_a_full_shared_memory_is_named_as_such(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A rank writing its snapshot slot into a full tmpfs gets SIGBUS, and nothing else says why:
+    # the agent's report of the exit names the full filesystem and its free space.
+    assert shm_full("/dev/shm/ffctl-r-KEY") is None  # this host's /dev/shm has room
+    full = os.statvfs_result((4096, 4096, 65536, 3, 3, 100, 10, 10, 0, 255))  # 12 KiB free of 256 MiB
+    monkeypatch.setattr(os, "statvfs", lambda path: full)
+    assert shm_full("/dev/shm/ffctl-r-KEY") == ("SIGBUS with /dev/shm full (0 MiB free of 256 MiB): "
+                                                "a snapshot slot could not be written")
