@@ -79,6 +79,18 @@ class ActiveFault:
     armed_step: int = 0  # the job's committed step when it was armed
 
 
+def revert_refusal(fault_id: str, fault: ActiveFault | None, waiting: bool) -> str | None:
+    """Why fault `fault_id` (`fault`, None when none was injected; `waiting`: scheduled still)
+    cannot be reverted now, in one line; None when it can."""
+    if fault is None:
+        return f"{fault_id} has not been injected yet" if waiting else f"this run has no fault {fault_id}"
+    if not fault.plan.revertible:
+        return f"{fault_id} ({fault.spec.kind.value}) has nothing to revert"
+    if fault.reverted:
+        return f"{fault_id} ({fault.spec.kind.value}) is reverted already"
+    return None
+
+
 @dataclass
 class Injector:
     """Fires, applies and reverts faults: plans them against `cluster.topology()`, writes them to
@@ -302,16 +314,11 @@ class Injector:
         """Revert fault `fault_id` now (`ffctl inject revert FAULT`); None when done (or with
         `dry_run`, when it could be), else why not, in one line."""
         fault = next((f for f in self.faults if f.fault_id == fault_id), None)
-        if fault is None:
-            waiting = any(s.fault_id == fault_id for s in [*self.scheduled, *(spec for _, spec in self.timed)])
-            return f"{fault_id} has not been injected yet" if waiting else f"this run has no fault {fault_id}"
-        if not fault.plan.revertible:
-            return f"{fault_id} ({fault.spec.kind.value}) has nothing to revert"
-        if fault.reverted:
-            return f"{fault_id} ({fault.spec.kind.value}) is reverted already"
-        if not dry_run:
+        waiting = any(s.fault_id == fault_id for s in [*self.scheduled, *(spec for _, spec in self.timed)])
+        why = revert_refusal(fault_id, fault, waiting)
+        if why is None and fault is not None and not dry_run:
             self.revert(fault)
-        return None
+        return why
 
     def revert_all(self) -> None:
         for fault in self.faults:
