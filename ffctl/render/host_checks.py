@@ -5,7 +5,9 @@ from typing import Sequence
 
 from rich.console import Console
 from rich.markup import escape
-from ffctl.render.tables import table_or_records
+from rich.table import Table
+
+from ffctl.render.tables import fits, table_or_records
 
 from ffctl.hosts.doctor import HostReport, QdiscSupport
 
@@ -75,7 +77,17 @@ def render_doctor(reports: Sequence[HostReport], console: Console) -> None:
             _flag(r.iptables), _flag(r.tc), _qdisc(r.tbf), _qdisc(r.netem), _gpu(r), _clock(r),
             _flag(r.can_run_job),
         ])
-    table_or_records(console, "ffctl doctor", columns, rows, one_line=True)
+    # Boxed where it fits the width (a cell per check, as it always was), else a host per line
+    # as `field: value` pairs: never a cell cut to one letter.
+    table = Table(title="ffctl doctor", title_justify="left")
+    for name in columns:
+        table.add_column(name, justify="left" if name in ("host", "clock offset") else "center", no_wrap=True)
+    for cells in rows:
+        table.add_row(*cells)
+    if fits(console, table):
+        console.print(table)
+    else:
+        table_or_records(console, "ffctl doctor", columns, rows, one_line=True)
     for r in reports:
         for problem in r.problems():
             line = problem if problem.startswith(r.host) else f"{r.host}: {problem}"
