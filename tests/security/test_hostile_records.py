@@ -15,9 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from typer.testing import CliRunner
 
-from ffctl.cli.app import main
+from tests.helpers.cli import ffctl_in_process
 from runs.events import Event, EventKind
 from runs.metrics import compute
 from runs.report_fields import BadField
@@ -79,16 +78,7 @@ def hostile_runs(runs_dir: Path, kind: str, name: str, value: Any, rest: dict[st
 
 def run_cli(argv: list[str], runs_dir: Path) -> tuple[int, str, str]:
     """`ffctl ARGV` through its real entry point: (exit code, stdout, stderr)."""
-    runner = CliRunner()
-    env = {"FFCTL_RUNS_DIR": str(runs_dir), "COLUMNS": None, "TERM": "dumb"}
-    with runner.isolation(env=env) as (out, err, _):
-        try:
-            main(argv)
-            code = 0
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else 1
-        return code, out.getvalue().decode(), err.getvalue().decode()
-
+    return ffctl_in_process(argv, {"FFCTL_RUNS_DIR": str(runs_dir)})
 
 @pytest.mark.parametrize(("kind", "name", "value", "rest"), CASES, ids=IDS)
 @pytest.mark.parametrize("mode", [[], ["--json"], ["--markdown"], ["--html", "{out}"]], ids=str)

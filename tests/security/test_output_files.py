@@ -14,9 +14,8 @@ import time
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
 
-from ffctl.cli.app import main
+from tests.helpers.cli import ffctl_in_process
 from runs.store import RunStore
 from tests.helpers.events import StreamBuilder
 from tests.helpers.launch import ffctl_argv
@@ -106,15 +105,7 @@ def test_a_bad_output_path_is_refused_before_any_work(command: str, kind: str, t
 
 
 def run_cli(argv: list[str], runs_dir: Path) -> tuple[int, str, str]:
-    runner = CliRunner()
-    with runner.isolation(env={"FFCTL_RUNS_DIR": str(runs_dir), "COLUMNS": None, "TERM": "dumb"}) as (out, err, _):
-        try:
-            main(argv)
-            code = 0
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else 1
-        return code, out.getvalue().decode(), err.getvalue().decode()
-
+    return ffctl_in_process(argv, {"FFCTL_RUNS_DIR": str(runs_dir)})
 
 def test_a_new_file_an_existing_one_and_a_link_to_one_are_written(tmp_path: Path) -> None:
     """What an output path may be: a new file, an existing one (replaced whole), a link to a

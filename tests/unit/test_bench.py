@@ -15,10 +15,9 @@ from typing import Any, Callable
 
 import pytest
 from rich.console import Console
-from typer.testing import CliRunner
 
 from ffctl import bench
-from ffctl.cli.app import main
+from tests.helpers.cli import ffctl_in_process
 from ffctl.exits import BadInput
 from ffctl.render.bench_results import bench_progress, render_bench, render_strategies
 from fault_injectors.schedule import iter_mtbf
@@ -35,15 +34,7 @@ RECOVERY = {"peer": (0.25, 0.25, 0.25, 0.25), "restart-memory": (0.5, 1.0, 0.5, 
 
 def run_cli(argv: list[str]) -> tuple[int, str, str]:
     """`ffctl ARGV` through its entry point, output to a pipe; (exit code, stdout, stderr)."""
-    runner = CliRunner()
-    with runner.isolation(env={"COLUMNS": None, "TERM": "dumb"}) as (out, err, _):
-        try:
-            main(argv)
-            code = 0
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else 1
-        return code, out.getvalue().decode(), err.getvalue().decode()
-
+    return ffctl_in_process(argv)
 
 def fake_launch(calls: list[list[str]]) -> Callable[..., tuple[dict[str, Any], list[Any]]]:
     """A `launch` that writes the record a job of these arguments would: steps at PACE, a disk

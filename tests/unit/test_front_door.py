@@ -11,11 +11,11 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
 
 from fault_injectors.catalogue import COMMON_KEYS, catalogue
 from fault_injectors.schedule import with_seed
-from ffctl.cli.app import app, main
+from ffctl.cli.app import app
+from tests.helpers.cli import ffctl_in_process
 from wire.fault_spec import REQUIRED_OPTIONS, FaultKind, allowed_keys, parse_injection, parse_seconds
 from tests.helpers.launch import ffctl_argv
 
@@ -24,14 +24,7 @@ COMMANDS = sorted(info.name or "" for info in app.registered_commands if not inf
 
 def run_cli(argv: list[str], columns: int = 80) -> tuple[int, str, str]:
     """`ffctl ARGV` in this process at `columns` wide: (exit code, stdout, stderr)."""
-    with CliRunner().isolation(env={"COLUMNS": str(columns), "TERM": "dumb"}) as (out, err, _):
-        try:
-            main(argv)
-            code = 0
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else 1
-        return code, out.getvalue().decode(), err.getvalue().decode()
-
+    return ffctl_in_process(argv, {"COLUMNS": str(columns)})
 
 def _readable(text: str, width: int = 80) -> None:
     assert "…" not in text, [line for line in text.splitlines() if "…" in line]
