@@ -83,11 +83,12 @@ def validate_run_id(run_id: object) -> str:
 GITIGNORE = "# Created by ffctl: run records (events, logs, the job token) stay out of version control.\n*\n"
 
 
-def check_private_dir(path: Path, what: str) -> None:
+def check_owned_dir(path: Path, what: str) -> None:
     """Refuse a directory ffctl would write into or read a secret from unless it is this user's
     (or root's) and nobody else can write to it: another user could otherwise rename what ffctl
     wrote and plant links in its place (a runs directory made 0777 by someone else before the
-    launch). A link is refused too."""
+    launch). A link is refused too. (The run's shared-memory directory has its stricter check,
+    `runs.shm.check_private_dir`: 0700 and the user's own.)"""
     try:
         st = os.lstat(path)
     except OSError as exc:
@@ -158,7 +159,7 @@ class RunStore:
         if not os.access(probe, os.W_OK | os.X_OK):
             raise RunStoreError(f"runs dir {str(runs_dir)!r} is not writable")
         if probe == runs_dir:
-            check_private_dir(runs_dir, "runs dir")
+            check_owned_dir(runs_dir, "runs dir")
 
     @classmethod
     def create(cls, runs_dir: Path, run_id: str, run_info: dict[str, Any]) -> RunStore:
@@ -187,7 +188,7 @@ class RunStore:
     def token(self) -> str:
         """The job token, read only from a file of this user's that nobody else can read or
         replace: the run's directory and the file itself are checked, and a link is refused."""
-        check_private_dir(self.path, "run dir")
+        check_owned_dir(self.path, "run dir")
         try:
             fd = os.open(self.token_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError as exc:

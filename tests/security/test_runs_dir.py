@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from runs import shm
-from runs.store import RunStore, RunStoreError, check_private_dir
+from runs.store import RunStore, RunStoreError, check_owned_dir
 from tests.helpers.launch import ffctl_argv
 
 pytestmark = pytest.mark.timeout(120)
@@ -54,7 +54,7 @@ def test_a_runs_dir_anyone_can_write_is_refused(tmp_path: Path) -> None:
     assert list(runs.iterdir()) == []
     runs.chmod(0o1777)  # sticky, as /tmp: others still create names in it
     with pytest.raises(RunStoreError, match="writable by others"):
-        check_private_dir(runs, "runs dir")
+        check_owned_dir(runs, "runs dir")
 
 
 def test_the_runs_dir_ffctl_makes_is_private_even_under_a_loose_umask(tmp_path: Path) -> None:
@@ -65,7 +65,7 @@ def test_the_runs_dir_ffctl_makes_is_private_even_under_a_loose_umask(tmp_path: 
         os.umask(old)
     for path in (tmp_path / "runs", store.path, store.path / "logs"):
         assert path.stat().st_mode & 0o022 == 0, (path, oct(path.stat().st_mode))
-    check_private_dir(tmp_path / "runs", "runs dir")  # a second launch takes it
+    check_owned_dir(tmp_path / "runs", "runs dir")  # a second launch takes it
 
 
 def test_the_token_is_never_read_through_a_link_or_a_file_others_can_read(tmp_path: Path) -> None:
