@@ -132,7 +132,9 @@ def test_refused_port_and_unknown_key_are_errors_not_exceptions(cluster: SSHClus
 
 
 def test_local_machine() -> None:
-    report = check_local()
+    # A generous limit: the probe imports torch in a fresh interpreter, which took over the
+    # default 15 s on a host loaded by a full suite beside other work (torch then read as absent).
+    report = check_local(timeout=120)
     assert report.ssh_ok and report.host == "localhost"
     assert report.python_cmd == sys.executable
     assert report.python == platform.python_version()
